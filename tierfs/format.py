@@ -1,0 +1,224 @@
+"""The on-tier format: step layout, manifests, commit markers and checksums.
+
+The same bytes live on every tier. A step is one directory::
+
+    step_000000000042/
+        rank_00000.0000.bin          shard files: raw bytes of a rank's entries, 64-byte aligned
+        rank_00000.0001.bin
+        rank_00000.manifest.json     what is where, with crc32c per block
+        COMMITTED                    the marker, written last; without it the step does not exist
+
+This module knows nothing of tiers: it only names, plans, serialises and validates.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+import crc32c as _crc32c
+
+from .errors import FormatError
+
+FORMAT_VERSION = 1
+MARKER = "COMMITTED"
+ALIGN = 64
+DEFAULT_BLOCK_SIZE = 4 << 20  # crc32c granularity: blocks verify independently and in parallel
+DEFAULT_FILE_SIZE = 32 << 20  # entries are packed into shard files of about this size
+
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def crc32c(data, value: int = 0) -> int:
+    """crc32c of a bytes-like object (hardware accelerated, releases the GIL)."""
+    return _crc32c.crc32c(data, value)
+
+
+def step_dirname(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step >= 10**12:
+        raise FormatError(f"step must be an int in [0, 1e12), got {step!r}")
+    return f"step_{step:012d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a directory name, or None when the name is not a step directory."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_filename(rank: int, index: int) -> str:
+    return f"rank_{rank:05d}.{index:04d}.bin"
+
+
+def manifest_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.manifest.json"
+
+
+def validate_filename(name: object) -> str:
+    """A file name read from a manifest or a peer: one plain component, no traversal."""
+    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+        raise FormatError(f"unsafe file name {name!r} in checkpoint (expected one plain path component)")
+    return name
+
+
+def validate_entry_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > 4096 or any(ord(c) < 32 for c in name):
+        raise FormatError(f"bad entry name {name!r}: use a non-empty string without control characters")
+    return name
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Entry:
+    """One named value of a rank's state.
+
+    ``kind`` is ``"array"`` (bytes in a shard file) or ``"json"`` (value inline in the manifest).
+    """
+
+    name: str
+    kind: str = "array"
+    lib: str = "numpy"  # "numpy" or "torch": what restore() hands back
+    dtype: str = ""
+    shape: list[int] = field(default_factory=list)
+    file: str = ""
+    offset: int = 0
+    length: int = 0
+    crc32c: list[int] = field(default_factory=list)  # one per block of the manifest's block_size
+    value: Any = None
+
+
+@dataclass
+class Manifest:
+    """Everything one rank wrote for one step."""
+
+    step: int
+    rank: int
+    world_size: int
+    entries: list[Entry]
+    files: dict[str, int]  # shard file name -> length in bytes
+    block_size: int = DEFAULT_BLOCK_SIZE
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["format"] = "tierfs"
+        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FormatError(f"manifest is not valid JSON ({e}); the copy is damaged") from None
+        if not isinstance(d, dict) or d.pop("format", None) != "tierfs":
+            raise FormatError("manifest is not a tierfs manifest")
+        if d.get("version") != FORMAT_VERSION:
+            raise FormatError(
+                f"manifest format version {d.get('version')!r} is not supported "
+                f"(this tierfs reads version {FORMAT_VERSION}); upgrade tierfs"
+            )
+        try:
+            entries = [Entry(**e) for e in d.pop("entries")]
+            m = cls(entries=entries, **d)
+        except TypeError as e:
+            raise FormatError(f"manifest has unexpected fields ({e})") from None
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        for f, n in self.files.items():
+            validate_filename(f)
+            if not isinstance(n, int) or n < 0:
+                raise FormatError(f"bad length {n!r} for file {f!r} in manifest")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise FormatError(f"bad block size {self.block_size!r} in manifest")
+        for e in self.entries:
+            validate_entry_name(e.name)
+            if e.kind == "json":
+                continue
+            if e.kind != "array" or e.lib not in ("numpy", "torch"):
+                raise FormatError(f"entry {e.name!r} has unknown kind/lib {e.kind!r}/{e.lib!r}")
+            if e.file not in self.files or e.offset < 0 or e.offset + e.length > self.files[e.file]:
+                raise FormatError(f"entry {e.name!r} points outside its shard file {e.file!r}")
+            if len(e.crc32c) != nblocks(e.length, self.block_size):
+                raise FormatError(f"entry {e.name!r} has {len(e.crc32c)} checksums, expected "
+                                  f"{nblocks(e.length, self.block_size)}")
+
+
+def nblocks(length: int, block_size: int) -> int:
+    return max(1, -(-length // block_size))
+
+
+@dataclass
+class Marker:
+    """The commit marker: which ranks' manifests make up the step."""
+
+    step: int
+    world_size: int
+    manifests: dict[str, int]  # manifest file name -> crc32c of its bytes
+    nbytes: int = 0
+    committed: float = field(default_factory=time.time)
+    version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["format"] = "tierfs"
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Marker":
+        try:
+            d = json.loads(data)
+            if d.pop("format", None) != "tierfs":
+                raise ValueError("not a tierfs marker")
+            if d.get("version") != FORMAT_VERSION:
+                raise FormatError(f"marker format version {d.get('version')!r} is not supported; upgrade tierfs")
+            m = cls(**d)
+        except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as e:
+            raise FormatError(f"commit marker is damaged ({e})") from None
+        for name in m.manifests:
+            validate_filename(name)
+        return m
+
+
+def plan_files(sizes: Sequence[int], rank: int, file_size: int = DEFAULT_FILE_SIZE
+               ) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """Pack entries of the given byte sizes into shard files.
+
+    Returns ``(placement, files)``: for each entry its ``(file, offset)``, and each file's length.
+    Entries never span files; an entry larger than ``file_size`` gets a file of its own.
+    """
+    placement: list[tuple[str, int]] = []
+    files: dict[str, int] = {}
+    cur, used = None, 0
+    for n in sizes:
+        if cur is None or (used > 0 and used + n > file_size):
+            cur, used = shard_filename(rank, len(files)), 0
+            files[cur] = 0
+        placement.append((cur, used))
+        files[cur] = used + n
+        used = align(used + n)
+    return placement, files
+
+
+def blocks(length: int, block_size: int) -> Iterable[tuple[int, int]]:
+    """``(start, end)`` of each checksum block of an entry, relative to the entry."""
+    if length == 0:
+        yield (0, 0)
+        return
+    for start in range(0, length, block_size):
+        yield start, min(length, start + block_size)

@@ -1,0 +1,7 @@
+"""Storage tiers. Each implements `tierfs.tiers.base.Tier`."""
+
+from .base import Capacity, Tier
+from .memory import MemoryTier
+from .object import ObjectTier
+
+__all__ = ["Capacity", "MemoryTier", "ObjectTier", "Tier"]

@@ -1,0 +1,163 @@
+"""The one interface every tier implements.
+
+A tier stores steps in the on-tier format (`tierfs.format`) and knows nothing of the store, of other
+tiers, or of when to save: policies decide that. Paths a tier takes are always ``(step, file name)``
+pairs; file names are validated so nothing outside the tier's root is ever touched.
+
+Subclasses implement the abstract primitives. ``stage``/``write_staged`` (where save bytes land),
+``write_files``/``read_files`` (bulk, may run concurrently) have defaults built on the primitives.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import CapacityError
+from ..format import MARKER, Marker, step_dirname, validate_filename
+from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
+
+log = logging.getLogger("tierfs")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Space on a tier, in bytes. ``budget``/``free`` are None when unknown or unlimited."""
+
+    used: int
+    budget: int | None
+    free: int | None
+
+    @property
+    def available(self) -> int | None:
+        """Bytes a save may still add: the smaller of budget headroom and free space."""
+        left = [x for x in ((self.budget - self.used) if self.budget is not None else None, self.free)
+                if x is not None]
+        return min(left) if left else None
+
+
+class Tier(ABC):
+    """A place that holds checkpoint steps.
+
+    Parameters
+    ----------
+    name:
+        Label used in ``store.steps()``, logs and restore info.
+    save:
+        Which steps this tier takes (default: every step).
+    keep:
+        Which of its committed steps it keeps (see subclasses for defaults).
+    """
+
+    #: short kind name, e.g. "memory" or "object"
+    kind: str = "tier"
+
+    def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
+        self.name = name
+        self.save_policy: SavePolicy = save if save is not None else FixedIntervalPolicy(1)
+        self.keep_policy: PreservationPolicy = keep
+        self._staged: dict[int, dict[str, np.ndarray]] = {}
+
+    # -- capabilities -------------------------------------------------------------------------------
+    @property
+    def is_local(self) -> bool:
+        """True when each node has its own copy (e.g. tmpfs); False when all ranks share one store."""
+        return False
+
+    @property
+    def is_durable(self) -> bool:
+        """True when the tier survives the loss of the node (object storage)."""
+        return False
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when ``read_file`` returns a view of the stored bytes rather than a copy."""
+        return False
+
+    @abstractmethod
+    def capacity(self) -> Capacity: ...
+
+    # -- primitives ---------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Check the tier is reachable and create its root; raise TierUnavailableError if not."""
+
+    def close(self) -> None:
+        """Release mappings, connections and threads."""
+
+    @abstractmethod
+    def list_steps(self) -> dict[int, bool]:
+        """Every step directory on the tier, mapped to whether it is committed."""
+
+    @abstractmethod
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Name → length of every file of a step (marker included if present)."""
+
+    @abstractmethod
+    def write_file(self, step: int, name: str, data) -> None: ...
+
+    @abstractmethod
+    def read_file(self, step: int, name: str):
+        """The whole file as a 1-D uint8 array (a view where ``zero_copy``) or bytes."""
+
+    @abstractmethod
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes: ...
+
+    @abstractmethod
+    def write_marker(self, step: int, data: bytes) -> None:
+        """Write the commit marker; on local filesystems atomically (temporary name, then rename)."""
+
+    @abstractmethod
+    def delete_step(self, step: int) -> None:
+        """Remove a step, marker first, so a half-deleted step never looks committed."""
+
+    # -- derived operations -------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        return sorted(s for s, ok in self.list_steps().items() if ok)
+
+    def read_marker(self, step: int) -> Marker:
+        return Marker.from_bytes(bytes(self.read_file(step, MARKER)))
+
+    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """Writable 1-D uint8 buffers, one per file, that ``write_staged`` will persist.
+
+        Must fail (CapacityError) before anything is written when the files would not fit.
+        The default allocates process memory; the RAM tier hands out its mapped files instead.
+        """
+        self._check_fits(sum(sizes.values()))
+        bufs = {validate_filename(n): np.empty(s, dtype=np.uint8) for n, s in sizes.items()}
+        self._staged[step] = bufs
+        return bufs
+
+    def write_staged(self, step: int) -> None:
+        bufs = self._staged.pop(step, None)
+        if bufs:
+            self.write_files(step, bufs)
+
+    def discard_staged(self, step: int) -> None:
+        self._staged.pop(step, None)
+
+    def write_files(self, step: int, files: Mapping[str, object]) -> None:
+        for name, data in files.items():
+            self.write_file(step, name, data)
+
+    def export(self, step: int, name: str):
+        """A zero-copy view handed to the user; only tiers with ``zero_copy`` support it."""
+        raise NotImplementedError(f"tier {self.name!r} cannot hand out zero-copy views")
+
+    def read_files(self, step: int, names: list[str]) -> dict[str, object]:
+        return {n: self.read_file(step, n) for n in names}
+
+    def _check_fits(self, nbytes: int) -> None:
+        avail = self.capacity().available
+        if avail is not None and nbytes > avail:
+            raise CapacityError(
+                f"tier {self.name!r}: saving {nbytes / 1e6:.1f} MB would exceed its space "
+                f"({avail / 1e6:.1f} MB left); raise the budget, free space or keep fewer steps")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
