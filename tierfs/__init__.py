@@ -1,12 +1,14 @@
 """tierfs: fast, safe checkpointing across RAM, peer and object-storage tiers."""
 
 from .errors import (BackgroundError, CapacityError, ChecksumError, FormatError, RestoreError,
-                     StepExistsError, StepNotFoundError, TierfsError, TierUnavailableError)
+                     StateMismatchError, StepExistsError, StepNotFoundError, TierfsError,
+                     TierUnavailableError)
 from .store import RestoreInfo, TieredStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackgroundError", "CapacityError", "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
-    "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore", "TierfsError",
+    "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
+    "TierfsError",
 ]

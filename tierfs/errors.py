@@ -37,3 +37,7 @@ class RestoreError(TierfsError):
 
 class BackgroundError(TierfsError):
     """A background copy or deletion failed; raised by the next call on the store."""
+
+
+class StateMismatchError(TierfsError, ValueError):
+    """The state given to restore into does not match the checkpoint (names, dtypes or shapes)."""

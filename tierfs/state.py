@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, StateMismatchError
 
 SEP = "/"
 _NUMPY_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
@@ -141,7 +141,7 @@ def target_view(name: str, target: Any, lib: str, dtype: str, shape) -> np.ndarr
     if isinstance(target, np.ndarray):
         ok = target.dtype.str == dtype and tuple(target.shape) == tuple(shape)
         if not ok:
-            raise ValueError(f"{name!r}: target has dtype {target.dtype.str} shape {tuple(target.shape)}, "
+            raise StateMismatchError(f"{name!r}: target has dtype {target.dtype.str} shape {tuple(target.shape)}, "
                              f"checkpoint has {dtype} {tuple(shape)}")
         if target.flags.c_contiguous and target.flags.writeable:
             return target.reshape(-1).view(np.uint8)
@@ -149,7 +149,7 @@ def target_view(name: str, target: Any, lib: str, dtype: str, shape) -> np.ndarr
     if is_tensor(target):
         dt = str(target.dtype).removeprefix("torch.")
         if dt != dtype or tuple(target.shape) != tuple(shape):
-            raise ValueError(f"{name!r}: target has dtype {dt} shape {tuple(target.shape)}, "
+            raise StateMismatchError(f"{name!r}: target has dtype {dt} shape {tuple(target.shape)}, "
                              f"checkpoint has {dtype} {tuple(shape)}")
         if target.device.type == "cpu" and target.is_contiguous() and target.numel():
             return target.detach().reshape(-1).view(_torch().uint8).numpy()

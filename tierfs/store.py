@@ -22,8 +22,8 @@ import numpy as np
 
 from . import _copy, state as st
 from .dist import SingleProcess, TorchGroup, default_group
-from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StepExistsError,
-                     StepNotFoundError, TierfsError)
+from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StateMismatchError,
+                     StepExistsError, StepNotFoundError, TierfsError)
 from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, MARKER, Entry, Manifest, Marker, crc32c,
                      manifest_filename, plan_files)
 from .policies import SaveContext, StepInfo
@@ -431,10 +431,9 @@ class TieredStore:
                 t0 = time.perf_counter()
                 try:
                     nbytes, manifest = self._read_step(t, s, sink, out, zero_copy, wanted)
+                except StateMismatchError:
+                    raise  # the caller's state does not match the checkpoint: not a tier problem
                 except (TierfsError, OSError, ValueError, KeyError) as e:
-                    if isinstance(e, (ValueError, KeyError)) and not isinstance(e, FormatError) \
-                            and "target" in str(e):
-                        raise  # the caller's state does not match the checkpoint: not a tier problem
                     why = f"{type(e).__name__}: {e}"
                     log.warning("tier %s step %d unusable, trying the next source (%s)", t.name, s, why)
                     skipped.append((t.name, s, why))
@@ -465,7 +464,7 @@ class TieredStore:
             if wanted is not None:
                 missing = wanted - {e.name for e in manifest.entries}
                 if missing:
-                    raise ValueError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
+                    raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
             files = tier.read_files(step, list(manifest.files))
             raw = {f: _as_u8(files[f]) for f in manifest.files}
             for f, n in manifest.files.items():
@@ -480,9 +479,10 @@ class TieredStore:
                     continue
                 src = raw[e.file][e.offset:e.offset + e.length]
                 dst, done = sink(e, tier)
-                if dst is None:  # zero-copy: hand out a view of the tier's mapping
-                    out[e.name] = st.view_as(e.lib, e.dtype, e.shape, tier.export(step, e.file)[
-                        e.offset:e.offset + e.length])
+                if dst is None:  # zero-copy: hand out a read-only view of the tier's mapping
+                    view = tier.export(step, e.file)[e.offset:e.offset + e.length]
+                    view.flags.writeable = False
+                    out[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
                 jobs.append(_copy.Job(e.name, src, dst, manifest.block_size, e.crc32c))
                 finish.append(done)
             _copy.run(jobs, self.threads)

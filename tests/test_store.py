@@ -1,0 +1,279 @@
+"""TieredStore behaviour: policies per tier, fallbacks on damage, budgets and clear errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierfs import (BackgroundError, CapacityError, RestoreError, StateMismatchError, StepExistsError, StepNotFoundError,
+                    TieredStore, TierUnavailableError)
+from tierfs.format import MARKER, step_dirname
+from tierfs.policies import FixedIntervalPolicy, LatestN
+from tierfs.tiers import MemoryTier, ObjectTier
+
+
+def state_for(step: int, n: int = 3, size: int = 50_000) -> dict:
+    rng = np.random.default_rng(step)
+    return {f"layer{i}.weight": rng.standard_normal(size).astype(np.float32) for i in range(n)} | {
+        "step": step, "opt": {"exp_avg": rng.standard_normal(1000)}}
+
+
+def assert_state(out: dict, step: int) -> None:
+    want = state_for(step)
+    assert out["step"] == step
+    for k, v in want.items():
+        if isinstance(v, np.ndarray):
+            assert out[k].dtype == v.dtype and out[k].tobytes() == v.tobytes(), k
+    assert out["opt"]["exp_avg"].tobytes() == want["opt"]["exp_avg"].tobytes()
+
+
+@pytest.fixture
+def hybrid(shm_dir, tmp_path):
+    def make(**kw):
+        return TieredStore([
+            MemoryTier(shm_dir, save=FixedIntervalPolicy(1), keep=LatestN(2)),
+            ObjectTier(f"file://{tmp_path}/obj", save=FixedIntervalPolicy(10), keep=LatestN(3)),
+        ], **kw)
+    return make
+
+
+def test_hybrid_policy_over_20_steps(hybrid, shm_dir, tmp_path):
+    with hybrid() as store:
+        for step in range(20):
+            assert store.save(step, state_for(step)) is True
+        store.wait_until_finished()
+        assert store.steps() == {0: ["file"], 10: ["file"], 18: ["ram"], 19: ["ram"]}
+    # The directories hold exactly those steps, all committed, nothing else.
+    assert sorted(p.name for p in Path(shm_dir).iterdir() if not p.name.startswith(".")) == \
+        [step_dirname(18), step_dirname(19)]
+    assert sorted(p.name for p in (tmp_path / "obj").iterdir()) == [step_dirname(0), step_dirname(10)]
+
+
+def test_policy_skips_return_false(shm_dir, tmp_path):
+    with TieredStore([MemoryTier(shm_dir, save=FixedIntervalPolicy(5))]) as store:
+        assert [store.save(s, state_for(s)) for s in range(6)] == [True, False, False, False, False, True]
+        assert store.save(7, state_for(7), force=True) is True
+        assert sorted(store.steps()) == [5, 7]
+
+
+def test_step_saved_only_for_slow_tier_is_staged_then_leaves_ram(shm_dir, tmp_path):
+    with TieredStore([MemoryTier(shm_dir, save=FixedIntervalPolicy(4)),
+                      ObjectTier(f"file://{tmp_path}/obj", save=FixedIntervalPolicy(3))]) as store:
+        for s in range(1, 7):
+            store.save(s, state_for(s))
+        store.wait_until_finished()
+        assert store.steps() == {3: ["file"], 4: ["ram"], 6: ["file"]}
+
+
+def test_restore_newest_from_ram_and_metadata(hybrid):
+    with hybrid() as store:
+        for s in range(12):
+            store.save(s, state_for(s), metadata={"lr": 0.1 * s})
+        out, info = store.restore()
+        assert info.step == 11 and info.tier == "ram" and info.skipped == []
+        assert info.metadata == {"lr": pytest.approx(1.1)} and info.nbytes > 600_000
+        assert_state(out, 11)
+        out, info = store.restore(step=10, tiers=["file"])
+        assert info.tier == "file"
+        assert_state(out, 10)
+
+
+def test_ram_wiped_restores_from_object_tier(hybrid, shm_dir):
+    with hybrid() as store:
+        for s in range(12):
+            store.save(s, state_for(s))
+    for p in Path(shm_dir).iterdir():
+        os.system(f"rm -rf {p}")
+    with hybrid() as store:
+        target = state_for(0)
+        info = store.restore_into(target)
+        assert info.step == 10 and info.tier == "file"
+        assert_state(target, 10)
+
+
+def test_flipped_byte_in_ram_is_detected_and_served_from_object(hybrid, shm_dir):
+    with hybrid() as store:
+        for s in range(11):
+            store.save(s, state_for(s))
+        store.wait_until_finished()
+    shard = Path(shm_dir) / step_dirname(10) / "rank_00000.0000.bin"
+    with open(shard, "r+b") as f:
+        f.seek(123_456)
+        b = f.read(1)
+        f.seek(123_456)
+        f.write(bytes([b[0] ^ 0x01]))
+    with hybrid() as store:
+        target = state_for(0)
+        info = store.restore_into(target)
+        assert info.step == 10 and info.tier == "file"
+        assert [(t, s) for t, s, _ in info.skipped] == [("ram", 10)]
+        assert "checksum mismatch" in info.skipped[0][2] and "layer" in info.skipped[0][2]
+        assert_state(target, 10)
+
+
+def test_damaged_newest_everywhere_falls_back_to_older_step(shm_dir):
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(2))]) as store:
+        store.save(1, state_for(1))
+        store.save(2, state_for(2))
+    with open(Path(shm_dir) / step_dirname(2) / "rank_00000.manifest.json", "r+b") as f:
+        f.write(b"X")
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        out, info = store.restore()
+        assert info.step == 1 and "manifest" in info.skipped[0][2]
+        assert_state(out, 1)
+        with pytest.raises(RestoreError, match="does not match"):
+            store.restore(step=2)
+
+
+def test_step_without_marker_is_never_restored_and_is_cleaned_up(shm_dir):
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(5))]) as store:
+        store.save(1, state_for(1))
+        store.save(2, state_for(2))
+    (Path(shm_dir) / step_dirname(2) / MARKER).unlink()
+    tier = MemoryTier(shm_dir)
+    assert tier.list_steps() == {1: True, 2: False}
+    with TieredStore([tier]) as store:
+        assert store.steps() == {1: ["ram"]}
+        out, info = store.restore()
+        assert info.step == 1
+        assert not (Path(shm_dir) / step_dirname(2)).exists(), "uncommitted leftovers are removed on open"
+
+
+def test_nothing_to_restore(shm_dir):
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        with pytest.raises(StepNotFoundError, match="nothing to restore"):
+            store.restore()
+        store.save(3, state_for(3))
+        with pytest.raises(StepNotFoundError, match="step 4"):
+            store.restore(step=4)
+
+
+def test_saving_a_committed_step_again(shm_dir):
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(3, state_for(3))
+        with pytest.raises(StepExistsError, match="overwrite=True"):
+            store.save(3, state_for(4))
+        store.save(3, state_for(4) | {"step": 3}, overwrite=True)
+        out, _ = store.restore()
+        assert out["layer0.weight"].tobytes() == state_for(4)["layer0.weight"].tobytes()
+
+
+def test_over_budget_fails_before_writing_and_keeps_earlier_steps(shm_dir):
+    one = 3 * 50_000 * 4 + 8000  # bytes of one step's arrays
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(2), budget=int(2.5 * one))]) as store:
+        store.save(1, state_for(1))
+        store.save(2, state_for(2))
+        with pytest.raises(CapacityError, match=r"RAM tier .* step 3 needs .*budget"):
+            store.save(3, state_for(3))
+        assert store.steps() == {1: ["ram"], 2: ["ram"]}
+        assert not (Path(shm_dir) / step_dirname(3)).exists()
+        out, info = store.restore()
+        assert_state(out, 2)
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(2), budget=int(3.5 * one))]) as store:
+        for s in range(3, 10):  # (kept + 1) steps fit: steady state reuses pooled buffers
+            store.save(s, state_for(s))
+        assert sorted(store.steps()) == [8, 9]
+
+
+def test_pooled_buffers_are_reused_across_steps(shm_dir):
+    tier = MemoryTier(shm_dir, keep=LatestN(1))
+    with TieredStore([tier]) as store:
+        store.save(0, state_for(0))
+        store.save(1, state_for(1))  # step 0's files go to the pool
+        ids = {id(b.mm) for b in tier._pool}
+        assert ids
+        store.save(2, state_for(2))  # ... and come back as step 2's files
+        assert ids <= {id(b.mm) for b in tier._bufs.values() if b.mm is not None}
+        out, _ = store.restore()
+        assert_state(out, 2)
+
+
+def test_directories_are_private(shm_dir, tmp_path):
+    ram = Path(shm_dir) / "job"
+    with TieredStore([MemoryTier(ram), ObjectTier(f"file://{tmp_path}/o")]) as store:
+        store.save(1, state_for(1))
+        store.wait_until_finished()
+    for d in (ram, ram / step_dirname(1), tmp_path / "o"):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    assert (ram / step_dirname(1) / "rank_00000.0000.bin").stat().st_mode & 0o077 == 0
+
+
+def test_restore_rejects_mismatched_target(shm_dir):
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(1, state_for(1))
+        bad = state_for(1)
+        bad["layer0.weight"] = np.zeros(10, np.float32)
+        with pytest.raises(ValueError, match="layer0.weight.*shape"):
+            store.restore_into(bad)
+        missing = state_for(1) | {"extra": np.zeros(3)}
+        with pytest.raises(StateMismatchError, match="extra"):
+            store.restore_into(missing)
+
+
+def test_zero_copy_restore_views_are_never_reused(shm_dir):
+    tier = MemoryTier(shm_dir, keep=LatestN(1))
+    with TieredStore([tier]) as store:
+        store.save(1, state_for(1))
+        out, _ = store.restore(zero_copy=True)
+        assert not out["layer0.weight"].flags.writeable
+        for s in range(2, 5):
+            store.save(s, state_for(s))
+        assert_state(out, 1)  # the views still hold step 1's bytes
+
+
+def test_bad_inputs_give_clear_errors(shm_dir):
+    with pytest.raises(ValueError, match="at least one tier"):
+        TieredStore([])
+    with pytest.raises(ValueError, match="unique"):
+        TieredStore([MemoryTier(shm_dir), MemoryTier(shm_dir)])
+    with pytest.raises(TierUnavailableError, match="nosuchproto"):
+        ObjectTier("nosuchproto://bucket/x")
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        with pytest.raises(TypeError, match="unsupported leaf type"):
+            store.save(1, {"x": object()})
+        with pytest.raises(TypeError, match="metadata must be JSON"):
+            store.save(1, {"x": np.zeros(3)}, metadata={"f": object()})
+        with pytest.raises(TypeError, match="object/structured"):
+            store.save(1, {"x": np.array([object()])})
+        assert store.steps() == {}
+
+
+def test_missing_bucket_is_one_clear_error(s3_storage_options, gcs_storage_options):
+    with pytest.raises(TierUnavailableError, match="bucket 'no-such-bucket' does not exist"):
+        TieredStore([ObjectTier("s3://no-such-bucket/run", storage_options=s3_storage_options)])
+    with pytest.raises(TierUnavailableError, match="bucket 'no-such-bucket' does not exist"):
+        TieredStore([ObjectTier("gs://no-such-bucket/run", storage_options=gcs_storage_options)])
+
+
+def test_storage_options_are_honoured(s3_url, shm_dir):
+    url, opts = s3_url
+    tier = ObjectTier(url, storage_options=opts)
+    assert tier.fs.client_kwargs.get("endpoint_url", tier.fs.endpoint_url) == opts["endpoint_url"]
+    with TieredStore([MemoryTier(shm_dir), tier]) as store:
+        store.save(1, state_for(1))
+        store.wait_until_finished()
+        assert store.steps() == {1: ["ram", "s3"]}
+        out, info = store.restore(tiers=["s3"])
+        assert info.tier == "s3"
+        assert_state(out, 1)
+
+
+def test_background_failure_is_raised_by_the_next_call(s3_url, shm_dir):
+    import s3fs
+
+    url, opts = s3_url
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(2)), ObjectTier(url, storage_options=opts)]) as store:
+        store.save(1, state_for(1))
+        store.wait_until_finished()
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+        fs.rm("tierfs-test", recursive=True)  # the bucket disappears under the running job
+        store.save(2, state_for(2))  # RAM commit succeeds; the upload fails in the background
+        with pytest.raises(BackgroundError, match="background copy failed"):
+            store.wait_until_finished()
+        assert store.steps()[2] == ["ram"], "a failed copy is not counted as stored"
+        store.save(3, state_for(3))  # the error was reported once; the job goes on
+        with pytest.raises(BackgroundError):
+            store.close()
