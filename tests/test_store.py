@@ -277,3 +277,37 @@ def test_background_failure_is_raised_by_the_next_call(s3_url, shm_dir):
         store.save(3, state_for(3))  # the error was reported once; the job goes on
         with pytest.raises(BackgroundError):
             store.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 4 MiB tmpfs, so 'out of space' is the kernel's, not a budget."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_tmpfs_is_a_clean_capacity_error(tiny_tmpfs):
+    ram = tiny_tmpfs / "job"
+    with TieredStore([MemoryTier(ram, keep=LatestN(10))]) as store:
+        for s in range(5):  # ~0.6 MB each
+            store.save(s, state_for(s))
+        # someone else fills the tmpfs
+        with open(tiny_tmpfs / "filler", "wb") as f:
+            f.write(b"\0" * (os.statvfs(tiny_tmpfs).f_bavail * os.statvfs(tiny_tmpfs).f_frsize - 100_000))
+        with pytest.raises(CapacityError, match="step 5 needs"):
+            store.save(5, state_for(5))
+        assert not (ram / step_dirname(5)).exists()
+        assert sorted(store.steps()) == [0, 1, 2, 3, 4]
+        out, info = store.restore()
+        assert_state(out, 4)
+        (tiny_tmpfs / "filler").unlink()
+        store.save(5, state_for(5))  # space back: the job goes on
+        out, info = store.restore()
+        assert_state(out, 5)
