@@ -1,0 +1,85 @@
+"""The on-tier format: names, manifests and markers read from a tier are validated before use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierfs import FormatError
+from tierfs.format import (FORMAT_VERSION, Entry, Manifest, Marker, parse_step_dirname, plan_files,
+                           step_dirname)
+
+
+def test_step_dirnames_sort_by_step():
+    names = [step_dirname(s) for s in (0, 9, 10, 100, 12345678901)]
+    assert names == sorted(names)
+    assert [parse_step_dirname(n) for n in names] == [0, 9, 10, 100, 12345678901]
+    assert parse_step_dirname("step_12") is None and parse_step_dirname("../step_000000000001") is None
+    for bad in (-1, 10**12, 1.5, True, "3"):
+        with pytest.raises(FormatError):
+            step_dirname(bad)
+
+
+def test_plan_packs_entries_aligned_and_never_spans_files():
+    placement, files = plan_files([100, 100, 1000, 5000, 10], rank=3, file_size=1100)
+    assert placement == [("rank_00003.0000.bin", 0), ("rank_00003.0000.bin", 128), ("rank_00003.0001.bin", 0),
+                         ("rank_00003.0002.bin", 0), ("rank_00003.0003.bin", 0)]
+    assert files == {"rank_00003.0000.bin": 228, "rank_00003.0001.bin": 1000, "rank_00003.0002.bin": 5000,
+                     "rank_00003.0003.bin": 10}
+
+
+def _manifest(**changes) -> bytes:
+    m = Manifest(step=1, rank=0, world_size=1, files={"rank_00000.0000.bin": 8},
+                 entries=[Entry("x", "array", "numpy", "<f4", [2], "rank_00000.0000.bin", 0, 8, [123])])
+    d = json.loads(m.to_bytes())
+    for path, value in changes.items():
+        obj = d
+        *parents, last = path.split(".")
+        for p in parents:
+            obj = obj[int(p)] if p.isdigit() else obj[p]
+        obj[last] = value
+    return json.dumps(d).encode()
+
+
+def test_manifest_round_trip():
+    m = Manifest.from_bytes(_manifest())
+    assert m.entries[0].name == "x" and m.nbytes == 8 and m.version == FORMAT_VERSION
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"files": {"../../etc/passwd": 8}}, "unsafe file name"),
+    ({"files": {"/abs": 8}}, "unsafe file name"),
+    ({"entries.0.file": "../x"}, "outside its shard file"),
+    ({"entries.0.length": 9}, "outside its shard file"),
+    ({"entries.0.offset": -1}, "outside its shard file"),
+    ({"entries.0.crc32c": []}, "checksums"),
+    ({"entries.0.kind": "pickle"}, "unknown kind"),
+    ({"entries.0.name": "a\x00b"}, "bad entry name"),
+    ({"version": 99}, "version 99 is not supported"),
+    ({"format": "other"}, "not a tierfs manifest"),
+    ({"extra_field": 1}, "unexpected fields"),
+])
+def test_bad_manifests_are_rejected(changes, message):
+    with pytest.raises(FormatError, match=message):
+        Manifest.from_bytes(_manifest(**changes))
+
+
+def test_garbage_manifest_and_marker():
+    with pytest.raises(FormatError, match="not valid JSON"):
+        Manifest.from_bytes(b"\x80garbage")
+    with pytest.raises(FormatError, match="damaged"):
+        Marker.from_bytes(b"{")
+    bad = json.loads(Marker(1, 1, {"rank_00000.manifest.json": 1}).to_bytes())
+    bad["manifests"] = {"../x": 1}
+    with pytest.raises(FormatError, match="unsafe"):
+        Marker.from_bytes(json.dumps(bad).encode())
+
+
+def test_unknown_dtypes_in_manifest_are_refused():
+    from tierfs.state import allocate
+
+    with pytest.raises(FormatError):
+        allocate("numpy", "O", [1])
+    with pytest.raises(FormatError):
+        allocate("torch", "__class__", [1])
