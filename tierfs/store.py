@@ -192,8 +192,6 @@ class TieredStore:
         for t in slow:
             self._pin(fast, step)
             self._submit(lambda t=t: self._copy_step(step, fast, t, marker))
-        if not slow and step in self._transient:
-            self._submit(lambda: self._retire_transient(step))
         self._apply_retention(fast)
         return True
 
@@ -336,7 +334,9 @@ class TieredStore:
             self._delete(tier, s)
 
     def _delete(self, tier: Tier, step: int) -> None:
-        with self._lock:
+        with self._lock:  # claim the step so two threads never delete it at once
+            if step not in self._index[tier.name]:
+                return
             self._index[tier.name].discard(step)
             self._history[tier.name] = [i for i in self._history[tier.name] if i.step != step]
         if self._owns(tier):

@@ -15,6 +15,7 @@ import itertools
 import mmap
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Mapping
 
@@ -96,6 +97,7 @@ class MemoryTier(Tier):
         self._pool_dir = self.path / f".pool.{os.getpid()}"
         self._ids = itertools.count()
         self._pool_limit = 0  # bytes: the largest step staged so far
+        self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -167,6 +169,10 @@ class MemoryTier(Tier):
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
+        with self._lock:
+            return self._stage(step, sizes)
+
+    def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
             validate_filename(n)
         self._recycle_own(step, sizes)
@@ -308,6 +314,10 @@ class MemoryTier(Tier):
 
     # -- deleting -----------------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
+        with self._lock:
+            self._delete_step(step)
+
+    def _delete_step(self, step: int) -> None:
         d = self._dir(step)
         (d / MARKER).unlink(missing_ok=True)
         if not d.exists():
