@@ -311,3 +311,20 @@ def test_full_tmpfs_is_a_clean_capacity_error(tiny_tmpfs):
         store.save(5, state_for(5))  # space back: the job goes on
         out, info = store.restore()
         assert_state(out, 5)
+
+
+def test_unreachable_endpoint_is_not_reported_as_missing_bucket(s3_storage_options):
+    opts = s3_storage_options | {"endpoint_url": "http://127.0.0.1:1"}
+    with pytest.raises(TierUnavailableError, match="cannot reach the store"):
+        TieredStore([ObjectTier("s3://tierfs-test/run", storage_options=opts)])
+
+
+def test_reader_with_cleanup_false_leaves_partial_steps_alone(shm_dir):
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(5))]) as store:
+        store.save(1, state_for(1))
+        store.save(2, state_for(2))
+    (Path(shm_dir) / step_dirname(2) / MARKER).unlink()  # as if step 2 were still being written
+    with TieredStore([MemoryTier(shm_dir)], cleanup=False) as reader:
+        out, info = reader.restore()
+        assert info.step == 1
+    assert (Path(shm_dir) / step_dirname(2) / "rank_00000.manifest.json").exists()

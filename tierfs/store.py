@@ -71,11 +71,15 @@ class TieredStore:
         Shard files hold about ``file_size`` bytes; crc32c covers blocks of ``block_size`` bytes.
     clock:
         Time source for time-based policies (tests inject one).
+    cleanup:
+        Remove uncommitted steps (left by a crash) when the store opens. A process that only reads while
+        another one saves to the same tiers (an evaluation job) must pass ``cleanup=False``.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, group: SingleProcess | TorchGroup | None = None,
                  threads: int | None = None, file_size: int = DEFAULT_FILE_SIZE,
-                 block_size: int = DEFAULT_BLOCK_SIZE, clock: Callable[[], float] = time.time) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, clock: Callable[[], float] = time.time,
+                 cleanup: bool = True) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
@@ -99,7 +103,8 @@ class TieredStore:
         self._closed = False
         for t in tiers:
             t.open()
-        self._cleanup_uncommitted()
+        if cleanup:
+            self._cleanup_uncommitted()
         self.refresh()
 
     # -- bookkeeping --------------------------------------------------------------------------------
@@ -219,12 +224,14 @@ class TieredStore:
             fast.write_staged(step)
             mbytes = manifest.to_bytes()
             fast.write_file(step, manifest_filename(rank), mbytes)
+            _check_complete(fast, step, {**files, manifest_filename(rank): len(mbytes)})
         except BaseException:
             fast.discard_staged(step)
             raise
         parts = self.group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
         marker = Marker(step, world, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
         if self._owns(fast):
+            _check_complete(fast, step, {n: None for n in marker.manifests})
             fast.write_marker(step, marker.to_bytes())
         self.group.barrier()
         return manifest, marker
@@ -287,9 +294,11 @@ class TieredStore:
             _verify(manifest, files, self.threads)  # a damaged RAM copy must not become the durable one
             dst.write_files(step, files)
             dst.write_file(step, mname, mbytes)
+            _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
             del files
             self.group.barrier()
             if self._owns(dst):
+                _check_complete(dst, step, {n: None for n in marker.manifests})
                 dst.write_marker(step, marker.to_bytes())
             self.group.barrier()
             with self._lock:
@@ -370,7 +379,12 @@ class TieredStore:
 
     def restore_into(self, state: Mapping[str, Any], step: int | None = None, *,
                      tiers: Sequence[str] | None = None) -> RestoreInfo:
-        """Read a step (default: the newest) in place into the arrays/tensors of ``state``."""
+        """Read a step (default: the newest) in place into the arrays/tensors of ``state``.
+
+        Each block is verified before it is copied; if a tier fails midway the next one overwrites every
+        entry. If every source fails, RestoreError is raised and ``state`` may hold a mix of values: do
+        not train on it.
+        """
         slots: dict[str, tuple[Any, Any]] = {}
 
         def walk(d: Any, prefix: str) -> None:
@@ -528,6 +542,15 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -> None:
+    """Before a marker is written: every file is there, at its length (None: any length)."""
+    have = tier.file_sizes(step)
+    bad = [n for n, size in expected.items() if n not in have or (size is not None and have[n] != size)]
+    if bad:
+        raise FormatError(f"tier {tier.name!r} step {step}: {len(bad)} file(s) missing or wrong size before "
+                          f"commit (e.g. {bad[0]}); another process may have removed them; not committing")
 
 
 def _as_u8(data: Any) -> np.ndarray:

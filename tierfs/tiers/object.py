@@ -92,9 +92,8 @@ class ObjectTier(Tier):
 
                 make_private_dir(Path(self.root))
             elif self.protocol not in ("memory",) and bucket:
-                if not self._retry(lambda: self.fs.exists(bucket)):
-                    raise FileNotFoundError(bucket)
-                self._retry(lambda: self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else None)
+                # info(), not exists(): exists() turns a refused connection into "missing"
+                self.fs.info(bucket)  # the client has retried already; fail fast
         except FileNotFoundError:
             raise TierUnavailableError(
                 f"object tier {self.url}: bucket {bucket!r} does not exist; create it or fix the URL") from None
