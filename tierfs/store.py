@@ -12,7 +12,6 @@ tier whose copy verifies → copy once into the user's arrays. Every tier skippe
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,10 +20,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _copy, state as st
+from ._worker import Throttle, Worker
 from .dist import SingleProcess, TorchGroup, default_group
 from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StateMismatchError,
                      StepExistsError, StepNotFoundError, TierfsError)
-from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, MARKER, Entry, Manifest, Marker, crc32c,
+from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker, blocks, crc32c,
                      manifest_filename, plan_files)
 from .policies import SaveContext, StepInfo
 from .tiers.base import Tier
@@ -74,12 +74,21 @@ class TieredStore:
     cleanup:
         Remove uncommitted steps (left by a crash) when the store opens. A process that only reads while
         another one saves to the same tiers (an evaluation job) must pass ``cleanup=False``.
+    max_in_flight:
+        Saves whose background work (commit, copies) may be unfinished at once.
+    when_busy:
+        At that bound, ``"wait"`` until the oldest finishes, or ``"skip"`` the slow tiers for the new step
+        (the first tier always takes it).
+    background_bandwidth:
+        Bytes per second that background checksums and copies may move (None: no cap). Background threads
+        also run at a lower CPU priority.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, group: SingleProcess | TorchGroup | None = None,
                  threads: int | None = None, file_size: int = DEFAULT_FILE_SIZE,
                  block_size: int = DEFAULT_BLOCK_SIZE, clock: Callable[[], float] = time.time,
-                 cleanup: bool = True) -> None:
+                 cleanup: bool = True, max_in_flight: int = 2, when_busy: str = "wait",
+                 background_bandwidth: float | None = None) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
@@ -97,9 +106,18 @@ class TieredStore:
         self._info: dict[int, StepInfo] = {}
         self._pins: dict[str, dict[int, int]] = {t.name: {} for t in tiers}  # steps being read from a tier
         self._transient: set[int] = set()  # steps staged in the first tier only to be copied on
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
+        self.max_in_flight, self.when_busy = int(max_in_flight), when_busy
+        self._throttle = Throttle(background_bandwidth)
         self._errors: list[BaseException] = []
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
+        self._cond = threading.Condition(self._lock)
+        self._in_flight: dict[int, int] = {}  # step -> unfinished background jobs (commit, copies)
+        self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
+        self._commits = Worker("tierfs-commit", self._record_error)
+        self._copies = Worker("tierfs-copy", self._record_error)
         self._closed = False
         for t in tiers:
             t.open()
@@ -150,27 +168,33 @@ class TieredStore:
         raise KeyError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
 
     # -- save ---------------------------------------------------------------------------------------
-    def should_save(self, step: int, *, force: bool = False) -> list[Tier]:
+    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Tier]:
         """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
         now = self._clock()
         with self._lock:
             return [t for t in self.tiers if force or t.save_policy.should_save(
-                SaveContext(step=step, time=now, previous=tuple(self._history[t.name])))]
+                SaveContext(step=step, time=now, previous=tuple(self._history[t.name]), preempted=preempted))]
 
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
-             metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False) -> bool:
+             metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
+             preempted: bool = False, blocking: bool = True) -> bool:
         """Save ``state`` as ``step`` to the tiers whose policies take it; False when none does.
 
-        Returns once the first tier holds a committed copy; slower tiers are written in the background.
-        Raises any error a background copy hit since the last call.
+        With ``blocking=True`` it returns once the first tier holds a committed copy. With
+        ``blocking=False`` it returns as soon as the state is copied into the first tier's buffers (the
+        caller may change the state right away); checksums and the commit follow in the background.
+        Slower tiers are always written in the background. Raises any error background work hit since
+        the last call.
         """
         self._check_open()
         self.raise_background_errors()
-        chosen = self.should_save(step, force=force)
+        chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted))
         if not chosen:
             return False
         fast = self.tiers[0]
         with self._lock:
+            if step in self._in_flight:
+                raise StepExistsError(f"step {step} is still being saved; save a new step")
             holders = [t.name for t in self.tiers if step in self._index[t.name]]
         if holders and not overwrite:
             raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
@@ -179,83 +203,137 @@ class TieredStore:
             self.wait_until_finished()
             for name in holders:
                 self._delete(self.tier(name), step)
-        t0 = time.perf_counter()
         leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
-        manifest, marker = self._write_first(fast, step, leaves, metadata, metrics)
-        now = self._clock()
-        info = StepInfo(step, now, dict(metrics or {}))
+        pending = self._stage(fast, step, leaves, metadata, metrics, checksum=blocking)
+        info = StepInfo(step, self._clock(), dict(metrics or {}))
         with self._lock:
             self._info[step] = info
-            self._index[fast.name].add(step)
-            if fast in chosen:
-                self._history[fast.name].append(info)
-            else:
+            for t in chosen:
+                self._history[t.name].append(info)
+            if fast not in chosen:
                 self._transient.add(step)
-        log.debug("step %d committed on %s: %.1f MB in %.3fs", step, fast.name, manifest.nbytes / 1e6,
-                  time.perf_counter() - t0)
+            self._in_flight[step] = 1
+            self._uncommitted.add(step)
         slow = [t for t in chosen if t is not fast]
-        for t in slow:
-            self._pin(fast, step)
-            self._submit(lambda t=t: self._copy_step(step, fast, t, marker))
-        self._apply_retention(fast)
+        if blocking:
+            self._commit(pending, slow)
+        else:
+            self._commits.submit(lambda: self._commit(pending, slow))
         return True
 
-    def _write_first(self, fast: Tier, step: int, leaves: list[st.Leaf], metadata, metrics
-                     ) -> tuple[Manifest, Marker]:
-        rank, world = self.group.rank, self.group.world_size
+    def _make_room(self, step: int, chosen: list[Tier]) -> list[Tier]:
+        """Apply the in-flight bound: wait, or drop the slow tiers for this step."""
+        with self._cond:
+            if self.when_busy == "skip" and len(self._in_flight) >= self.max_in_flight:
+                slow = [t.name for t in chosen if t is not self.tiers[0]]
+                if slow:
+                    log.warning("step %d: %d saves still in flight, skipping it on %s", step,
+                                len(self._in_flight), slow)
+                chosen = [t for t in chosen if t is self.tiers[0]]
+                busy = lambda: len(self._uncommitted) >= self.max_in_flight  # noqa: E731
+            else:
+                busy = lambda: len(self._in_flight) >= self.max_in_flight  # noqa: E731
+            while chosen and busy() and not self._errors:
+                self._cond.wait()
+        return chosen
+
+    def _done(self, step: int) -> None:
+        with self._cond:
+            self._in_flight[step] -= 1
+            if not self._in_flight[step]:
+                del self._in_flight[step]
+            self._cond.notify_all()
+
+    def _stage(self, fast: Tier, step: int, leaves: list[st.Leaf], metadata, metrics, checksum: bool
+               ) -> "_Pending":
+        """Copy the arrays into the first tier's buffers (with block checksums when ``checksum``)."""
+        rank = self.group.rank
         arrays = [lf for lf in leaves if lf.kind == "array"]
         placement, files = plan_files([lf.nbytes for lf in arrays], rank, self.file_size)
+        metadata, metrics = _jsonable(metadata, "metadata"), _jsonable(metrics, "metrics")
         bufs = fast.stage(step, files)  # raises CapacityError before anything is written
         try:
             jobs = [_copy.Job(lf.name, lf.data, bufs[f][o:o + lf.nbytes], self.block_size)
                     for lf, (f, o) in zip(arrays, placement)]
-            crcs = iter(_copy.run(jobs, self.threads))
-            where = iter(placement)
-            entries = []
-            for lf in leaves:
-                if lf.kind == "json":
-                    entries.append(Entry(lf.name, "json", value=lf.value))
-                else:
-                    f, o = next(where)
-                    entries.append(Entry(lf.name, "array", lf.lib, lf.dtype, list(lf.shape), f, o, lf.nbytes,
-                                         next(crcs)))
-            manifest = Manifest(step, rank, world, entries, files, self.block_size,
-                                metadata=_jsonable(metadata, "metadata"), metrics=_jsonable(metrics, "metrics"))
-            fast.write_staged(step)
-            mbytes = manifest.to_bytes()
-            fast.write_file(step, manifest_filename(rank), mbytes)
-            _check_complete(fast, step, {**files, manifest_filename(rank): len(mbytes)})
+            if checksum:
+                crcs = _copy.run(jobs, self.threads)
+            else:
+                _copy.copy(jobs, self.threads)
+                crcs = None
         except BaseException:
             fast.discard_staged(step)
             raise
-        parts = self.group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
-        marker = Marker(step, world, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
-        if self._owns(fast):
-            _check_complete(fast, step, {n: None for n in marker.manifests})
-            fast.write_marker(step, marker.to_bytes())
-        self.group.barrier()
-        return manifest, marker
+        where = iter(placement)
+        entries = []
+        for lf in leaves:
+            if lf.kind == "json":
+                entries.append(Entry(lf.name, "json", value=lf.value))
+            else:
+                f, o = next(where)
+                entries.append(Entry(lf.name, "array", lf.lib, lf.dtype, list(lf.shape), f, o, lf.nbytes))
+        manifest = Manifest(step, rank, self.group.world_size, entries, files, self.block_size,
+                            metadata=metadata, metrics=metrics)
+        staged = [j.dst for j in jobs]
+        return _Pending(fast, manifest, staged, crcs)
+
+    def _commit(self, p: "_Pending", slow: list[Tier]) -> None:
+        """Checksums (if not done while copying), manifest, marker; then hand on to the slow tiers."""
+        fast, manifest = p.tier, p.manifest
+        step, rank = manifest.step, manifest.rank
+        try:
+            try:
+                crcs = p.crcs if p.crcs is not None else self._checksum(p.buffers)
+                for e, c in zip((e for e in manifest.entries if e.kind == "array"), crcs):
+                    e.crc32c = c
+                fast.write_staged(step)
+                mbytes = manifest.to_bytes()
+                fast.write_file(step, manifest_filename(rank), mbytes)
+                _check_complete(fast, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
+            except BaseException:
+                fast.discard_staged(step)
+                raise
+            parts = self.group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
+            marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts},
+                            nbytes=sum(b for _, _, b in parts))
+            if self._owns(fast):
+                _check_complete(fast, step, {n: None for n in marker.manifests})
+                fast.write_marker(step, marker.to_bytes())
+            self.group.barrier()
+        except BaseException:
+            with self._cond:
+                for t in self.tiers:
+                    self._history[t.name] = [i for i in self._history[t.name] if i.step != step]
+                self._transient.discard(step)
+                self._uncommitted.discard(step)
+            self._done(step)
+            raise
+        with self._cond:
+            self._index[fast.name].add(step)
+            self._uncommitted.discard(step)
+            self._in_flight[step] += len(slow)
+            self._cond.notify_all()
+        for t in slow:
+            self._pin(fast, step)
+            self._copies.submit(lambda t=t: self._copy_step(step, fast, t, marker))
+        self._done(step)
+        self._apply_retention(fast)
+
+    def _checksum(self, buffers: list[np.ndarray]) -> list[list[int]]:
+        """Block checksums of staged buffers, on this (background) thread, within the bandwidth cap."""
+        out = []
+        for buf in buffers:
+            crcs = []
+            for s, e in blocks(buf.size, self.block_size):
+                self._throttle.consume(e - s)
+                crcs.append(crc32c(buf[s:e]))
+            out.append(crcs)
+        return out
 
     # -- background ---------------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None]) -> None:
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._run_worker, name="tierfs-store", daemon=True)
-            self._worker.start()
-        self._queue.put(fn)
-
-    def _run_worker(self) -> None:
-        while True:
-            fn = self._queue.get()
-            try:
-                if fn is None:
-                    return
-                fn()
-            except BaseException as e:  # noqa: BLE001 - kept and raised by the next call
-                log.error("tierfs background work failed: %s", e)
-                with self._lock:
-                    self._errors.append(e)
-            finally:
-                self._queue.task_done()
+    def _record_error(self, e: BaseException) -> None:
+        with self._cond:
+            self._errors.append(e)
+            self._cond.notify_all()
 
     def raise_background_errors(self) -> None:
         """Raise the first error background work hit since the last call, if any."""
@@ -266,9 +344,9 @@ class TieredStore:
             raise BackgroundError(f"background copy failed: {errors[0]}{more}") from errors[0]
 
     def wait_until_finished(self) -> None:
-        """Block until every background copy and deletion is done; raise the first failure."""
-        if self._worker is not None:
-            self._queue.join()
+        """Block until every background commit, copy and deletion is done; raise the first failure."""
+        self._commits.join()
+        self._copies.join()
         self.raise_background_errors()
 
     def _pin(self, tier: Tier, step: int) -> None:
@@ -291,8 +369,10 @@ class TieredStore:
             mbytes = bytes(src.read_file(step, mname))
             manifest = Manifest.from_bytes(mbytes)
             files = src.read_files(step, list(manifest.files))
-            _verify(manifest, files, self.threads)  # a damaged RAM copy must not become the durable one
-            dst.write_files(step, files)
+            _verify(manifest, files, 1)  # a damaged RAM copy must not become the durable one
+            for group in _batches(files, 64 << 20):
+                self._throttle.consume(sum(_as_u8(files[n]).size for n in group))
+                dst.write_files(step, {n: files[n] for n in group})
             dst.write_file(step, mname, mbytes)
             _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
             del files
@@ -303,11 +383,15 @@ class TieredStore:
             self.group.barrier()
             with self._lock:
                 self._index[dst.name].add(step)
-                self._history[dst.name].append(self._info.get(step, StepInfo(step)))
             log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
                      manifest.nbytes / 1e6, time.perf_counter() - t0)
+        except BaseException:
+            with self._lock:  # not stored there: the tier's policy may take the next step instead
+                self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
+            raise
         finally:
             self._unpin(src, step)
+            self._done(step)
         self._apply_retention(dst)
         self._retire_transient(step)
         self._apply_retention(src)
@@ -531,9 +615,8 @@ class TieredStore:
             self.wait_until_finished()
         finally:
             self._closed = True
-            if self._worker is not None:
-                self._queue.put(None)
-                self._worker.join()
+            self._commits.close()
+            self._copies.close()
             for t in self.tiers:
                 t.close()
 
@@ -551,6 +634,28 @@ def _check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -
     if bad:
         raise FormatError(f"tier {tier.name!r} step {step}: {len(bad)} file(s) missing or wrong size before "
                           f"commit (e.g. {bad[0]}); another process may have removed them; not committing")
+
+
+@dataclass
+class _Pending:
+    """A step staged in the first tier, waiting for its checksums and commit."""
+
+    tier: Tier
+    manifest: Manifest
+    buffers: list[np.ndarray]  # one per array entry, in manifest order
+    crcs: list[list[int]] | None
+
+
+def _batches(files: Mapping[str, Any], limit: int) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    size = 0
+    for n in files:
+        if out[-1] and size + _as_u8(files[n]).size > limit:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += _as_u8(files[n]).size
+    return out
 
 
 def _as_u8(data: Any) -> np.ndarray:

@@ -1,0 +1,78 @@
+"""Background threads: a worker that runs jobs in order at low priority, and a bandwidth throttle."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("tierfs")
+
+
+class Worker:
+    """One thread running submitted jobs in order. A job's exception goes to ``on_error``, never lost."""
+
+    def __init__(self, name: str, on_error: Callable[[BaseException], None], nice: int = 10) -> None:
+        self.name, self._on_error, self._nice = name, on_error, nice
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(fn)
+
+    def join(self) -> None:
+        """Wait until every job submitted so far has run."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        if self._nice:
+            try:  # Linux: a thread's priority is its own; training threads keep theirs
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (AttributeError, OSError):
+                pass
+        while True:
+            fn = self._queue.get()
+            try:
+                if fn is None:
+                    return
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed on, raised by the next call
+                log.error("tierfs background work failed: %s", e)
+                self._on_error(e)
+            finally:
+                self._queue.task_done()
+
+
+class Throttle:
+    """Caps background bandwidth (bytes per second) so training keeps its memory bandwidth and cores."""
+
+    def __init__(self, rate: float | None) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"background bandwidth must be positive bytes/s or None, got {rate!r}")
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def consume(self, nbytes: int) -> None:
+        """Account for ``nbytes`` about to move; wait first if we are ahead of the allowed rate."""
+        if self.rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
