@@ -4,11 +4,12 @@ from .errors import (BackgroundError, CapacityError, ChecksumError, FormatError,
                      StateMismatchError, StepExistsError, StepNotFoundError, TierfsError,
                      TierUnavailableError)
 from .store import RestoreInfo, TieredStore
+from .adapters.manager import CheckpointManager, CheckpointManagerOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackgroundError", "CapacityError", "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
+    "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError", "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
     "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
     "TierfsError",
 ]

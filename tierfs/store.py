@@ -128,9 +128,16 @@ class TieredStore:
     # -- bookkeeping --------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Re-list every tier (steps written by other processes become visible)."""
-        with self._lock:
-            for t in self.tiers:
-                self._index[t.name] = set(t.committed_steps())
+        for t in self.tiers:
+            try:
+                steps = set(t.committed_steps())
+            except Exception as e:  # noqa: BLE001 - an unreachable tier: keep what we knew, say so
+                log.warning("tier %s cannot be listed (%s); using the steps known to this process", t.name, e)
+                if t.name in self._index:
+                    continue
+                steps = set()
+            with self._lock:
+                self._index[t.name] = steps
                 known = {i.step for i in self._history[t.name]}
                 self._history[t.name] += [StepInfo(s) for s in sorted(self._index[t.name] - known)]
                 self._history[t.name].sort(key=lambda i: i.step)
@@ -503,9 +510,7 @@ class TieredStore:
     def _restore(self, step, tiers, sink, out, zero_copy, wanted: set[str] | None = None) -> RestoreInfo:
         self._check_open()
         self.raise_background_errors()
-        usable = [t for t in self.tiers if tiers is None or t.name in tiers]
-        if tiers is not None and len(usable) != len(set(tiers)):
-            raise ValueError(f"unknown tier in {list(tiers)}; tiers are {[t.name for t in self.tiers]}")
+        usable = list(self.tiers) if tiers is None else [self.tier(n) for n in dict.fromkeys(tiers)]
         self.refresh()
         with self._lock:
             have = {t.name: set(self._index[t.name]) for t in usable}
@@ -589,6 +594,17 @@ class TieredStore:
             return manifest.nbytes, manifest
         finally:
             self._unpin(tier, step)
+
+    def manifest(self, step: int) -> Manifest:
+        """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
+        errors = []
+        for t in self.tiers:
+            if step in self._index[t.name]:
+                try:
+                    return Manifest.from_bytes(bytes(t.read_file(step, manifest_filename(self.group.rank))))
+                except (TierfsError, OSError) as e:
+                    errors.append(f"{t.name}: {e}")
+        raise StepNotFoundError(f"step {step} has no readable manifest ({'; '.join(errors) or 'not committed'})")
 
     def verify(self, step: int, tier: str) -> Manifest:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""

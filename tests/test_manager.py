@@ -1,0 +1,259 @@
+"""CheckpointManager: Orbax's interface, asynchronous save, preemption, and Orbax-style options."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions, TieredStore
+from tierfs.policies import (AnyPreservationPolicy, AnySavePolicy, BestN, EveryNSteps, FixedIntervalPolicy,
+                             LatestN, PreemptionCheckpointingPolicy, RestorePolicy)
+from tierfs.tiers import MemoryTier, ObjectTier
+
+HERE = Path(__file__).parent
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(300, 200, generator=g), "b": torch.randn(200, generator=g)},
+        "optim": {"exp_avg": torch.randn(300, 200, generator=g), "step": torch.tensor(seed)},
+        "loader": {"epoch": seed // 10, "position": seed * 32},
+        "rng": torch.random.get_rng_state(),
+        "note": "run-1",
+    }
+
+
+def snapshot(state: dict) -> dict:
+    return {k: snapshot(v) if isinstance(v, dict) else (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_thirty_steps_over_ram_and_s3(shm_dir, s3_url):
+    url, opts = s3_url
+    tiers = lambda: [  # noqa: E731
+        MemoryTier(shm_dir, save=FixedIntervalPolicy(5), keep=LatestN(2)),
+        ObjectTier(url, opts, save=FixedIntervalPolicy(10), keep=AnyPreservationPolicy([LatestN(1), EveryNSteps(20)])),
+    ]
+    saved = {}
+    with CheckpointManager(tiers()) as mgr:
+        assert mgr.restore(make_state()) is None
+        state = make_state()
+        for step in range(30):
+            state = make_state(step)
+            did = mgr.save(step, state, metrics={"loss": 1.0 / (step + 1)})
+            assert did == (step % 5 == 0)
+            if did:
+                saved[step] = snapshot(state)
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {0: ["s3"], 20: ["ram", "s3"], 25: ["ram"]}
+        assert mgr.all_steps() == [0, 20, 25] and mgr.latest_step() == 25
+        assert mgr.metrics(20) == {"loss": pytest.approx(1 / 21)}
+    shutil.rmtree(shm_dir)
+    with CheckpointManager(tiers()) as mgr:
+        target = make_state(99)
+        assert mgr.restore(target) == 20
+        assert mgr.last_restore_info.tier == "s3"
+        assert_equal(target, saved[20])
+        assert mgr.save(20, target) is False, "the restored step is not saved again"
+        assert mgr.save(25, target) is True
+
+
+def test_state_changed_right_after_save_is_not_in_the_checkpoint(shm_dir, tmp_path):
+    with CheckpointManager([MemoryTier(shm_dir), ObjectTier(f"file://{tmp_path}/o")]) as mgr:
+        state = make_state(1)
+        want = snapshot(state)
+        assert mgr.save(1, state)
+        for t in (state["model"]["w"], state["model"]["b"], state["optim"]["exp_avg"]):
+            t.add_(1.0)  # training goes on at once, in place
+        state["loader"]["position"] = -1
+        mgr.wait_until_finished()
+        for tiers in (["ram"], ["file"]):
+            mgr.restore_policy = RestorePolicy(prefer=tiers)
+            got = mgr.restore()
+            assert_equal(got, want)
+
+
+def test_restore_returns_new_state_or_loads_in_place(shm_dir):
+    with CheckpointManager([MemoryTier(shm_dir)]) as mgr:
+        assert mgr.restore() is None
+        mgr.save(3, make_state(3))
+        mgr.wait_until_finished()
+        assert_equal(mgr.restore(), make_state(3))
+        target = make_state(0)
+        assert mgr.restore(target) == 3
+        assert_equal(target, make_state(3))
+
+
+def test_resumed_run_replaces_steps_it_redoes(shm_dir):
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(5))]) as mgr:
+        for s in range(4):
+            mgr.save(s, make_state(s))
+        mgr.wait_until_finished()
+        mgr.restore(make_state(0), step=1)  # go back to step 1 (e.g. after a loss spike)
+        assert mgr.save(1, make_state(50)) is False
+        assert mgr.save(2, make_state(52)) is True  # steps 2, 3 of the old run are replaced
+        mgr.wait_until_finished()
+        assert_equal(mgr.restore(step=2), make_state(52))
+
+
+def test_orbax_options_behave_like_the_equivalent_policies(tmp_path):
+    opts = CheckpointManagerOptions(save_interval_steps=3, max_to_keep=2, keep_period=6)
+    with CheckpointManager(directory=str(tmp_path / "a"), options=opts) as a, \
+            CheckpointManager([ObjectTier(f"file://{tmp_path}/b", save=FixedIntervalPolicy(3),
+                                          keep=AnyPreservationPolicy([LatestN(2), EveryNSteps(6)]))]) as b:
+        for step in range(20):
+            assert a.save(step, {"x": np.full(10, step)}) == b.save(step, {"x": np.full(10, step)})
+        a.wait_until_finished()
+        b.wait_until_finished()
+        assert a.all_steps() == b.all_steps() == [0, 6, 12, 15, 18]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(p.name for p in (tmp_path / "b").iterdir())
+
+
+def test_best_step_and_best_n(tmp_path):
+    losses = [0.9, 0.4, 0.7, 0.2, 0.5, 0.3]
+    opts = CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    with CheckpointManager(directory=f"file://{tmp_path}/ckpt", options=opts) as mgr:
+        for step, loss in enumerate(losses):
+            mgr.save(step, {"x": np.zeros(4)}, metrics={"loss": loss})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 5] and mgr.best_step() == 3
+    with CheckpointManager([MemoryTier(str(tmp_path / "ram"), keep=BestN(lambda m: m["acc"], 1, "max"))]) as mgr:
+        for step, acc in enumerate([0.1, 0.8, 0.5]):
+            mgr.save(step, {"x": np.zeros(4)}, metrics={"acc": acc})
+        mgr.wait_until_finished()
+        assert mgr.best_step() == 1
+
+
+class GatedTier(ObjectTier):
+    """A real file:// object tier whose uploads wait until the test opens the gate."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def write_files(self, step, files):
+        assert self.gate.wait(60), "test never opened the gate"
+        super().write_files(step, files)
+
+
+def test_at_the_in_flight_bound_slow_tiers_are_skipped_not_ram(shm_dir, tmp_path):
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow")
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(3)), slow], max_in_flight=1, when_busy="skip") as mgr:
+        mgr.save(1, make_state(1))  # its upload waits at the gate
+        mgr.store._commits.join()
+        assert mgr.save(2, make_state(2)) is True  # RAM takes it; the slow tier is skipped
+        mgr.store._commits.join()
+        assert mgr.store.steps() == {1: ["ram"], 2: ["ram"]}
+        slow.gate.set()
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {1: ["ram", "slow"], 2: ["ram"]}
+
+
+def test_at_the_in_flight_bound_save_waits(shm_dir, tmp_path):
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow")
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(3)), slow], max_in_flight=1) as mgr:
+        mgr.save(1, make_state(1))
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (mgr.save(2, make_state(2)), done.set()))
+        t.start()
+        assert not done.wait(0.5), "save(2) must wait while step 1 is in flight"
+        slow.gate.set()
+        t.join(60)
+        assert done.is_set()
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {1: ["ram", "slow"], 2: ["ram", "slow"]}
+
+
+def test_object_store_stopping_mid_run_surfaces_on_next_call(shm_dir):
+    from moto.server import ThreadedMotoServer
+    import s3fs
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
+            "skip_instance_cache": True, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
+    s3fs.S3FileSystem(**opts).mkdir("stopping")
+    tiers = [MemoryTier(shm_dir, keep=LatestN(2)),
+             ObjectTier("s3://stopping/run", opts, save=FixedIntervalPolicy(2), retries=1)]
+    mgr = CheckpointManager(tiers)
+    try:
+        mgr.save(0, make_state(0))
+        mgr.wait_until_finished()
+        server.stop()
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))  # its upload fails: the server is gone
+        with pytest.raises(BackgroundError):
+            mgr.wait_until_finished()
+        mgr.check_for_errors()  # reported once
+        assert mgr.store.steps() == {0: ["s3"], 1: ["ram"], 2: ["ram"]}
+        # The store comes back (moto keeps its state in-process): step 2 is not committed there.
+        again = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+        again.start()
+        h2, p2 = again.get_host_and_port()
+        try:
+            back = ObjectTier("s3://stopping/run", opts | {"endpoint_url": f"http://{h2}:{p2}"})
+            assert back.committed_steps() == [0]
+            assert back.list_steps().get(2) in (None, False)
+        finally:
+            again.stop()
+    finally:
+        mgr.store.tiers = mgr.store.tiers[:1]  # the server is gone: close only the RAM tier
+        mgr.close()
+
+
+def test_sigterm_saves_last_step_to_preemption_tiers(shm_dir, tmp_path):
+    child = subprocess.Popen([sys.executable, str(HERE / "preempt_child.py"), shm_dir, str(tmp_path / "o")],
+                             stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(HERE)})
+    for line in child.stdout:
+        if line.startswith("step 7"):
+            child.send_signal(signal.SIGTERM)
+            break
+    out = child.communicate(timeout=120)[0]
+    assert child.returncode == 0, out
+    last = int(out.strip().splitlines()[-1].split()[-1])
+    assert last >= 7
+    with CheckpointManager([ObjectTier(f"file://{tmp_path}/o")]) as mgr:
+        assert mgr.latest_step() == last, "the step at preemption reached the object tier"
+        assert mgr.restore()["x"].tolist() == [last] * 4
+
+
+def test_host_memory_stays_flat_over_many_saves(shm_dir):
+    state = {"w": torch.randn(4 << 20)}  # 16 MiB
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS"))
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(2))]) as mgr:
+        for step in range(10):
+            mgr.save(step, state)
+        mgr.wait_until_finished()
+        before = rss()
+        for step in range(10, 50):
+            state["w"].add_(1)
+            mgr.save(step, state)
+        mgr.wait_until_finished()
+        grew = rss() - before
+    assert grew < 8 << 20, f"RSS grew by {grew / 2**20:.1f} MiB over 40 saves of a 16 MiB state"
