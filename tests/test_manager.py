@@ -153,9 +153,9 @@ class GatedTier(ObjectTier):
         super().__init__(*a, **kw)
         self.gate = threading.Event()
 
-    def write_files(self, step, files):
+    def write_files(self, step, files, **kw):
         assert self.gate.wait(60), "test never opened the gate"
-        super().write_files(step, files)
+        super().write_files(step, files, **kw)
 
 
 def test_at_the_in_flight_bound_slow_tiers_are_skipped_not_ram(shm_dir, tmp_path):

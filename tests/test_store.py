@@ -298,17 +298,19 @@ def test_full_tmpfs_is_a_clean_capacity_error(tiny_tmpfs):
     with TieredStore([MemoryTier(ram, keep=LatestN(10))]) as store:
         for s in range(5):  # ~0.6 MB each
             store.save(s, state_for(s))
+        store.wait_until_finished()  # the tier's spare buffers are in place
         # someone else fills the tmpfs
         with open(tiny_tmpfs / "filler", "wb") as f:
             f.write(b"\0" * (os.statvfs(tiny_tmpfs).f_bavail * os.statvfs(tiny_tmpfs).f_frsize - 100_000))
+        bigger = state_for(5) | {"extra": np.ones(100_000, np.float32)}  # more than the spare buffers hold
         with pytest.raises(CapacityError, match="step 5 needs"):
-            store.save(5, state_for(5))
+            store.save(5, bigger)
         assert not (ram / step_dirname(5)).exists()
         assert sorted(store.steps()) == [0, 1, 2, 3, 4]
         out, info = store.restore()
         assert_state(out, 4)
         (tiny_tmpfs / "filler").unlink()
-        store.save(5, state_for(5))  # space back: the job goes on
+        store.save(5, bigger)  # space back: the job goes on
         out, info = store.restore()
         assert_state(out, 5)
 

@@ -324,6 +324,7 @@ class TieredStore:
             self._copies.submit(lambda t=t: self._copy_step(step, fast, t, marker))
         self._done(step)
         self._apply_retention(fast)
+        self._commits.submit(lambda: fast.prepare(manifest.files))  # pre-fault the next step's buffers
 
     def _checksum(self, buffers: list[np.ndarray]) -> list[list[int]]:
         """Block checksums of staged buffers, on this (background) thread, within the bandwidth cap."""
@@ -377,9 +378,7 @@ class TieredStore:
             manifest = Manifest.from_bytes(mbytes)
             files = src.read_files(step, list(manifest.files))
             _verify(manifest, files, 1)  # a damaged RAM copy must not become the durable one
-            for group in _batches(files, 64 << 20):
-                self._throttle.consume(sum(_as_u8(files[n]).size for n in group))
-                dst.write_files(step, {n: files[n] for n in group})
+            dst.write_files(step, files, pace=self._throttle.consume)
             dst.write_file(step, mname, mbytes)
             _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
             del files
@@ -660,18 +659,6 @@ class _Pending:
     manifest: Manifest
     buffers: list[np.ndarray]  # one per array entry, in manifest order
     crcs: list[list[int]] | None
-
-
-def _batches(files: Mapping[str, Any], limit: int) -> list[list[str]]:
-    out: list[list[str]] = [[]]
-    size = 0
-    for n in files:
-        if out[-1] and size + _as_u8(files[n]).size > limit:
-            out.append([])
-            size = 0
-        out[-1].append(n)
-        size += _as_u8(files[n]).size
-    return out
 
 
 def _as_u8(data: Any) -> np.ndarray:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -140,9 +140,16 @@ class Tier(ABC):
     def discard_staged(self, step: int) -> None:
         self._staged.pop(step, None)
 
-    def write_files(self, step: int, files: Mapping[str, object]) -> None:
+    def write_files(self, step: int, files: Mapping[str, object],
+                    pace: Callable[[int], None] | None = None) -> None:
+        """Write several files; ``pace(nbytes)`` is called before each (a bandwidth throttle)."""
         for name, data in files.items():
+            if pace is not None:
+                pace(memoryview(data).nbytes)
             self.write_file(step, name, data)
+
+    def prepare(self, sizes: Mapping[str, int]) -> None:
+        """Get ready, off the critical path, for a next step with files of these sizes (default: nothing)."""
 
     def export(self, step: int, name: str):
         """A zero-copy view handed to the user; only tiers with ``zero_copy`` support it."""

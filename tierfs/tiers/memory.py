@@ -232,6 +232,40 @@ class MemoryTier(Tier):
     def write_staged(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
 
+    def prepare(self, sizes: Mapping[str, int]) -> None:
+        """Pre-fault one spare buffer per file of the next step, so that it never copies into fresh pages.
+
+        Runs in the store's background worker after a commit. Until retention frees buffers of old steps
+        (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed. Skipped when the budget or
+        free space would not allow it.
+        """
+        with self._lock:
+            self._pool_limit = max(self._pool_limit, sum(sizes.values()))
+            have = sorted(b.size for b in self._pool)
+            missing = []
+            for size in sorted(sizes.values()):
+                if size in have:
+                    have.remove(size)
+                elif size:
+                    missing.append(size)
+            avail = self.capacity().available
+            if not missing or (avail is not None and sum(missing) > avail):
+                return
+            self._pool_dir.mkdir(mode=0o700, exist_ok=True)
+            paths = [self._pool_dir / f"{next(self._ids)}.bin" for _ in missing]
+        for path, size in zip(paths, missing):  # the slow part, outside the lock
+            try:
+                b = self._new_buf(path, size)
+            except OSError:
+                path.unlink(missing_ok=True)
+                return
+            with self._lock:
+                if sum(x.size for x in self._pool) + size > self._pool_limit:
+                    b.close()
+                    path.unlink(missing_ok=True)
+                    return
+                self._pool.append(b)
+
     def _recycle_own(self, step: int, sizes: Mapping[str, int]) -> None:
         """An uncommitted leftover of this step: move this process's files to the pool."""
         d = self._dir(step)

@@ -43,7 +43,7 @@ class ObjectTier(Tier):
     concurrency:
         Files (or parts of one file) transferred at once.
     part_size:
-        Downloads of larger files are split into ranged reads of this size.
+        Larger files move in parts of this size: ranged reads on download, multipart upload on S3.
     retries:
         Attempts per request on transient errors (connection resets, timeouts, 5xx), with backoff.
     name:
@@ -54,7 +54,7 @@ class ObjectTier(Tier):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *,
                  save: SavePolicy | None = None, keep: PreservationPolicy | None = None,
-                 concurrency: int = 8, part_size: int = 32 << 20, retries: int = 4,
+                 concurrency: int = 8, part_size: int = 16 << 20, retries: int = 4,
                  name: str | None = None) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"ObjectTier needs a URL such as s3://bucket/run, got {url!r}")
@@ -164,13 +164,21 @@ class ObjectTier(Tier):
     # -- writing ------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data) -> None:
         path = self._path(step, name)
-        payload = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
-        if self.protocol in ("file", "local"):
+        if self.protocol in ("file", "local"):  # straight from the buffer, no extra copy
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        self._retry(lambda: self.fs.pipe_file(path, payload), f"upload {name}")
+            self._retry(lambda: _write_local(path, data), f"write {name}")
+            return
+        payload = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+        kw = {"chunksize": self.part_size} if self.protocol in ("s3", "s3a") else {}  # multipart parts
+        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), f"upload {name}")
 
-    def write_files(self, step: int, files: Mapping[str, object]) -> None:
-        self._map(lambda kv: self.write_file(step, kv[0], kv[1]), list(files.items()))
+    def write_files(self, step: int, files: Mapping[str, object],
+                    pace: Callable[[int], None] | None = None) -> None:
+        def put(kv) -> None:
+            if pace is not None:
+                pace(memoryview(kv[1]).nbytes)
+            self.write_file(step, kv[0], kv[1])
+        self._map(put, list(files.items()))
 
     def write_marker(self, step: int, data: bytes) -> None:
         self.write_file(step, MARKER, data)
@@ -227,6 +235,13 @@ class ObjectTier(Tier):
 
     def __repr__(self) -> str:
         return f"ObjectTier({self.url!r})"
+
+
+def _write_local(path: str, data) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+        f.write(memoryview(data).cast("B"))
+    os.replace(tmp, path)
 
 
 def _short(e: BaseException) -> str:
