@@ -324,7 +324,7 @@ class TieredStore:
             self._copies.submit(lambda t=t: self._copy_step(step, fast, t, marker))
         self._done(step)
         self._apply_retention(fast)
-        self._commits.submit(lambda: fast.prepare(manifest.files))  # pre-fault the next step's buffers
+        self._commits.submit(lambda: fast.prepare(step, manifest.files))  # pre-fault the next step's buffers
 
     def _checksum(self, buffers: list[np.ndarray]) -> list[list[int]]:
         """Block checksums of staged buffers, on this (background) thread, within the bandwidth cap."""

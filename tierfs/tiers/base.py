@@ -148,8 +148,9 @@ class Tier(ABC):
                 pace(memoryview(data).nbytes)
             self.write_file(step, name, data)
 
-    def prepare(self, sizes: Mapping[str, int]) -> None:
-        """Get ready, off the critical path, for a next step with files of these sizes (default: nothing)."""
+    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+        """Get ready, off the critical path, for the save after ``step``, whose files will likely have
+        these sizes (default: nothing)."""
 
     def export(self, step: int, name: str):
         """A zero-copy view handed to the user; only tiers with ``zero_copy`` support it."""

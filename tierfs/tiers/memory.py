@@ -98,6 +98,9 @@ class MemoryTier(Tier):
         self._ids = itertools.count()
         self._pool_limit = 0  # bytes: the largest step staged so far
         self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
+        self._idle = threading.Event()  # cleared while prepare() builds spare buffers
+        self._idle.set()
+        self._last_staged = -1
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -169,12 +172,14 @@ class MemoryTier(Tier):
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
+        self._idle.wait()  # a spare set being built is what this save needs: don't build another
         with self._lock:
             return self._stage(step, sizes)
 
     def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
             validate_filename(n)
+        self._last_staged = max(self._last_staged, step)
         self._recycle_own(step, sizes)
         total = sum(sizes.values())
         self._pool_limit = max(self._pool_limit, total)
@@ -232,7 +237,7 @@ class MemoryTier(Tier):
     def write_staged(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
 
-    def prepare(self, sizes: Mapping[str, int]) -> None:
+    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
         """Pre-fault one spare buffer per file of the next step, so that it never copies into fresh pages.
 
         Runs in the store's background worker after a commit. Until retention frees buffers of old steps
@@ -240,6 +245,8 @@ class MemoryTier(Tier):
         free space would not allow it.
         """
         with self._lock:
+            if self._last_staged > step:  # the next save came first and built its own buffers
+                return
             self._pool_limit = max(self._pool_limit, sum(sizes.values()))
             have = sorted(b.size for b in self._pool)
             missing = []
@@ -253,18 +260,18 @@ class MemoryTier(Tier):
                 return
             self._pool_dir.mkdir(mode=0o700, exist_ok=True)
             paths = [self._pool_dir / f"{next(self._ids)}.bin" for _ in missing]
-        for path, size in zip(paths, missing):  # the slow part, outside the lock
-            try:
-                b = self._new_buf(path, size)
-            except OSError:
-                path.unlink(missing_ok=True)
-                return
-            with self._lock:
-                if sum(x.size for x in self._pool) + size > self._pool_limit:
-                    b.close()
+            self._idle.clear()
+        try:
+            for path, size in zip(paths, missing):  # the slow part, outside the lock
+                try:
+                    b = self._new_buf(path, size)
+                except OSError:
                     path.unlink(missing_ok=True)
                     return
-                self._pool.append(b)
+                with self._lock:
+                    self._pool.append(b)
+        finally:
+            self._idle.set()
 
     def _recycle_own(self, step: int, sizes: Mapping[str, int]) -> None:
         """An uncommitted leftover of this step: move this process's files to the pool."""
