@@ -10,6 +10,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -46,8 +47,12 @@ class Job:
     expected: list[int] | None = None
 
 
-def run(jobs: list[Job], threads: int | None = None) -> list[list[int]]:
-    """Run the jobs; return each job's block checksums. Raises ChecksumError on a mismatch."""
+def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None] | None = None
+        ) -> list[list[int]]:
+    """Run the jobs; return each job's block checksums. Raises ChecksumError on a mismatch.
+
+    ``pace(nbytes)`` is called before each block (a bandwidth throttle for background work).
+    """
     units = [(j, b, s, e) for j, job in enumerate(jobs) for b, (s, e) in enumerate(blocks(job.src.size, job.block_size))]
     out = [[0] * sum(1 for _ in blocks(job.src.size, job.block_size)) for job in jobs]
     n = min(threads or default_threads(), len(units))
@@ -58,6 +63,8 @@ def run(jobs: list[Job], threads: int | None = None) -> list[list[int]]:
             if failed:
                 return
             job = jobs[j]
+            if pace is not None:
+                pace(e - s)
             src = job.src[s:e]
             try:
                 if job.expected is not None:

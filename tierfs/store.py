@@ -24,12 +24,16 @@ from ._worker import Throttle, Worker
 from .dist import SingleProcess, TorchGroup, default_group
 from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StateMismatchError,
                      StepExistsError, StepNotFoundError, TierfsError)
-from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker, blocks, crc32c,
+from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker, crc32c,
                      manifest_filename, plan_files)
 from .policies import SaveContext, StepInfo
 from .tiers.base import Tier
 
 log = logging.getLogger("tierfs")
+
+#: bytes/s for copies to slower tiers: keeps a training loop within a few percent on a 2-core machine
+#: (see docs/benchmarks.md) while a 2 GiB shard still reaches object storage in about 9 s.
+DEFAULT_BACKGROUND_BANDWIDTH = 256e6
 
 
 @dataclass
@@ -80,15 +84,16 @@ class TieredStore:
         At that bound, ``"wait"`` until the oldest finishes, or ``"skip"`` the slow tiers for the new step
         (the first tier always takes it).
     background_bandwidth:
-        Bytes per second that background checksums and copies may move (None: no cap). Background threads
-        also run at a lower CPU priority.
+        Bytes per second that copies to slower tiers may move, checksum checks included (default 256 MB/s;
+        None: no cap), so training keeps its cores and memory bandwidth. The commit to the first tier is
+        never capped. Background threads also run at a lower CPU priority.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, group: SingleProcess | TorchGroup | None = None,
                  threads: int | None = None, file_size: int = DEFAULT_FILE_SIZE,
                  block_size: int = DEFAULT_BLOCK_SIZE, clock: Callable[[], float] = time.time,
                  cleanup: bool = True, max_in_flight: int = 2, when_busy: str = "wait",
-                 background_bandwidth: float | None = None) -> None:
+                 background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
@@ -289,7 +294,9 @@ class TieredStore:
         step, rank = manifest.step, manifest.rank
         try:
             try:
-                crcs = p.crcs if p.crcs is not None else self._checksum(p.buffers)
+                crcs = p.crcs if p.crcs is not None else _copy.run(
+                    [_copy.Job(e.name, buf, None, self.block_size) for e, buf in
+                     zip((e for e in manifest.entries if e.kind == "array"), p.buffers)], self.threads)
                 for e, c in zip((e for e in manifest.entries if e.kind == "array"), crcs):
                     e.crc32c = c
                 fast.write_staged(step)
@@ -325,17 +332,6 @@ class TieredStore:
         self._done(step)
         self._apply_retention(fast)
         self._commits.submit(lambda: fast.prepare(step, manifest.files))  # pre-fault the next step's buffers
-
-    def _checksum(self, buffers: list[np.ndarray]) -> list[list[int]]:
-        """Block checksums of staged buffers, on this (background) thread, within the bandwidth cap."""
-        out = []
-        for buf in buffers:
-            crcs = []
-            for s, e in blocks(buf.size, self.block_size):
-                self._throttle.consume(e - s)
-                crcs.append(crc32c(buf[s:e]))
-            out.append(crcs)
-        return out
 
     # -- background ---------------------------------------------------------------------------------
     def _record_error(self, e: BaseException) -> None:
@@ -377,7 +373,8 @@ class TieredStore:
             mbytes = bytes(src.read_file(step, mname))
             manifest = Manifest.from_bytes(mbytes)
             files = src.read_files(step, list(manifest.files))
-            _verify(manifest, files, 1)  # a damaged RAM copy must not become the durable one
+            # a damaged RAM copy must not become the durable one; verified and sent within the cap
+            _verify(manifest, files, 1, pace=self._throttle.consume)
             dst.write_files(step, files, pace=self._throttle.consume)
             dst.write_file(step, mname, mbytes)
             _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
@@ -667,13 +664,14 @@ def _as_u8(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def _verify(manifest: Manifest, files: Mapping[str, Any], threads: int | None) -> None:
+def _verify(manifest: Manifest, files: Mapping[str, Any], threads: int | None,
+            pace: Callable[[int], None] | None = None) -> None:
     raw = {f: _as_u8(files[f]) for f in manifest.files}
     for f, n in manifest.files.items():
         if raw[f].size != n:
             raise FormatError(f"{f} holds {raw[f].size} bytes, manifest says {n} (truncated copy)")
     _copy.run([_copy.Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size,
-                         e.crc32c) for e in manifest.entries if e.kind == "array"], threads)
+                         e.crc32c) for e in manifest.entries if e.kind == "array"], threads, pace)
 
 
 def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
