@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if size != DEFAULT_FILE_SIZE and size >= MiB:
             variants["persist_fs"] = size
         for key, fsize in variants.items():
-            kw = {} if fsize is None else {"file_size": fsize}
+            # uncapped: this measures what the tier can move (the default background cap is 256 MB/s)
+            kw = {"background_bandwidth": None} | ({} if fsize is None else {"file_size": fsize})
             stores[key] = TieredStore([MemoryTier(scratch.path(f"ram-{key}"), keep=LatestN(2)),
                                        ObjectTier(f"s3://{bucket}/{key}", storage_options=opts)], **kw)
         store = stores["persist"]
