@@ -95,3 +95,25 @@ def test_restore_policy_orders_and_forbids():
     assert RestorePolicy(forbid=["s3"]).order(tiers) == ["ram", "peer"]
     with pytest.raises(ValueError, match="unknown tiers"):
         RestorePolicy(prefer=["gcs"]).order(tiers)
+
+
+def test_time_policies_through_the_store_with_an_injected_clock(tmp_path):
+    """The store hands its clock to the policies: a scripted clock drives time-based saving and keeping."""
+    import numpy as np
+
+    from tierfs import TieredStore
+    from tierfs.tiers import MemoryTier
+
+    now = [0.0]
+    tier = MemoryTier(str(tmp_path / "ram"), save=ContinuousCheckpointingPolicy(minimum_interval_secs=60),
+                      keep=AnyPreservationPolicy([LatestN(1), EveryNSeconds(300)]))
+    times = [0, 30, 59, 60, 100, 200, 299, 301, 400, 650, 700, 900]
+    with TieredStore([tier], clock=lambda: now[0]) as store:
+        saved = []
+        for step, t in enumerate(times):
+            now[0] = float(t)
+            if store.save(step, {"x": np.full(3, step)}):
+                saved.append(step)
+        assert saved == [0, 3, 5, 6, 8, 9, 11]  # t = 0, 60, 200, 299, 400, 650, 900: 60 s apart at least
+        # kept after each save: the newest, plus one per 300 s greedily from the oldest (t = 0, 400, 900)
+        assert sorted(store.steps()) == [0, 8, 11]
