@@ -330,3 +330,12 @@ def test_reader_with_cleanup_false_leaves_partial_steps_alone(shm_dir):
         out, info = reader.restore()
         assert info.step == 1
     assert (Path(shm_dir) / step_dirname(2) / "rank_00000.manifest.json").exists()
+
+
+def test_bad_credentials_are_one_clear_error(s3_storage_options, monkeypatch):
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks keys now
+    opts = s3_storage_options | {"key": "AKIAWRONGWRONGWRONG0", "secret": "wrong"}
+    with pytest.raises(TierUnavailableError, match="access denied .* check credentials"):
+        TieredStore([ObjectTier("s3://tierfs-test/run", storage_options=opts)])
