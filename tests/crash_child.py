@@ -70,7 +70,6 @@ def arm(point: str) -> None:
     elif point == "object-marker":  # every file uploaded, the object marker not yet
         ObjectTier.write_marker = lambda self, step, data: die()
     elif point == "retention":  # deleting an old RAM step: marker gone, files not yet
-        real_del = MemoryTier.delete_step
 
         def delete(self, step):
             (self._dir(step) / "COMMITTED").unlink()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -15,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions, TieredStore
-from tierfs.policies import (AnyPreservationPolicy, AnySavePolicy, BestN, EveryNSteps, FixedIntervalPolicy,
-                             LatestN, PreemptionCheckpointingPolicy, RestorePolicy)
+from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions
+from tierfs.policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy,
+                             LatestN, RestorePolicy)
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent

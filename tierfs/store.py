@@ -1,9 +1,9 @@
 """TieredStore: one checkpoint store over several tiers, fastest first.
 
 Save: flatten the state → copy it, with crc32c per block, into the first tier's staged buffers (the RAM
-tier's reused mappings) → write the manifest → commit with the marker. Then, in one background worker,
-each slower tier whose save policy takes the step gets a byte copy of the files (verified before upload,
-marker last), and every tier applies its keep policy.
+tier's reused mappings) → write the manifest → commit with the marker (with ``blocking=False`` only the copy happens on the caller's thread; a commit
+worker does the rest). Then a copy worker gives each slower tier whose save policy takes the step a byte
+copy of the files (verified before upload, marker last), and every tier applies its keep policy.
 
 Restore: list what each tier holds → pick the newest step → read this rank's files from the fastest
 tier whose copy verifies → copy once into the user's arrays. Every tier skipped, and why, is in the info.
@@ -32,7 +32,8 @@ from .tiers.base import Tier
 log = logging.getLogger("tierfs")
 
 #: bytes/s for copies to slower tiers: keeps a training loop within a few percent on a 2-core machine
-#: (see docs/benchmarks.md) while a 2 GiB shard still reaches object storage in about 9 s.
+#: (see docs/benchmarks.md) while a 2 GiB shard still reaches the slow tier in about 18 s (its checksum
+#: check and its upload both count).
 DEFAULT_BACKGROUND_BANDWIDTH = 256e6
 
 

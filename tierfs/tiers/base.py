@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..errors import CapacityError
-from ..format import MARKER, Marker, step_dirname, validate_filename
+from ..format import MARKER, Marker, validate_filename
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
 
 log = logging.getLogger("tierfs")

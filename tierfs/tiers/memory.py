@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import CapacityError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
-from .base import Capacity, Tier, log
+from .base import Capacity, Tier
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
