@@ -206,16 +206,23 @@ def test_verify_missing_or_partial_step(shm_dir, capsys):
 
 
 class _FakeGroup:
-    """Two ranks of one job, saved one after the other: all_gather answers from what each rank sent."""
+    """Two ranks of one job on one node, saved one after the other: all_gather answers from what each rank
+    sent on the same channel (each fork is a channel, as each real fork is a process group)."""
 
-    def __init__(self, rank: int, world: int, sent: dict) -> None:
+    def __init__(self, rank: int, world: int, sent: dict, channel: int = 0) -> None:
         self.rank = self.local_rank = rank
         self.world_size = world
-        self._sent = sent
+        self.node_ranks = tuple(range(world))
+        self._sent, self._channel, self._forks = sent, channel, 0
+
+    def fork(self) -> "_FakeGroup":
+        self._forks += 1
+        return _FakeGroup(self.rank, self.world_size, self._sent, self._forks)
 
     def all_gather(self, obj):
-        self._sent[self.rank] = obj
-        return [self._sent.get(r, obj) for r in range(self.world_size)]
+        box = self._sent.setdefault(self._channel, {})
+        box[self.rank] = obj
+        return [box.get(r, obj) for r in range(self.world_size)]
 
     def barrier(self) -> None:
         pass

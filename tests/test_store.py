@@ -76,6 +76,7 @@ def test_restore_newest_from_ram_and_metadata(hybrid):
         assert info.step == 11 and info.tier == "ram" and info.skipped == []
         assert info.metadata == {"lr": pytest.approx(1.1)} and info.nbytes > 600_000
         assert_state(out, 11)
+        store.wait_until_finished()  # step 10's copy to the file tier runs in the background
         out, info = store.restore(step=10, tiers=["file"])
         assert info.tier == "file"
         assert_state(out, 10)

@@ -1,7 +1,12 @@
-"""Who else is saving: the ranks of the job and the few collectives the store needs.
+"""Who else is saving: the ranks of the job, which of them share a node, and the few collectives the store
+needs.
 
-Without torch.distributed (or with one process) everything is local. Under torchrun the store uses a
-gloo group of its own, so it never queues behind the training job's NCCL work. Only JSON crosses it.
+Without torch.distributed (or with one process) everything is local. Under torchrun the store uses gloo
+groups of its own, so it never queues behind the training job's NCCL work; each of the store's threads
+gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
+
+A node is a set of ranks sharing one RAM directory. Its number comes from ``TIERFS_NODE_RANK``, else
+torchrun's ``GROUP_RANK``, else 0; tests run each process as its own node by setting it to the rank.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class SingleProcess:
     rank = 0
     world_size = 1
     local_rank = 0
+    node_ranks = (0,)
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -26,18 +32,36 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
+    def fork(self) -> "SingleProcess":
+        return self
+
 
 class TorchGroup:
-    """The ranks of an initialised torch.distributed job, over a gloo group created for tierfs."""
+    """The ranks of an initialised torch.distributed job, over a gloo group created for tierfs.
 
-    def __init__(self, backend: str = "gloo") -> None:
+    Creating one is collective: every rank must do it, in the same order.
+    """
+
+    def __init__(self, backend: str = "gloo", node_rank: int | None = None) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
+        self._dist, self._backend = dist, backend
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._pg = dist.new_group(backend=backend)
+        if node_rank is None:
+            node_rank = int(os.environ.get("TIERFS_NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+        self.node_rank = node_rank
+        nodes = self.all_gather(node_rank)
+        self.node_ranks = tuple(r for r, n in enumerate(nodes) if n == node_rank)
+        self.local_rank = self.node_ranks.index(self.rank)
+
+    def fork(self) -> "TorchGroup":
+        """The same ranks over a new group, for use by another thread (collective)."""
+        twin = object.__new__(TorchGroup)
+        twin.__dict__.update(self.__dict__)
+        twin._pg = self._dist.new_group(backend=self._backend)
+        return twin
 
     def all_gather(self, obj: Any) -> list[Any]:
         import torch
@@ -58,12 +82,9 @@ class TorchGroup:
 
 
 def default_group() -> SingleProcess | TorchGroup:
-    try:
-        import sys
+    import sys
 
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return TorchGroup()
-    except Exception:  # noqa: BLE001 - no usable torch.distributed means a single process
-        pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchGroup()
     return SingleProcess()

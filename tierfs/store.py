@@ -103,6 +103,9 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}; pass name=... to tell them apart")
         self.tiers = tiers
         self.group = group if group is not None else default_group()
+        # one group per thread role, so collectives of different threads never interleave
+        self._commit_group = self.group.fork()
+        self._copy_group = self.group.fork()
         self.threads = threads
         self.file_size, self.block_size = int(file_size), int(block_size)
         self._clock = clock
@@ -149,8 +152,14 @@ class TieredStore:
                 self._history[t.name].sort(key=lambda i: i.step)
 
     def _owns(self, tier: Tier) -> bool:
-        """Whether this rank commits and deletes whole steps on ``tier``."""
+        """Whether this rank commits and deletes whole steps on ``tier`` (per node for local tiers)."""
         return (self.group.local_rank if tier.is_local else self.group.rank) == 0
+
+    def _expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, None]:
+        """The manifests that must be on ``tier`` before its marker: this node's ranks' on a local tier."""
+        if tier.is_local:
+            return {manifest_filename(r): None for r in self.group.node_ranks}
+        return {n: None for n in marker.manifests}
 
     def _cleanup_uncommitted(self) -> None:
         for t in self.tiers:
@@ -202,13 +211,17 @@ class TieredStore:
         self._check_open()
         self.raise_background_errors()
         chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted))
-        if not chosen:
-            return False
-        fast = self.tiers[0]
         with self._lock:
             if step in self._in_flight:
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
             holders = [t.name for t in self.tiers if step in self._index[t.name]]
+        if self.group.world_size > 1:  # every rank does what rank 0 decided (clocks and RAM tiers differ)
+            views = self.group.all_gather([[t.name for t in chosen], holders])
+            chosen = [self.tier(n) for n in views[0][0]]
+            holders = sorted({n for _, h in views for n in h})
+        if not chosen:
+            return False
+        fast = self.tiers[0]
         if holders and not overwrite:
             raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                   "replace it or save a new step")
@@ -228,10 +241,25 @@ class TieredStore:
             self._in_flight[step] = 1
             self._uncommitted.add(step)
         slow = [t for t in chosen if t is not fast]
-        if blocking:
-            self._commit(pending, slow)
-        else:
+        if not blocking:
             self._commits.submit(lambda: self._commit(pending, slow))
+        elif self.group.world_size == 1:
+            self._commit(pending, slow)
+        else:  # commits of all ranks go through the commit worker, in order
+            failed: list[BaseException] = []
+            done = threading.Event()
+
+            def commit() -> None:
+                try:
+                    self._commit(pending, slow)
+                except BaseException as e:  # noqa: BLE001 - raised in the caller below
+                    failed.append(e)
+                finally:
+                    done.set()
+            self._commits.submit(commit)
+            done.wait()
+            if failed:
+                raise failed[0]
         return True
 
     def _make_room(self, step: int, chosen: list[Tier]) -> list[Tier]:
@@ -307,13 +335,13 @@ class TieredStore:
             except BaseException:
                 fast.discard_staged(step)
                 raise
-            parts = self.group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
+            parts = self._commit_group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
             marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts},
                             nbytes=sum(b for _, _, b in parts))
             if self._owns(fast):
-                _check_complete(fast, step, {n: None for n in marker.manifests})
+                _check_complete(fast, step, self._expected_manifests(fast, marker))
                 fast.write_marker(step, marker.to_bytes())
-            self.group.barrier()
+            self._commit_group.barrier()
         except BaseException:
             with self._cond:
                 for t in self.tiers:
@@ -380,11 +408,11 @@ class TieredStore:
             dst.write_file(step, mname, mbytes)
             _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
             del files
-            self.group.barrier()
+            self._copy_group.barrier()
             if self._owns(dst):
-                _check_complete(dst, step, {n: None for n in marker.manifests})
+                _check_complete(dst, step, self._expected_manifests(dst, marker))
                 dst.write_marker(step, marker.to_bytes())
-            self.group.barrier()
+            self._copy_group.barrier()
             with self._lock:
                 self._index[dst.name].add(step)
             log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
@@ -525,28 +553,42 @@ class TieredStore:
                 raise StepNotFoundError(f"nothing to restore: no committed step on {[t.name for t in usable]}")
         skipped: list[tuple[str, int, str]] = []
         for s in order:
-            for t in usable:
-                if s not in have[t.name]:
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    nbytes, manifest = self._read_step(t, s, sink, out, zero_copy, wanted)
-                except StateMismatchError:
-                    raise  # the caller's state does not match the checkpoint: not a tier problem
-                except (TierfsError, OSError, ValueError, KeyError) as e:
-                    why = f"{type(e).__name__}: {e}"
-                    log.warning("tier %s step %d unusable, trying the next source (%s)", t.name, s, why)
-                    skipped.append((t.name, s, why))
-                    out.clear()
-                    continue
-                info = RestoreInfo(s, t.name, nbytes, time.perf_counter() - t0, skipped, manifest.metadata,
-                                   manifest.metrics)
-                if wanted is not None:
-                    info.unused = sorted({e.name for e in manifest.entries} - wanted)
+            info = self._restore_step(s, usable, have, sink, out, zero_copy, wanted, skipped)
+            if self.group.world_size > 1 and not all(self.group.all_gather(info is not None)):
+                if info is not None:  # another rank has no verified copy of s: all go back together
+                    skipped.append((info.tier, s, "another rank could not restore this step"))
+                info = None
+            if info is not None:
                 log.info("restored %s", info)
                 return info
+            out.clear()
+            if step is not None:
+                break
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
+
+    def _restore_step(self, s, usable, have, sink, out, zero_copy, wanted, skipped) -> RestoreInfo | None:
+        """This rank's part of step ``s`` from the first tier whose copy verifies, or None."""
+        for t in usable:
+            if s not in have[t.name]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes, manifest = self._read_step(t, s, sink, out, zero_copy, wanted)
+            except StateMismatchError:
+                raise  # the caller's state does not match the checkpoint: not a tier problem
+            except (TierfsError, OSError, ValueError, KeyError) as e:
+                why = f"{type(e).__name__}: {e}"
+                log.warning("tier %s step %d unusable, trying the next source (%s)", t.name, s, why)
+                skipped.append((t.name, s, why))
+                out.clear()
+                continue
+            info = RestoreInfo(s, t.name, nbytes, time.perf_counter() - t0, skipped, manifest.metadata,
+                               manifest.metrics)
+            if wanted is not None:
+                info.unused = sorted({e.name for e in manifest.entries} - wanted)
+            return info
+        return None
 
     def _read_step(self, tier: Tier, step: int, sink, out, zero_copy, wanted) -> tuple[int, Manifest]:
         self._pin(tier, step)

@@ -1,0 +1,50 @@
+"""One rank of a multi-process job (gloo on localhost), each its own node with its own RAM directory.
+
+    mp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save-sync | save-async | restore)
+Prints one JSON line with what it saw.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+from tierfs import TieredStore
+from tierfs.policies import FixedIntervalPolicy, LatestN
+from tierfs.tiers import MemoryTier, ObjectTier
+
+
+def state_for(rank: int, step: int) -> dict:
+    rng = np.random.default_rng(1000 * rank + step)
+    return {"w": rng.standard_normal(50_000 + 1000 * rank).astype(np.float32), "step": step, "rank": rank}
+
+
+def main() -> None:
+    shm, obj, mode = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    store = TieredStore([MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2)),
+                         ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(2), keep=LatestN(2))])
+    out = {"rank": rank}
+    if mode.startswith("save"):
+        for step in range(5):
+            store.save(step, state_for(rank, step), blocking=(mode == "save-sync"))
+        store.wait_until_finished()
+        dist.barrier()  # rank 0 applies retention on the shared tier: list after every rank is done
+        out["steps"] = {str(k): v for k, v in store.steps().items()}
+    target = {"w": np.zeros(50_000 + 1000 * rank, np.float32), "step": -1, "rank": -1}
+    info = store.restore_into(target)
+    want = state_for(rank, info.step)
+    out.update(step=info.step, tier=info.tier, exact=target["w"].tobytes() == want["w"].tobytes()
+               and target["rank"] == rank and target["step"] == info.step)
+    info = store.restore_into(target, tiers=["file"])
+    out.update(obj_step=info.step, obj_exact=target["w"].tobytes() == state_for(rank, info.step)["w"].tobytes())
+    store.close()
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

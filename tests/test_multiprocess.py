@@ -1,0 +1,63 @@
+"""Several processes with torch.distributed (gloo) on localhost, each its own node with its own RAM
+directory, one shared object tier: every rank's shard is committed once all are written, and restored
+bit-exact, from RAM or, for a node whose RAM was lost, from the object tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierfs.format import Marker, step_dirname
+
+HERE = Path(__file__).parent
+
+
+def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
+                            "PYTHONPATH": str(HERE.parent)}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "mp_child.py"), shm, obj, mode],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return sorted(outs, key=lambda o: o["rank"])
+
+
+@pytest.mark.parametrize("world, mode", [(2, "save-sync"), (3, "save-async")])
+def test_ranks_save_and_restore_their_shards(world, mode, shm_dir, tmp_path):
+    obj = str(tmp_path / "obj")
+    outs = run_job(world, shm_dir, obj, mode)
+    for o in outs:
+        assert o["steps"] == {"2": ["file"], "3": ["ram"], "4": ["ram", "file"]}
+        assert (o["step"], o["tier"], o["exact"]) == (4, "ram", True)
+        assert (o["obj_step"], o["obj_exact"]) == (4, True)
+    # one marker per tier copy, listing every rank's manifest; each node's RAM holds only its own shard
+    marker = Marker.from_bytes((Path(obj) / step_dirname(4) / "COMMITTED").read_bytes())
+    assert sorted(marker.manifests) == [f"rank_{r:05d}.manifest.json" for r in range(world)]
+    for r in range(world):
+        names = sorted(p.name for p in (Path(shm_dir) / f"node{r}" / step_dirname(4)).iterdir())
+        assert names == ["COMMITTED", f"rank_{r:05d}.0000.bin", f"rank_{r:05d}.manifest.json"]
+
+
+def test_a_node_that_lost_its_ram_restores_from_the_object_tier(shm_dir, tmp_path):
+    obj = str(tmp_path / "obj")
+    run_job(3, shm_dir, obj, "save-sync")
+    shutil.rmtree(Path(shm_dir) / "node1")  # node 1 is replaced: empty RAM
+    outs = run_job(3, shm_dir, obj, "restore")
+    assert [(o["step"], o["tier"], o["exact"]) for o in outs] == [(4, "ram", True), (4, "file", True),
+                                                                    (4, "ram", True)]
