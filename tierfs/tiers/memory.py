@@ -172,9 +172,11 @@ class MemoryTier(Tier):
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
-        self._idle.wait()  # a spare set being built is what this save needs: don't build another
-        with self._lock:
-            return self._stage(step, sizes)
+        while True:  # a spare set being built is what this save needs: wait for it, don't build another
+            self._idle.wait()
+            with self._lock:
+                if self._idle.is_set():  # prepare() clears it under this lock, so no build is under way
+                    return self._stage(step, sizes)
 
     def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
