@@ -25,9 +25,22 @@ def main() -> None:
     shm, obj, mode = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    store = TieredStore([MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2)),
+    budget = 1000 if mode == "fail-rank1" and rank == 1 else None  # rank 1 cannot hold a step
+    store = TieredStore([MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2), budget=budget),
                          ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(2), keep=LatestN(2))])
     out = {"rank": rank}
+    if mode == "fail-rank1":
+        for blocking in (True, False):
+            try:
+                store.save(7, state_for(rank, 7), blocking=blocking)
+                store.wait_until_finished()
+                out[f"blocking={blocking}"] = "saved"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[f"blocking={blocking}"] = type(e).__name__
+        out["steps"] = store.tiers[0].list_steps()
+        store.close()
+        print(json.dumps(out), flush=True)
+        return
     if mode.startswith("save"):
         for step in range(5):
             store.save(step, state_for(rank, step), blocking=(mode == "save-sync"))

@@ -61,3 +61,12 @@ def test_a_node_that_lost_its_ram_restores_from_the_object_tier(shm_dir, tmp_pat
     outs = run_job(3, shm_dir, obj, "restore")
     assert [(o["step"], o["tier"], o["exact"]) for o in outs] == [(4, "ram", True), (4, "file", True),
                                                                     (4, "ram", True)]
+
+
+def test_a_rank_that_fails_to_save_fails_the_step_everywhere_without_hanging(shm_dir, tmp_path):
+    outs = run_job(2, shm_dir, str(tmp_path / "obj"), "fail-rank1")
+    assert outs[1]["blocking=True"] == outs[1]["blocking=False"] == "CapacityError"  # raised by save
+    assert outs[0]["blocking=True"] == "TierfsError"  # save raises: rank 1 failed
+    assert outs[0]["blocking=False"] == "BackgroundError"  # save returned; the failed commit surfaces
+    assert outs[0]["steps"] == {"7": False}  # written on rank 0, never committed
+    assert outs[1]["steps"] == {}

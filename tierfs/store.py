@@ -229,8 +229,18 @@ class TieredStore:
             self.wait_until_finished()
             for name in holders:
                 self._delete(self.tier(name), step)
-        leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
-        pending = self._stage(fast, step, leaves, metadata, metrics, checksum=blocking)
+        try:
+            leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
+            pending = self._stage(fast, step, leaves, metadata, metrics, checksum=blocking)
+        except BaseException as e:
+            if self.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
+                def abort(e: BaseException = e) -> None:
+                    try:
+                        _agree(self._commit_group, None, e, f"commit step {step}")
+                    except BaseException:  # noqa: BLE001 - already raised to the caller
+                        pass
+                self._commits.submit(abort)
+            raise
         info = StepInfo(step, self._clock(), dict(metrics or {}))
         with self._lock:
             self._info[step] = info
@@ -322,6 +332,7 @@ class TieredStore:
         fast, manifest = p.tier, p.manifest
         step, rank = manifest.step, manifest.rank
         try:
+            mine, failure = None, None
             try:
                 crcs = p.crcs if p.crcs is not None else _copy.run(
                     [_copy.Job(e.name, buf, None, self.block_size) for e, buf in
@@ -332,10 +343,11 @@ class TieredStore:
                 mbytes = manifest.to_bytes()
                 fast.write_file(step, manifest_filename(rank), mbytes)
                 _check_complete(fast, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
-            except BaseException:
+                mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes]
+            except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
                 fast.discard_staged(step)
-                raise
-            parts = self._commit_group.all_gather([manifest_filename(rank), crc32c(mbytes), manifest.nbytes])
+                failure = e
+            parts = _agree(self._commit_group, mine, failure, f"commit step {step}")
             marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts},
                             nbytes=sum(b for _, _, b in parts))
             if self._owns(fast):
@@ -399,16 +411,21 @@ class TieredStore:
         try:
             t0 = time.perf_counter()
             mname = manifest_filename(self.group.rank)
-            mbytes = bytes(src.read_file(step, mname))
-            manifest = Manifest.from_bytes(mbytes)
-            files = src.read_files(step, list(manifest.files))
-            # a damaged RAM copy must not become the durable one; verified and sent within the cap
-            _verify(manifest, files, 1, pace=self._throttle.consume)
-            dst.write_files(step, files, pace=self._throttle.consume)
-            dst.write_file(step, mname, mbytes)
-            _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
-            del files
-            self._copy_group.barrier()
+            done, failure = None, None
+            try:
+                mbytes = bytes(src.read_file(step, mname))
+                manifest = Manifest.from_bytes(mbytes)
+                files = src.read_files(step, list(manifest.files))
+                # a damaged RAM copy must not become the durable one; verified and sent within the cap
+                _verify(manifest, files, 1, pace=self._throttle.consume)
+                dst.write_files(step, files, pace=self._throttle.consume)
+                dst.write_file(step, mname, mbytes)
+                _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
+                del files
+                done = manifest.nbytes
+            except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
+                failure = e
+            _agree(self._copy_group, done, failure, f"copy step {step} to {dst.name}")
             if self._owns(dst):
                 _check_complete(dst, step, self._expected_manifests(dst, marker))
                 dst.write_marker(step, marker.to_bytes())
@@ -416,7 +433,7 @@ class TieredStore:
             with self._lock:
                 self._index[dst.name].add(step)
             log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
-                     manifest.nbytes / 1e6, time.perf_counter() - t0)
+                     done / 1e6, time.perf_counter() - t0)
         except BaseException:
             with self._lock:  # not stored there: the tier's policy may take the next step instead
                 self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
@@ -634,6 +651,115 @@ class TieredStore:
         finally:
             self._unpin(tier, step)
 
+    # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
+    def _holders(self, step: int, tiers: Sequence[str] | None) -> list[Tier]:
+        usable = list(self.tiers) if tiers is None else [self.tier(n) for n in dict.fromkeys(tiers)]
+        self.refresh()
+        with self._lock:
+            held = [t for t in usable if step in self._index[t.name]]
+        if not held:
+            raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]}")
+        return held
+
+    @staticmethod
+    def _checked_manifest(tier: Tier, step: int, rank: int) -> Manifest:
+        """Rank ``rank``'s manifest of ``step`` on ``tier``, checked against the tier's marker."""
+        marker = tier.read_marker(step)
+        mname = manifest_filename(rank)
+        if marker.step != step or mname not in marker.manifests:
+            raise FormatError(f"commit marker does not list {mname} for step {step}")
+        mbytes = bytes(tier.read_file(step, mname))
+        if crc32c(mbytes) != marker.manifests[mname]:
+            raise ChecksumError(f"manifest {mname} does not match its commit marker")
+        manifest = Manifest.from_bytes(mbytes)
+        if manifest.step != step or manifest.rank != rank:
+            raise FormatError(f"manifest {mname} is for step {manifest.step} rank {manifest.rank}")
+        return manifest
+
+    def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:
+        """The commit marker of ``step`` from the fastest tier holding a readable one."""
+        errors = []
+        for t in self._holders(step, tiers):
+            try:
+                return t.read_marker(step)
+            except (TierfsError, OSError, ValueError) as e:
+                errors.append(f"{t.name}: {type(e).__name__}: {e}")
+        raise RestoreError(f"step {step}: no readable commit marker ({'; '.join(errors)})")
+
+    def read_manifest(self, step: int, rank: int, *, tiers: Sequence[str] | None = None
+                      ) -> tuple[Manifest, str]:
+        """Any rank's manifest of ``step``, checked against the marker, from the fastest tier holding it.
+
+        Returns ``(manifest, tier name)``. Needs no collective (any rank may call it alone).
+        """
+        errors = []
+        for t in self._holders(step, tiers):
+            self._pin(t, step)
+            try:
+                return self._checked_manifest(t, step, rank), t.name
+            except (TierfsError, OSError, ValueError, KeyError) as e:
+                errors.append(f"{t.name}: {type(e).__name__}: {e}")
+            finally:
+                self._unpin(t, step)
+        raise RestoreError(f"step {step}: no tier holds a verified manifest of rank {rank} ({'; '.join(errors)})")
+
+    def read_entries(self, step: int, rank: int, names: Sequence[str] | None = None, *,
+                     tiers: Sequence[str] | None = None, consume: Callable[[Mapping[str, tuple[Entry, Any]], str], None]
+                     ) -> tuple[str, list[tuple[str, int, str]]]:
+        """Read entries of any rank's shard of ``step`` from the fastest tier whose copy verifies.
+
+        For each tier holding the step, fastest first: check the manifest against the marker, read the
+        needed shard files (RAM: mapped views, no copy), verify every block of the wanted entries, then
+        call ``consume({name: (entry, value)}, tier_name)`` while the tier's files are pinned. ``value``
+        is a read-only 1-D uint8 array for array entries (valid only during the call: copy out of it) and
+        the JSON value for json entries. A tier that fails before ``consume`` is called is skipped and the
+        next one tried. Returns ``(tier name, skipped)`` with ``skipped`` as in :class:`RestoreInfo`.
+        Needs no collective (any rank may read any rank's shard, e.g. to reshard).
+        """
+        skipped: list[tuple[str, int, str]] = []
+        for t in self._holders(step, tiers):
+            self._pin(t, step)
+            try:
+                try:
+                    manifest = self._checked_manifest(t, step, rank)
+                    by_name = {e.name: e for e in manifest.entries}
+                    wanted = list(by_name) if names is None else list(dict.fromkeys(names))
+                    missing = [n for n in wanted if n not in by_name]
+                    if missing:
+                        raise StateMismatchError(f"step {step} rank {rank} has no entries {missing[:5]}")
+                    entries = [by_name[n] for n in wanted]
+                    need = sorted({e.file for e in entries if e.kind == "array"})
+                    files = t.read_files(step, need) if need else {}
+                    raw = {f: _as_u8(files[f]) for f in need}
+                    for f in need:
+                        if raw[f].size != manifest.files[f]:
+                            raise FormatError(f"{f} holds {raw[f].size} bytes, manifest says "
+                                              f"{manifest.files[f]} (truncated copy)")
+                    out: dict[str, tuple[Entry, Any]] = {}
+                    jobs = []
+                    for e in entries:
+                        if e.kind == "json":
+                            out[e.name] = (e, e.value)
+                            continue
+                        src = raw[e.file][e.offset:e.offset + e.length]
+                        jobs.append(_copy.Job(e.name, src, None, manifest.block_size, e.crc32c))
+                        out[e.name] = (e, src)
+                    _copy.run(jobs, self.threads)
+                except StateMismatchError:
+                    raise
+                except (TierfsError, OSError, ValueError, KeyError) as e:
+                    why = f"{type(e).__name__}: {e}"
+                    log.warning("tier %s step %d rank %d unusable, trying the next source (%s)", t.name, step,
+                                rank, why)
+                    skipped.append((t.name, step, why))
+                    continue
+                consume(out, t.name)
+                return t.name, skipped
+            finally:
+                self._unpin(t, step)
+        reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
+        raise RestoreError(f"step {step} rank {rank}: no tier holds a verified copy ({reasons})")
+
     def manifest(self, step: int) -> Manifest:
         """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
         errors = []
@@ -680,6 +806,17 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _agree(group, mine: Any, failure: BaseException | None, what: str) -> list[Any]:
+    """Every rank's result of ``what``; raise (on every rank) if any rank failed."""
+    results = group.all_gather([failure is None, mine if failure is None else None])
+    if failure is not None:
+        raise failure
+    if not all(ok for ok, _ in results):
+        bad = [r for r, (ok, _) in enumerate(results) if not ok]
+        raise TierfsError(f"{what}: rank(s) {bad} failed (see their logs); not committed")
+    return [m for _, m in results]
 
 
 def _check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -> None:

@@ -1,0 +1,74 @@
+"""One rank of a multi-process DCP job (gloo on localhost), each its own node with its own RAM directory
+and one shared object tier.
+
+    dcp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save | load)
+
+save: dcp.save of the reference state as step 3 through TieredWriter, wait for the object tier copy,
+then dcp.load it back. load: dcp.load of the newest step into a differently initialised state (any world
+size). Prints one JSON line: rank, whether the loaded state is bit-exact, which tier served each saving
+rank, and what was skipped.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tierfs import TieredStore
+from tierfs.adapters.dcp import TieredReader, TieredWriter
+from tierfs.tiers import MemoryTier, ObjectTier
+
+warnings.filterwarnings("ignore")
+
+
+def make_state(seed: int, steps: int) -> dict:
+    """A model and its Adam state after ``steps`` steps, the same on every rank for a given seed."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, 16)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"epoch": seed, "blob": b"\x00tier\xff"}}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
+    return a == b
+
+
+def main() -> None:
+    shm, obj, mode = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    store = TieredStore([MemoryTier(os.path.join(shm, f"node{rank}")), ObjectTier(f"file://{obj}")])
+    want = make_state(7, 3)
+    out = {"rank": rank, "world": dist.get_world_size()}
+    if mode == "save":
+        dcp.save(want, storage_writer=TieredWriter(store, 3))
+        store.wait_until_finished()
+        dist.barrier()
+    got = make_state(1, 1)
+    got["extra"] = {"epoch": -1, "blob": b""}
+    reader = TieredReader(store)
+    dcp.load(got, storage_reader=reader)
+    out.update(exact=same(want, got), sources={str(k): v for k, v in reader.sources.items()},
+               skipped=len(reader.skipped), step=reader._resolved_step)
+    store.close()
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""PyTorch Distributed Checkpoint (DCP) storage layer over a :class:`~tierfs.TieredStore`.
+
+    store = TieredStore([MemoryTier("/dev/shm/ckpt"), ObjectTier("s3://bucket/run", ...)])
+    dcp.save(state_dict, storage_writer=TieredWriter(store, step))
+    dcp.load(state_dict, storage_reader=TieredReader(store))          # newest step, or step=...
+
+What goes where
+---------------
+A DCP step is an ordinary tierfs step: each rank's write items are entries of that rank's shard, written
+by ``store.save`` (tensor bytes are copied once, straight into the RAM tier's reusable mapped buffers,
+with crc32c per block; manifest; marker written last), so the store copies, retains, verifies and
+restores DCP steps like any other. Entry names come from the item's ``MetadataIndex``: a tensor chunk
+is ``"<offsets joined by ,>|<fqn>"`` (``"0,128|layer.weight"``; a 0-d tensor is ``"|fqn"``), a bytes
+item is ``"b|<fqn>"``; the part before the first ``|`` is never a valid fqn prefix of another kind, so
+names are unique within a rank.
+
+DCP's global ``Metadata`` is stored without pickle, as JSON in the coordinator's manifest
+(``manifest.metadata["dcp"]``): every fqn's tensor properties (dtype, layout, requires_grad,
+memory_format, pin_memory), size and chunks, or ``bytes``; the planner's data (the default planner's
+flatten mappings: fqn -> key path of str/int); and the storage data, ``MetadataIndex -> {rank, entry}``.
+``TieredReader.read_metadata`` rebuilds the same objects from it.
+
+Why the metadata is known before the write (the marker stays last)
+-------------------------------------------------------------------
+DCP hands the storage writer the global ``Metadata`` only in ``finish``, on the coordinator, *after*
+every rank's ``write_data``. Writing it then would mean adding a file to a committed step (the marker
+would no longer be last) or holding every rank's commit open across DCP's final collective. Instead the
+coordinator rebuilds the metadata in ``prepare_global_plan`` from the final global plans, exactly as
+DCP's default planner derives it (one ``BytesStorageMetadata`` per bytes item; per tensor fqn the
+properties and size of its first chunk and the list of chunks, in plan order; planner data merged with
+the first plan winning), and puts it in its manifest during ``write_data``. ``write_data`` is the
+collective store save: the step commits (marker last) only once every rank's shard and manifest are
+written. ``finish`` then checks the metadata DCP built against the one stored; a planner that builds
+metadata differently (or plan caching, whose global plans are deltas) is rejected with an error and the
+coordinator removes the step from the tiers it owns, so no step with wrong metadata stays listed.
+
+Reading
+-------
+``read_data`` groups the plan's read items by the saving rank that holds them, reads each such shard
+from the fastest tier whose copy verifies (RAM: mapped views, no copy; then object tiers), verifies
+every block of the entries it needs, and copies each slice once into the target tensor. Any rank can
+read any saving rank's shard, so loading with a different world size works wherever DCP can reshard.
+``reader.sources`` says which tier served each saving rank; ``reader.skipped`` lists the copies
+skipped and why (e.g. a corrupted RAM copy).
+
+Options
+-------
+``use_collectives=False`` and plan caching are rejected (the step must commit across all ranks). The
+process group DCP uses must have the store's ranks (``rank=`` from DCP is checked against the store).
+Non-tensor values in a state dict are serialised by DCP's planner (``torch.save``), not by tierfs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import re
+import uuid
+import warnings
+from collections import ChainMap, defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import state as st
+from ..errors import FormatError, StepNotFoundError, TierfsError
+from ..store import TieredStore
+
+log = logging.getLogger("tierfs")
+
+__all__ = ["TieredWriter", "TieredReader", "entry_name", "metadata_to_json", "metadata_from_json"]
+
+META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
+META_FORMAT = "tierfs.dcp"
+META_VERSION = 1
+
+_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+_MEMORY_FORMATS = {"torch.contiguous_format": torch.contiguous_format,
+                   "torch.channels_last": torch.channels_last, "torch.preserve_format": torch.preserve_format}
+_STEP_ID_RE = re.compile(r"^(?:step_)?(\d{1,12})$")
+
+
+# -- naming --------------------------------------------------------------------------------------------
+def entry_name(index: MetadataIndex, is_bytes: bool) -> str:
+    """The tierfs entry name of a DCP write item."""
+    if is_bytes:
+        return f"b|{index.fqn}"
+    return ",".join(str(int(o)) for o in (index.offset or ())) + "|" + index.fqn
+
+
+def _parse_step(checkpoint_id: Any) -> int:
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and 0 <= checkpoint_id < 10**12:
+        return checkpoint_id
+    m = _STEP_ID_RE.match(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if m is None:
+        raise ValueError(f"checkpoint_id {checkpoint_id!r} is not a tierfs step: pass the step number "
+                         "(e.g. '42' or 'step_000000000042'), or None to keep the writer's/reader's step")
+    return int(m.group(1))
+
+
+# -- metadata <-> JSON ---------------------------------------------------------------------------------
+def _props_to_json(p: TensorProperties) -> dict[str, Any]:
+    dtype = str(p.dtype).removeprefix("torch.")
+    if dtype not in st._TORCH_DTYPES:
+        raise TypeError(f"torch dtype {p.dtype} is not supported by tierfs")
+    if str(p.layout) not in _LAYOUTS or str(p.memory_format) not in _MEMORY_FORMATS:
+        raise TypeError(f"tensor layout {p.layout} / memory format {p.memory_format} not supported by tierfs")
+    return {"dtype": dtype, "layout": str(p.layout), "requires_grad": bool(p.requires_grad),
+            "memory_format": str(p.memory_format), "pin_memory": bool(p.pin_memory)}
+
+
+def _props_from_json(d: dict[str, Any]) -> TensorProperties:
+    if d.get("dtype") not in st._TORCH_DTYPES or d.get("layout") not in _LAYOUTS \
+            or d.get("memory_format") not in _MEMORY_FORMATS:
+        raise FormatError(f"DCP metadata has unsupported tensor properties {d!r}")
+    return TensorProperties(dtype=getattr(torch, d["dtype"]), layout=_LAYOUTS[d["layout"]],
+                            requires_grad=bool(d["requires_grad"]), memory_format=_MEMORY_FORMATS[d["memory_format"]],
+                            pin_memory=bool(d["pin_memory"]))
+
+
+def _ints(xs: Any) -> list[int]:
+    if not isinstance(xs, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in xs):
+        raise FormatError(f"DCP metadata: expected a list of ints, got {xs!r}")
+    return [int(x) for x in xs]
+
+
+def _planner_data_to_json(pd: Any) -> Any:
+    """The default planner's flatten mappings (fqn -> tuple of str/int keys) as JSON, or None."""
+    if pd is None:
+        return None
+    ok = isinstance(pd, dict) and all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and
+        all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v) for k, v in pd.items())
+    if not ok:
+        raise TypeError("the save planner's planner_data is not the default planner's flatten mapping "
+                        "(fqn -> tuple of str/int keys); tierfs stores DCP metadata without pickle and cannot "
+                        "store it: use DefaultSavePlanner or a planner whose planner_data is such a mapping")
+    return {k: list(v) for k, v in pd.items()}
+
+
+def metadata_to_json(md: Metadata) -> dict[str, Any]:
+    """DCP ``Metadata`` as JSON-able data (no pickle); ``storage_data`` must map MetadataIndex -> dict."""
+    sdm: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        elif isinstance(m, TensorStorageMetadata):
+            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties), "size": list(m.size),
+                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
+        else:
+            raise TypeError(f"{fqn!r}: unknown DCP storage metadata {type(m).__name__}")
+    storage = sorted(([idx.fqn, None if idx.offset is None else list(idx.offset), int(v["rank"]),
+                       str(v["entry"])] for idx, v in (md.storage_data or {}).items()),
+                     key=lambda r: (r[0], r[1] or [], r[2], r[3]))
+    return {"format": META_FORMAT, "version": META_VERSION, "state_dict_metadata": sdm,
+            "planner_data": _planner_data_to_json(md.planner_data), "storage_data": storage}
+
+
+def metadata_from_json(d: Any) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`'s output, validating as it goes."""
+    if not isinstance(d, dict) or d.get("format") != META_FORMAT:
+        raise FormatError("not tierfs DCP metadata")
+    if d.get("version") != META_VERSION:
+        raise FormatError(f"DCP metadata version {d.get('version')!r} is not supported; upgrade tierfs")
+    try:
+        sdm: dict[str, Any] = {}
+        for fqn, m in d["state_dict_metadata"].items():
+            if m["type"] == "bytes":
+                sdm[fqn] = BytesStorageMetadata()
+            elif m["type"] == "tensor":
+                sdm[fqn] = TensorStorageMetadata(
+                    properties=_props_from_json(m["properties"]), size=torch.Size(_ints(m["size"])),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])),
+                                                 sizes=torch.Size(_ints(c["sizes"]))) for c in m["chunks"]])
+            else:
+                raise FormatError(f"{fqn!r}: unknown kind {m['type']!r}")
+        storage: dict[MetadataIndex, dict[str, Any]] = {}
+        for fqn, offset, rank, entry in d["storage_data"]:
+            if not isinstance(fqn, str) or not isinstance(rank, int) or not isinstance(entry, str):
+                raise FormatError(f"bad storage record {[fqn, offset, rank, entry]!r}")
+            idx = MetadataIndex(fqn, None if offset is None else _ints(offset))
+            storage[idx] = {"rank": rank, "entry": entry}
+        pd = d.get("planner_data")
+        planner_data = None if pd is None else {k: tuple(v) for k, v in pd.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError(f"DCP metadata is damaged ({type(e).__name__}: {e})") from None
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
+
+
+def _metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
+    """The global metadata of final save plans, derived as DCP's default planner derives it."""
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, dict[str, Any]] = {}
+    for plan, rank in zip(plans, ranks):
+        for item in plan.items:
+            is_bytes = item.type == WriteItemType.BYTE_IO
+            if is_bytes:
+                sdm[item.index.fqn] = BytesStorageMetadata()
+            else:
+                td = item.tensor_data
+                if td is None or td.chunk is None:
+                    raise ValueError(f"write item {item.index.fqn!r} has no tensor chunk")
+                md = sdm.setdefault(item.index.fqn, TensorStorageMetadata(properties=td.properties, size=td.size,
+                                                                          chunks=[]))
+                md.chunks.append(td.chunk)
+            storage[MetadataIndex(item.index.fqn, item.index.offset)] = {
+                "rank": rank, "entry": entry_name(item.index, is_bytes)}
+    pds = [p.planner_data for p in plans if p.planner_data is not None]
+    planner_data = dict(ChainMap(*pds)) if pds else None
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
+
+
+def _check_kwargs(where: str, args: tuple, kwargs: dict[str, Any]) -> None:
+    if args or kwargs:
+        log.warning("tierfs %s: ignoring arguments this version does not know: %r %r", where, args, sorted(kwargs))
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+# -- writer --------------------------------------------------------------------------------------------
+class TieredWriter(StorageWriter):
+    """DCP ``StorageWriter`` that saves a checkpoint as step ``step`` of ``store`` (see the module doc).
+
+    ``overwrite=True`` replaces a step that is already committed. Every tier of the store takes the
+    step (its save policies are not asked: DCP saves when the caller says so); slower tiers receive it in
+    the background, as with ``store.save``.
+    """
+
+    def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False) -> None:
+        super().__init__()
+        if not isinstance(store, TieredStore):
+            raise TypeError(f"TieredWriter needs a TieredStore, got {type(store).__name__}")
+        self.store, self.step, self.overwrite = store, _parse_step(step), bool(overwrite)
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _parse_step(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._metadata = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _parse_step(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"step_{self.step:012d}", save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        rank = kwargs.pop("rank", None)
+        if not kwargs.pop("use_collectives", True):
+            raise ValueError("TieredWriter needs use_collectives=True: a tierfs step commits only once every "
+                             "rank's shard is written")
+        _check_kwargs("TieredWriter.set_up_storage_writer", args, kwargs)
+        g = self.store.group
+        if rank is not None and rank != g.rank:
+            raise ValueError(f"DCP rank {rank} is not the store's rank {g.rank}: save with a process group "
+                             "over the same ranks as the store's (the default group)")
+        self.is_coordinator = bool(is_coordinator)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return dataclasses.replace(plan, storage_data={"tierfs_rank": self.store.group.rank})
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if any(not p.usable for p in plans):
+            raise ValueError("TieredWriter does not support DCP plan caching (enable_plan_caching): pass a "
+                             "planner without it")
+        if len(plans) != self.store.group.world_size:
+            raise ValueError(f"DCP planned {len(plans)} ranks, the store has {self.store.group.world_size}: "
+                             "use a process group over the store's ranks (and use_collectives=True)")
+        ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
+                 for i, p in enumerate(plans)]
+        md = _metadata_from_plans(plans, ranks)
+        metadata_to_json(md)  # fail now, before anything is written, if it cannot be stored
+        self._metadata = md
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank = self.store.group.rank
+        state: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            is_bytes = item.type == WriteItemType.BYTE_IO
+            name = entry_name(item.index, is_bytes)
+            if name in state:
+                raise ValueError(f"two write items map to entry {name!r}")
+            if is_bytes:
+                value = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                size = len(value)
+            else:
+                value = data.detach()
+                if value.device.type != "cpu":
+                    value = value.cpu()
+                size = value.numel() * value.element_size()
+            state[name] = value
+            results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                       storage_data={"rank": rank, "entry": name}))
+        meta = None
+        if self.is_coordinator:
+            if self._metadata is None:
+                raise TierfsError("TieredWriter: the coordinator has no global plan (prepare_global_plan was "
+                                  "not called); save with dcp.save / dcp.async_save")
+            meta = {META_KEY: metadata_to_json(self._metadata)}
+        # collective over the store's ranks: the marker is written once every rank's shard is
+        self.store.save(self.step, state, metadata=meta, force=True, overwrite=self.overwrite, blocking=True)
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        ours = self._metadata
+        storage = {r.index: r.storage_data for rs in results for r in rs}
+        theirs = dataclasses.replace(metadata, storage_data=storage, storage_meta=None, version=None)
+        if ours is None or metadata_to_json(ours) != metadata_to_json(theirs):
+            log.error("step %d: DCP metadata differs from the one tierfs stored; removing the step", self.step)
+            self.store.delete(self.step)
+            raise FormatError(f"step {self.step}: the save planner's global metadata differs from the metadata "
+                              "derived from its plans (a custom planner?); the step was removed. TieredWriter "
+                              "supports planners whose metadata follows DefaultSavePlanner's rules")
+        metadata.storage_data = storage
+
+
+# -- reader --------------------------------------------------------------------------------------------
+class TieredReader(StorageReader):
+    """DCP ``StorageReader`` that loads step ``step`` (default: the newest common one) from ``store``.
+
+    ``tiers`` restricts the tiers read from. After a load, ``sources`` maps each saving rank read to
+    the tier that served it and ``skipped`` lists ``(tier, step, reason)`` of copies that failed checks.
+    """
+
+    def __init__(self, store: TieredStore, step: int | None = None, *, tiers: list[str] | None = None) -> None:
+        super().__init__()
+        if not isinstance(store, TieredStore):
+            raise TypeError(f"TieredReader needs a TieredStore, got {type(store).__name__}")
+        self.store, self.tiers = store, tiers
+        self.step = None if step is None else _parse_step(step)
+        self.load_id = uuid.uuid4().hex
+        self.metadata: Metadata | None = None
+        self.sources: dict[int, str] = {}
+        self.skipped: list[tuple[str, int, str]] = []
+        self._resolved_step: int | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _parse_step(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.metadata, self._resolved_step = None, None
+        self.sources, self.skipped = {}, []
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return TieredWriter.validate_checkpoint_id(checkpoint_id)
+
+    def _pick_step(self) -> int:
+        if self.step is not None:
+            return self.step
+        steps = self.store.steps()
+        if self.tiers is not None:
+            steps = {s: ts for s, ts in steps.items() if set(ts) & set(self.tiers)}
+        every = self.store.group.all_gather(sorted(steps))  # every rank loads the same step
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        if not common:
+            raise StepNotFoundError("nothing to load: no step is committed for every rank")
+        return max(common)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise FormatError("tierfs DCP steps have only global metadata (no rank-local metadata)")
+        _check_kwargs("TieredReader.read_metadata", args, kwargs)
+        step = self._pick_step()
+        marker = self.store.read_marker(step, tiers=self.tiers)
+        ranks = sorted(int(n.split("_")[1].split(".")[0]) for n in marker.manifests)
+        for r in ranks:  # the coordinator is usually rank 0
+            manifest, _ = self.store.read_manifest(step, r, tiers=self.tiers)
+            if META_KEY in manifest.metadata:
+                md = metadata_from_json(manifest.metadata[META_KEY])
+                md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
+                self.metadata, self._resolved_step = md, step
+                return md
+        raise FormatError(f"step {step} was not written by TieredWriter (no DCP metadata in its manifests)")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("rank", None)
+        kwargs.pop("use_collectives", None)
+        _check_kwargs("TieredReader.set_up_storage_reader", args, kwargs)
+        self.metadata = metadata
+        if self._resolved_step is None:
+            self._resolved_step = self._pick_step()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.metadata is None or self._resolved_step is None:
+            raise TierfsError("TieredReader: read_metadata/set_up_storage_reader were not called; load with dcp.load")
+        storage = self.metadata.storage_data
+        by_rank: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for item in plan.items:
+            where = storage.get(item.storage_index)
+            if where is None:
+                raise FormatError(f"step {self._resolved_step} has no data for {item.storage_index}")
+            by_rank[int(where["rank"])][where["entry"]].append(item)
+
+        for rank, wanted in sorted(by_rank.items()):
+            def consume(found: dict[str, tuple[Any, Any]], tier: str, wanted=wanted) -> None:
+                for name, items in wanted.items():
+                    entry, raw = found[name]
+                    for item in items:
+                        if item.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(item, io.BytesIO(raw.tobytes()))
+                            continue
+                        src = _as_tensor(entry, raw)
+                        for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            src = src.narrow(dim, off, n)
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != src.size():
+                            raise FormatError(f"{item.storage_index.fqn}: slice of shape {tuple(src.size())} "
+                                              f"does not fit target of shape {tuple(target.size())}")
+                        target.copy_(src)
+                        planner.commit_tensor(item, target)
+
+            tier, skipped = self.store.read_entries(self._resolved_step, rank, list(wanted), tiers=self.tiers,
+                                                    consume=consume)
+            self.sources[rank] = tier
+            self.skipped += skipped
+        return _done(None)
+
+
+def _as_tensor(entry: Any, raw: Any) -> torch.Tensor:
+    """A torch view (no copy) of an entry's verified bytes; never written to."""
+    if entry.lib != "torch" or entry.dtype not in st._TORCH_DTYPES:
+        raise FormatError(f"entry {entry.name!r} is not a torch tensor ({entry.lib} {entry.dtype})")
+    dtype = getattr(torch, entry.dtype)
+    shape = tuple(int(s) for s in entry.shape)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only mappings: torch warns, but the view is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=dtype).reshape(shape)
