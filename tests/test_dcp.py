@@ -7,12 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tierfs import TieredStore
 from tierfs.adapters.dcp import TieredReader, TieredWriter, metadata_from_json, metadata_to_json
@@ -94,9 +93,15 @@ def test_corrupted_ram_copy_is_served_from_the_object_tier(store, shm_dir):
 
 def test_existing_step_needs_overwrite_and_bad_ids_are_rejected(store):
     dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 2))
-    with pytest.raises(Exception, match="already committed"):
+    store.wait_until_finished()
+    with pytest.raises(CheckpointException) as ei:
         dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 2))
-    dcp.save(make_state(8, 1), storage_writer=TieredWriter(store, 2, overwrite=True))
+    assert [type(e).__name__ for e, _ in ei.value.failures.values()] == ["StepExistsError"]
+    want = make_state(8, 1)
+    dcp.save(want, storage_writer=TieredWriter(store, 2, overwrite=True))
+    got = fresh()
+    dcp.load(got, storage_reader=TieredReader(store, step=2))
+    assert same(want, got)
     assert TieredWriter.validate_checkpoint_id("step_000000000002") and TieredReader.validate_checkpoint_id("7")
     assert not TieredWriter.validate_checkpoint_id("s3://bucket/x")
     with pytest.raises(ValueError):
@@ -137,3 +142,21 @@ def test_load_with_another_world_size(saved, loaded, shm_dir, tmp_path):
     outs = run_job(loaded, shm_dir, obj, "load")
     assert [o["exact"] for o in outs] == [True] * loaded
     assert all(o["step"] == 3 for o in outs)
+
+
+def test_unsupported_options_are_rejected_not_dropped(store):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class OddPlanner(DefaultSavePlanner):  # metadata that does not follow from the plans
+        def create_global_plan(self, all_plans):
+            plans, md = super().create_global_plan(all_plans)
+            md.state_dict_metadata.pop(next(iter(md.state_dict_metadata)))
+            return plans, md
+
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 6), planner=OddPlanner())
+    assert [type(e).__name__ for e, _ in ei.value.failures.values()] == ["FormatError"]
+    assert 6 not in store.steps()  # the step with the wrong metadata is gone
+    with pytest.raises(ValueError, match="use_collectives"):
+        dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 7), use_collectives=False)
+    assert 7 not in store.steps()

@@ -610,16 +610,7 @@ class TieredStore:
     def _read_step(self, tier: Tier, step: int, sink, out, zero_copy, wanted) -> tuple[int, Manifest]:
         self._pin(tier, step)
         try:
-            marker = tier.read_marker(step)
-            mname = manifest_filename(self.group.rank)
-            if marker.step != step or mname not in marker.manifests:
-                raise FormatError(f"commit marker does not list {mname} for step {step}")
-            mbytes = bytes(tier.read_file(step, mname))
-            if crc32c(mbytes) != marker.manifests[mname]:
-                raise ChecksumError(f"manifest {mname} does not match its commit marker")
-            manifest = Manifest.from_bytes(mbytes)
-            if manifest.step != step or manifest.rank != self.group.rank:
-                raise FormatError(f"manifest {mname} is for step {manifest.step} rank {manifest.rank}")
+            manifest = self._checked_manifest(tier, step, self.group.rank)
             if wanted is not None:
                 missing = wanted - {e.name for e in manifest.entries}
                 if missing:
@@ -762,24 +753,12 @@ class TieredStore:
 
     def manifest(self, step: int) -> Manifest:
         """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
-        errors = []
-        for t in self.tiers:
-            if step in self._index[t.name]:
-                try:
-                    return Manifest.from_bytes(bytes(t.read_file(step, manifest_filename(self.group.rank))))
-                except (TierfsError, OSError) as e:
-                    errors.append(f"{t.name}: {e}")
-        raise StepNotFoundError(f"step {step} has no readable manifest ({'; '.join(errors) or 'not committed'})")
+        return self.read_manifest(step, self.group.rank)[0]
 
     def verify(self, step: int, tier: str) -> Manifest:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
         t = self.tier(tier)
-        marker = t.read_marker(step)
-        mname = manifest_filename(self.group.rank)
-        mbytes = bytes(t.read_file(step, mname))
-        if crc32c(mbytes) != marker.manifests.get(mname):
-            raise ChecksumError(f"manifest {mname} does not match its commit marker")
-        manifest = Manifest.from_bytes(mbytes)
+        manifest = self._checked_manifest(t, step, self.group.rank)
         _verify(manifest, t.read_files(step, list(manifest.files)), self.threads)
         return manifest
 
