@@ -160,3 +160,98 @@ def test_unsupported_options_are_rejected_not_dropped(store):
     with pytest.raises(ValueError, match="use_collectives"):
         dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 7), use_collectives=False)
     assert 7 not in store.steps()
+
+
+# -- export to a plain DCP directory -------------------------------------------------------------------
+def test_export_reads_with_a_plain_file_system_reader(store, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tierfs.adapters.dcp import export_dcp
+
+    want = make_state(7, 3)
+    dcp.save(make_state(5, 1), storage_writer=TieredWriter(store, 2))
+    dcp.save(want, storage_writer=TieredWriter(store, 3))
+    store.wait_until_finished()
+    out = tmp_path / "plain"
+    md = export_dcp(store, out)  # newest step
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]
+    assert all(si.relative_path == "__0_0.distcp" for si in md.storage_data.values())
+    got = fresh()
+    dcp.load(got, storage_reader=FileSystemReader(str(out)))  # no tierfs involved
+    assert same(want, got)
+    # an older step, from the object tier only; an existing checkpoint needs overwrite=True
+    with pytest.raises(FileExistsError):
+        export_dcp(store, out, step=2)
+    export_dcp(store, out, step=2, tiers=["file"], overwrite=True)
+    got = fresh()
+    dcp.load(got, storage_reader=FileSystemReader(str(out)))
+    assert same(make_state(5, 1), got)
+
+
+def test_export_of_a_two_rank_checkpoint_loads_in_one_process(shm_dir, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tierfs.adapters.dcp import export_dcp
+
+    obj = str(tmp_path / "obj")
+    assert all(o["exact"] for o in run_job(2, shm_dir, obj, "save"))
+    store = TieredStore([ObjectTier(f"file://{obj}")])  # any single process with access to a tier
+    try:
+        out = tmp_path / "plain"
+        md = export_dcp(store, out)
+    finally:
+        store.close()
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert {si.relative_path for si in md.storage_data.values()} <= {"__0_0.distcp", "__1_0.distcp"}
+    got = fresh()
+    dcp.load(got, storage_reader=FileSystemReader(str(out)))
+    assert same(make_state(7, 3), got)
+
+
+RAM_ONLY_CHILD = """
+import json, os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+sys.path.insert(0, {here!r})
+from dcp_child import make_state, same
+from tierfs import TieredStore
+from tierfs.adapters.dcp import TieredReader, TieredWriter
+from tierfs.tiers import MemoryTier
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+store = TieredStore([MemoryTier(os.path.join(sys.argv[1], f"node{{rank}}"))])
+want = {{f"r{{rank}}": make_state(7 + rank, 3)}}  # each rank its own items: a node's RAM has only its own
+dcp.save(want, storage_writer=TieredWriter(store, 3))
+got = {{f"r{{rank}}": make_state(1, 1)}}
+got[f"r{{rank}}"]["extra"] = {{"epoch": -1, "blob": b""}}
+reader = TieredReader(store)
+dcp.load(got, storage_reader=reader)
+print(json.dumps({{"rank": rank, "exact": same(want, got), "sources": {{str(k): v for k, v in reader.sources.items()}}}}), flush=True)
+store.close()
+dist.destroy_process_group()
+"""
+
+
+def test_two_ram_only_nodes_load_without_a_shared_tier(shm_dir, tmp_path):
+    # each node's RAM holds only its own manifest: the ranks without the coordinator's get DCP's metadata
+    # from one that has it (read_metadata is called on every rank by dcp.load)
+    script = tmp_path / "child.py"
+    script.write_text(RAM_ONLY_CHILD.format(here=str(HERE)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
+                            "PYTHONPATH": str(HERE.parent)}
+        procs.append(subprocess.Popen([sys.executable, str(script), shm_dir], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(o["exact"] for o in outs)
+    assert [o["sources"] for o in outs] == [{"0": "ram"}, {"1": "ram"}]

@@ -41,7 +41,15 @@ from the fastest tier whose copy verifies (RAM: mapped views, no copy; then obje
 every block of the entries it needs, and copies each slice once into the target tensor. Any rank can
 read any saving rank's shard, so loading with a different world size works wherever DCP can reshard.
 ``reader.sources`` says which tier served each saving rank; ``reader.skipped`` lists the copies
-skipped and why (e.g. a corrupted RAM copy).
+skipped and why (e.g. a corrupted RAM copy). DCP reads the metadata on every rank; a rank whose tiers
+lack the coordinator's manifest (RAM-only stores on several nodes) gets it from a rank that has it.
+
+Getting a checkpoint out
+------------------------
+``export_dcp(store, directory, step=None)`` writes a step as a plain DCP directory, exactly as
+``FileSystemWriter`` lays it out (``__{rank}_0.distcp`` per saving rank with bytes items raw and tensors
+as ``torch.save`` of each chunk, ``.metadata`` pickled by DCP's rules, written last), read through the
+store's verified path; ``FileSystemReader(directory)`` loads it without tierfs.
 
 Options
 -------
@@ -77,7 +85,7 @@ from ..store import TieredStore
 
 log = logging.getLogger("tierfs")
 
-__all__ = ["TieredWriter", "TieredReader", "entry_name", "metadata_to_json", "metadata_from_json"]
+__all__ = ["TieredWriter", "TieredReader", "export_dcp", "entry_name", "metadata_to_json", "metadata_from_json"]
 
 META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
 META_FORMAT = "tierfs.dcp"
@@ -357,6 +365,7 @@ class TieredReader(StorageReader):
         self.sources: dict[int, str] = {}
         self.skipped: list[tuple[str, int, str]] = []
         self._resolved_step: int | None = None
+        self._share_metadata = True  # collective in read_metadata (off for export_dcp: one process)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -386,15 +395,37 @@ class TieredReader(StorageReader):
             raise FormatError("tierfs DCP steps have only global metadata (no rank-local metadata)")
         _check_kwargs("TieredReader.read_metadata", args, kwargs)
         step = self._pick_step()
+        raw: Any = None
+        err: BaseException | None = None
+        try:
+            raw = self._read_metadata_json(step)
+        except (TierfsError, OSError) as e:
+            err = e
+        g = self.store.group
+        if self._share_metadata and g.world_size > 1:
+            # DCP reads the metadata on every rank; a rank whose tiers lack the coordinator's manifest (a
+            # RAM-only store: each node's RAM holds its own ranks' manifests) gets it from a rank that has it
+            have = g.all_gather(raw is not None)
+            if any(have) and not all(have):
+                src = have.index(True)
+                shared = g.all_gather(raw if g.rank == src else None)[src]
+                if raw is None:
+                    raw, err = shared, None
+        if raw is None:
+            raise err if err is not None else FormatError(f"step {step}: no DCP metadata")
+        md = metadata_from_json(raw)
+        md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
+        self.metadata, self._resolved_step = md, step
+        return md
+
+    def _read_metadata_json(self, step: int) -> Any:
+        """The JSON DCP metadata of ``step`` from the coordinator's manifest (verified against the marker)."""
         marker = self.store.read_marker(step, tiers=self.tiers)
         ranks = sorted(int(n.split("_")[1].split(".")[0]) for n in marker.manifests)
         for r in ranks:  # the coordinator is usually rank 0
             manifest, _ = self.store.read_manifest(step, r, tiers=self.tiers)
             if META_KEY in manifest.metadata:
-                md = metadata_from_json(manifest.metadata[META_KEY])
-                md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
-                self.metadata, self._resolved_step = md, step
-                return md
+                return manifest.metadata[META_KEY]
         raise FormatError(f"step {step} was not written by TieredWriter (no DCP metadata in its manifests)")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -458,3 +489,101 @@ def _as_tensor(entry: Any, raw: Any) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only mappings: torch warns, but the view is only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+# -- export to a plain DCP directory -------------------------------------------------------------------
+def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | None = None, *,
+               tiers: list[str] | None = None, overwrite: bool = False, fsync: bool = True) -> Metadata:
+    """Write step ``step`` (default: the newest) of ``store`` as a plain DCP checkpoint in ``directory``.
+
+    The result is what ``FileSystemWriter(directory)`` (``thread_count=1``, no extensions) would have
+    written for the same save: one ``__{rank}_0.distcp`` file per saving rank, holding that rank's bytes
+    items raw and each tensor chunk as ``torch.save(chunk)`` (DCP's default serialization, which
+    ``FileSystemReader`` reads back with ``torch.load(weights_only=True)``), and a ``.metadata`` file:
+    DCP's ``Metadata`` pickled by DCP's own rules, with ``_StorageInfo(relative_path, offset, length)``
+    storage data. It loads with ``dcp.load(state, storage_reader=FileSystemReader(directory))`` and no
+    tierfs (and with any world size DCP can reshard to).
+
+    Every entry is read through the store's verified path (fastest tier whose copy checks out, every
+    crc32c verified), from any rank's shard, so this runs in one process (e.g. rank 0 alone, or a tool
+    after the job). ``.metadata`` is written last, through a temporary file and a rename, so a directory
+    with a ``.metadata`` is complete. An existing ``.metadata`` in ``directory`` is an error unless
+    ``overwrite=True``. Returns the ``Metadata`` written.
+    """
+    import pickle  # DCP's own metadata format; tierfs writes it for DCP but never reads pickle
+
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
+
+    if not isinstance(store, TieredStore):
+        raise TypeError(f"export_dcp needs a TieredStore, got {type(store).__name__}")
+    if step is None:
+        steps = store.steps()
+        if tiers is not None:
+            steps = {s: ts for s, ts in steps.items() if set(ts) & set(tiers)}
+        if not steps:
+            raise StepNotFoundError("nothing to export: no committed step")
+        step = max(steps)
+    step = _parse_step(step)
+    directory = os.fspath(directory)
+    meta_path = os.path.join(directory, ".metadata")
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(meta_path) and not overwrite:
+        raise FileExistsError(f"{directory} already holds a DCP checkpoint (.metadata); pass overwrite=True")
+
+    # the global metadata, rebuilt from the coordinator's manifest (JSON, no pickle), as TieredReader does
+    reader = TieredReader(store, step, tiers=tiers)
+    reader._share_metadata = False  # no collective: export runs in one process
+    md = reader.read_metadata()
+    by_rank: dict[int, dict[str, list[MetadataIndex]]] = defaultdict(lambda: defaultdict(list))
+    for idx, where in md.storage_data.items():
+        by_rank[int(where["rank"])][str(where["entry"])].append(idx)
+
+    storage: dict[MetadataIndex, Any] = {}
+    written: list[str] = []
+    for rank, wanted in sorted(by_rank.items()):
+        rel = f"__{rank}_0{DEFAULT_SUFFIX}"
+        path = os.path.join(directory, rel)
+
+        def consume(found: dict[str, tuple[Any, Any]], tier: str, wanted=wanted, rel=rel, path=path) -> None:
+            names = list(wanted)
+            # FileSystemWriter writes a file's bytes items first, then its tensors
+            names.sort(key=lambda n: not n.startswith("b|"))
+            with open(path, "wb") as f:
+                for name in names:
+                    entry, raw = found[name]
+                    offset = f.tell()
+                    if name.startswith("b|"):
+                        f.write(raw.tobytes() if entry.kind == "array" else bytes(raw))
+                    else:
+                        torch.save(_as_tensor(entry, raw), f)
+                    length = f.tell() - offset
+                    for idx in wanted[name]:
+                        storage[idx] = _StorageInfo(rel, offset, length)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+
+        tier, skipped = store.read_entries(step, rank, list(wanted), tiers=tiers, consume=consume)
+        for t, s, why in skipped:
+            log.warning("export_dcp: step %d rank %d: skipped the %s copy (%s)", s, rank, t, why)
+        log.info("export_dcp: step %d rank %d from %s -> %s", step, rank, tier, path)
+        written.append(rel)
+
+    out = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+                   storage_data=storage, storage_meta=StorageMeta(checkpoint_id=directory,
+                                                                  save_id=uuid.uuid4().hex),
+                   version=CURRENT_DCP_VERSION)
+    tmp = meta_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(out, f)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, meta_path)
+    if fsync:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return out
