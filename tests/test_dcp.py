@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+import gloo_job  # noqa: E402
 from dcp_child import make_state, same  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -109,22 +107,7 @@ def test_existing_step_needs_overwrite_and_bad_ids_are_rejected(store):
 
 
 def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
-                            "PYTHONPATH": str(HERE.parent)}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "dcp_child.py"), shm, obj, mode],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return sorted(outs, key=lambda o: o["rank"])
+    return gloo_job.run_job(world, HERE / "dcp_child.py", shm, obj, mode, timeout=120)
 
 
 def test_two_ranks_save_and_load_with_gloo(shm_dir, tmp_path):
@@ -238,20 +221,6 @@ def test_two_ram_only_nodes_load_without_a_shared_tier(shm_dir, tmp_path):
     # from one that has it (read_metadata is called on every rank by dcp.load)
     script = tmp_path / "child.py"
     script.write_text(RAM_ONLY_CHILD.format(here=str(HERE)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
-                            "PYTHONPATH": str(HERE.parent)}
-        procs.append(subprocess.Popen([sys.executable, str(script), shm_dir], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = gloo_job.run_job(2, script, shm_dir, timeout=120)
     assert all(o["exact"] for o in outs)
     assert [o["sources"] for o in outs] == [{"0": "ram"}, {"1": "ram"}]

@@ -4,38 +4,19 @@ bit-exact, from RAM or, for a node whose RAM was lost, from the object tier."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import gloo_job
 from tierfs.format import Marker, step_dirname
 
 HERE = Path(__file__).parent
 
 
 def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
-                            "PYTHONPATH": str(HERE.parent)}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "mp_child.py"), shm, obj, mode],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return sorted(outs, key=lambda o: o["rank"])
+    return gloo_job.run_job(world, HERE / "mp_child.py", shm, obj, mode)
 
 
 @pytest.mark.parametrize("world, mode", [(2, "save-sync"), (3, "save-async")])

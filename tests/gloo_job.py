@@ -1,0 +1,40 @@
+"""Run a script as a job of ``world`` processes with torch.distributed (gloo) on localhost.
+
+Each process is its own node (``TIERFS_NODE_RANK`` = rank), as tierfs's multi-node tests want. Every
+process must print one JSON line last; the results come back sorted by rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def run_job(world: int, script: str | Path, *args: str, timeout: float = 180) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
+                            "PYTHONPATH": str(HERE.parent)}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return sorted(outs, key=lambda o: o["rank"])
