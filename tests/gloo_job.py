@@ -16,14 +16,17 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def run_job(world: int, script: str | Path, *args: str, timeout: float = 180) -> list[dict]:
+def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, same_node: bool = False
+            ) -> list[dict]:
+    """``same_node``: all processes are one node (node rank 0, local ranks 0..world-1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(world):
         env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank),
+                            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank if same_node else 0),
+                            "TIERFS_NODE_RANK": str(0 if same_node else rank),
                             "PYTHONPATH": str(HERE.parent)}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env))

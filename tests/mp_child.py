@@ -26,7 +26,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     budget = 1000 if mode == "fail-rank1" and rank == 1 else None  # rank 1 cannot hold a step
-    store = TieredStore([MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2), budget=budget),
+    ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
+    store = TieredStore([ram,
                          ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(2), keep=LatestN(2))])
     out = {"rank": rank}
     if mode == "fail-rank1":
@@ -41,6 +42,18 @@ def main() -> None:
         store.close()
         print(json.dumps(out), flush=True)
         return
+    if mode == "shared-node":  # every rank's buffers are reused although only one rank owns the directory
+        created = []
+        new_buf = ram._new_buf
+        ram._new_buf = lambda path, size: (created.append(size), new_buf(path, size))[1]
+        for step in range(8):
+            store.save(step, state_for(rank, step))
+            store.wait_until_finished()
+            if step == 3:
+                created.clear()
+        dist.barrier()
+        out["fresh_after_warmup"] = len(created)
+        out["ram_steps"] = sorted(os.listdir(ram.path))
     if mode.startswith("save"):
         for step in range(5):
             store.save(step, state_for(rank, step), blocking=(mode == "save-sync"))

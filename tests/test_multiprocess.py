@@ -15,8 +15,8 @@ from tierfs.format import Marker, step_dirname
 HERE = Path(__file__).parent
 
 
-def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
-    return gloo_job.run_job(world, HERE / "mp_child.py", shm, obj, mode)
+def run_job(world: int, shm: str, obj: str, mode: str, same_node: bool = False) -> list[dict]:
+    return gloo_job.run_job(world, HERE / "mp_child.py", shm, obj, mode, same_node=same_node)
 
 
 @pytest.mark.parametrize("world, mode", [(2, "save-sync"), (3, "save-async")])
@@ -51,3 +51,11 @@ def test_a_rank_that_fails_to_save_fails_the_step_everywhere_without_hanging(shm
     assert outs[0]["blocking=False"] == "BackgroundError"  # save returned; the failed commit surfaces
     assert outs[0]["steps"] == {"7": False}  # written on rank 0, never committed
     assert outs[1]["steps"] == {}
+
+
+def test_ranks_sharing_a_node_directory_reuse_their_buffers(shm_dir, tmp_path):
+    outs = run_job(2, shm_dir, str(tmp_path / "obj"), "shared-node", same_node=True)
+    for o in outs:
+        assert o["fresh_after_warmup"] == 0, "a rank copied into fresh tmpfs pages in steady state"
+        assert [n for n in o["ram_steps"] if not n.startswith(".")] == [step_dirname(6), step_dirname(7)]
+        assert (o["step"], o["tier"], o["exact"]) == (7, "ram", True)

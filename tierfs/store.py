@@ -481,7 +481,10 @@ class TieredStore:
                 return
             self._index[tier.name].discard(step)
             self._history[tier.name] = [i for i in self._history[tier.name] if i.step != step]
-        if self._owns(tier):
+        if tier.is_local and len(self.group.node_ranks) > 1:
+            # ranks sharing a node's directory each take back their own buffers; the owner drops the marker
+            tier.release(step, self.group.rank, marker=self._owns(tier))
+        elif self._owns(tier):
             tier.delete_step(step)
 
     def delete(self, step: int, tiers: Sequence[str] | None = None) -> None:

@@ -114,6 +114,12 @@ class Tier(ABC):
     def delete_step(self, step: int) -> None:
         """Remove a step, marker first, so a half-deleted step never looks committed."""
 
+    def release(self, step: int, rank: int, marker: bool) -> None:
+        """Delete ``rank``'s files of ``step`` (and the marker if ``marker``), where several ranks share the
+        tier's directory on a node. Default: the marker holder deletes the whole step."""
+        if marker:
+            self.delete_step(step)
+
     # -- derived operations -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         return sorted(s for s, ok in self.list_steps().items() if ok)

@@ -360,12 +360,15 @@ class MemoryTier(Tier):
         with self._lock:
             self._delete_step(step)
 
-    def _delete_step(self, step: int) -> None:
+    def _delete_step(self, step: int, prefix: str = "", marker: bool = True) -> None:
         d = self._dir(step)
-        (d / MARKER).unlink(missing_ok=True)
+        if marker:
+            (d / MARKER).unlink(missing_ok=True)
         if not d.exists():
             return
         for p in list(d.iterdir()):
+            if not p.name.startswith(prefix):
+                continue
             b = self._bufs.pop(p, None)
             if b is not None and b.writable and not b.exported and p.suffix == ".bin":
                 self._to_pool(p, b)
@@ -373,7 +376,19 @@ class MemoryTier(Tier):
                 if b is not None:
                     b.close()
                 p.unlink(missing_ok=True)
-        shutil.rmtree(d, ignore_errors=True)
+        if prefix:
+            try:
+                os.rmdir(d)  # the last rank of the node to let go removes the directory
+            except OSError:
+                pass
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def release(self, step: int, rank: int, marker: bool) -> None:
+        """Delete only ``rank``'s files of a step (its shard buffers go to this process's pool), and the
+        marker if ``marker``: for ranks that share this directory with others on their node."""
+        with self._lock:
+            self._delete_step(step, prefix=f"rank_{rank:05d}.", marker=marker)
 
     def _to_pool(self, path: Path, b: _Buf | None) -> None:
         pooled = sum(x.size for x in self._pool)
