@@ -1,7 +1,7 @@
 """One rank of a multi-process DCP job (gloo on localhost), each its own node with its own RAM directory
 and one shared object tier.
 
-    dcp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save | load)
+    dcp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save | async-save | load)
 
 save: dcp.save of the reference state as step 3 through TieredWriter, wait for the object tier copy,
 then dcp.load it back. load: dcp.load of the newest step into a differently initialised state (any world
@@ -57,6 +57,14 @@ def main() -> None:
     out = {"rank": rank, "world": dist.get_world_size()}
     if mode == "save":
         dcp.save(want, storage_writer=TieredWriter(store, 3))
+        store.wait_until_finished()
+        dist.barrier()
+    elif mode == "async-save":  # dcp.async_save on every rank; the state changes while it runs
+        live = make_state(7, 3)
+        fut = dcp.async_save(live, storage_writer=TieredWriter(store, 3))
+        fut.result()
+        for t in live["model"].values():
+            t.add_(1.0)
         store.wait_until_finished()
         dist.barrier()
     got = make_state(1, 1)

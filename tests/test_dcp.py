@@ -224,3 +224,9 @@ def test_two_ram_only_nodes_load_without_a_shared_tier(shm_dir, tmp_path):
     outs = gloo_job.run_job(2, script, shm_dir, timeout=120)
     assert all(o["exact"] for o in outs)
     assert [o["sources"] for o in outs] == [{"0": "ram"}, {"1": "ram"}]
+
+
+def test_async_save_with_two_ranks(shm_dir, tmp_path):
+    outs = run_job(2, shm_dir, str(tmp_path / "obj"), "async-save")
+    assert all(o["exact"] and o["step"] == 3 for o in outs)
+    assert [o["sources"][str(o["rank"])] for o in outs] == ["ram", "ram"]
