@@ -210,6 +210,17 @@ def flip_first_byte(ram: str, step: int) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
+
+def resume_and_compare(store, data, losses, ref_model, ref_losses, note: str | None = None) -> bool:
+    """Restore, train to the end, and compare with an uninterrupted run; print the outcome."""
+    model, times = restore_and_finish(store, data, losses, "  [resumed]")
+    note = note or f"final loss {losses[TOTAL_STEPS]:.4f}"
+    print(f"  save times after the restart: {save_summary(times)}")
+    same = same_weights(model, ref_model) and all(losses[s] == ref_losses[s] for s in losses)
+    print(f"  final weights {'are bitwise equal to' if same else 'DIFFER from'} an uninterrupted run's ({note})")
+    return same
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", choices=["demo", "train"], default="demo")
@@ -244,12 +255,7 @@ def main() -> int:
                 cli.main(["ls", target])
             print(textwrap.indent(out.getvalue(), "    "), end="")
         with open_store(ram, url) as store:
-            model, times = restore_and_finish(store, data, losses, "  [resumed]")
-        print(f"  save times after the restart: {save_summary(times)}")
-        same = same_weights(model, ref_model) and all(losses[s] == ref_losses[s] for s in losses)
-        ok &= same
-        print(f"  final weights {'are bitwise equal to' if same else 'DIFFER from'} an uninterrupted run's "
-              f"(final loss {losses[TOTAL_STEPS]:.4f})")
+            ok &= resume_and_compare(store, data, losses, ref_model, ref_losses)
 
         print()
         print("== Scenario 2: the same crash, then the node's RAM is lost ==")
@@ -266,12 +272,8 @@ def main() -> int:
         losses = {}
         with open_store(ram, url) as store:
             show_tiers(store, "on the new node")
-            model, times = restore_and_finish(store, data, losses, "  [resumed]")
-        print(f"  save times after the restart: {save_summary(times)}")
-        same = same_weights(model, ref_model) and all(losses[s] == ref_losses[s] for s in losses)
-        ok &= same
-        print(f"  final weights {'are bitwise equal to' if same else 'DIFFER from'} an uninterrupted run's "
-              f"(steps 31-{CRASH_AT} were trained twice)")
+            ok &= resume_and_compare(store, data, losses, ref_model, ref_losses,
+                                     f"steps 31-{CRASH_AT} were trained twice")
     finally:
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)

@@ -179,10 +179,6 @@ class TieredStore:
                 out.setdefault(s, []).append(t.name)
         return dict(sorted(out.items()))
 
-    def latest_step(self) -> int | None:
-        steps = self.steps()
-        return max(steps) if steps else None
-
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
             if t.name == name:
@@ -309,7 +305,7 @@ class TieredStore:
             if checksum:
                 crcs = _copy.run(jobs, self.threads)
             else:
-                _copy.copy(jobs, self.threads)
+                _copy.run(jobs, self.threads, checksum=False)
                 crcs = None
         except BaseException:
             fast.discard_staged(step)
@@ -618,11 +614,7 @@ class TieredStore:
                 missing = wanted - {e.name for e in manifest.entries}
                 if missing:
                     raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
-            files = tier.read_files(step, list(manifest.files))
-            raw = {f: _as_u8(files[f]) for f in manifest.files}
-            for f, n in manifest.files.items():
-                if raw[f].size != n:
-                    raise FormatError(f"{f} holds {raw[f].size} bytes, manifest says {n} (truncated copy)")
+            raw = _shard_views(manifest, tier.read_files(step, list(manifest.files)))
             jobs, finish = [], []
             for e in manifest.entries:
                 if wanted is not None and e.name not in wanted:
@@ -723,12 +715,7 @@ class TieredStore:
                         raise StateMismatchError(f"step {step} rank {rank} has no entries {missing[:5]}")
                     entries = [by_name[n] for n in wanted]
                     need = sorted({e.file for e in entries if e.kind == "array"})
-                    files = t.read_files(step, need) if need else {}
-                    raw = {f: _as_u8(files[f]) for f in need}
-                    for f in need:
-                        if raw[f].size != manifest.files[f]:
-                            raise FormatError(f"{f} holds {raw[f].size} bytes, manifest says "
-                                              f"{manifest.files[f]} (truncated copy)")
+                    raw = _shard_views(manifest, t.read_files(step, need) if need else {})
                     out: dict[str, tuple[Entry, Any]] = {}
                     jobs = []
                     for e in entries:
@@ -826,12 +813,18 @@ def _as_u8(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+def _shard_views(manifest: Manifest, files: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The shard files read from a tier as uint8 arrays, each checked against its length in the manifest."""
+    raw = {f: _as_u8(data) for f, data in files.items()}
+    for f, data in raw.items():
+        if data.size != manifest.files[f]:
+            raise FormatError(f"{f} holds {data.size} bytes, manifest says {manifest.files[f]} (truncated copy)")
+    return raw
+
+
 def _verify(manifest: Manifest, files: Mapping[str, Any], threads: int | None,
             pace: Callable[[int], None] | None = None) -> None:
-    raw = {f: _as_u8(files[f]) for f in manifest.files}
-    for f, n in manifest.files.items():
-        if raw[f].size != n:
-            raise FormatError(f"{f} holds {raw[f].size} bytes, manifest says {n} (truncated copy)")
+    raw = _shard_views(manifest, {f: files[f] for f in manifest.files})
     _copy.run([_copy.Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size,
                          e.crc32c) for e in manifest.entries if e.kind == "array"], threads, pace)
 
