@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import ChecksumError
-from .format import blocks, crc32c
+from .errors import ChecksumError, FormatError
+from .format import Manifest, blocks, crc32c
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -99,3 +99,28 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
         raise failed[0]
     return out
 
+
+
+def as_u8(data) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def shard_views(manifest: Manifest, files) -> dict[str, np.ndarray]:
+    """Shard files (arrays or bytes) as uint8 arrays, each checked against its length in the manifest."""
+    raw = {f: as_u8(data) for f, data in files.items()}
+    for f, data in raw.items():
+        if f not in manifest.files:
+            raise FormatError(f"{f} is not a file of the manifest of rank {manifest.rank}")
+        if data.size != manifest.files[f]:
+            raise FormatError(f"{f} holds {data.size} bytes, manifest says {manifest.files[f]} (truncated copy)")
+    return raw
+
+
+def verify(manifest: Manifest, files, threads: int | None = None,
+           pace: Callable[[int], None] | None = None) -> None:
+    """Check every block of the array entries that live in ``files`` (a subset of the shard's files)."""
+    raw = shard_views(manifest, files)
+    run([Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size, e.crc32c)
+         for e in manifest.entries if e.kind == "array" and e.file in raw], threads, pace)

@@ -6,14 +6,19 @@ groups of its own, so it never queues behind the training job's NCCL work; each 
 gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
 
 A node is a set of ranks sharing one RAM directory. Its number comes from ``TIERFS_NODE_RANK``, else
-torchrun's ``GROUP_RANK``, else 0; tests run each process as its own node by setting it to the rank.
+torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
+node by setting ``TIERFS_NODE_RANK`` to the rank.
+
+Bulk bytes (the peer tier's replicas) move point to point with ``exchange``: numpy buffers wrapped as
+tensors without a copy, every receive posted before any send so a ring of ranks cannot deadlock.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import warnings
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -24,6 +29,8 @@ class SingleProcess:
     rank = 0
     world_size = 1
     local_rank = 0
+    node_rank = 0
+    nodes = (0,)
     node_ranks = (0,)
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -32,7 +39,7 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
-    def fork(self) -> "SingleProcess":
+    def fork(self, backend: str | None = None) -> "SingleProcess":
         return self
 
 
@@ -50,18 +57,46 @@ class TorchGroup:
         self.world_size = dist.get_world_size()
         self._pg = dist.new_group(backend=backend)
         if node_rank is None:
-            node_rank = int(os.environ.get("TIERFS_NODE_RANK", os.environ.get("GROUP_RANK", "0")))
-        self.node_rank = node_rank
-        nodes = self.all_gather(node_rank)
-        self.node_ranks = tuple(r for r, n in enumerate(nodes) if n == node_rank)
+            node_rank = env_node_rank(self.rank)
+        self.node_rank = int(node_rank)
+        #: node number of every rank
+        self.nodes: tuple[int, ...] = tuple(int(n) for n in self.all_gather(self.node_rank))
+        self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
 
-    def fork(self) -> "TorchGroup":
+    def fork(self, backend: str | None = None) -> "TorchGroup":
         """The same ranks over a new group, for use by another thread (collective)."""
         twin = object.__new__(TorchGroup)
         twin.__dict__.update(self.__dict__)
-        twin._pg = self._dist.new_group(backend=self._backend)
+        twin._backend = backend or self._backend
+        twin._pg = self._dist.new_group(backend=twin._backend)
         return twin
+
+    def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],
+                 pace: Callable[[int], None] | None = None,
+                 on_received: Callable[[int], None] | None = None, tag: int = 0) -> None:
+        """Send and receive contiguous uint8 buffers point to point: ``sends`` are ``(to rank, buffer)``,
+        ``recvs`` ``(from rank, buffer)``; buffers between two ranks pair up in order, and the sizes must
+        match on both sides. ``pace(nbytes)`` is called before each send (a throttle);
+        ``on_received(i)`` as soon as ``recvs[i]`` has landed, in order, while later ones still move.
+        """
+        import torch
+
+        with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
+            warnings.simplefilter("ignore", UserWarning)
+            works = [self._dist.irecv(torch.from_numpy(buf), src, group=self._pg, tag=tag)
+                     for src, buf in recvs]
+            sent = []
+            for dst, buf in sends:
+                if pace is not None:
+                    pace(buf.nbytes)
+                sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=self._pg, tag=tag))
+        for i, w in enumerate(works):
+            w.wait()
+            if on_received is not None:
+                on_received(i)
+        for w in sent:
+            w.wait()
 
     def all_gather(self, obj: Any) -> list[Any]:
         import torch
@@ -79,6 +114,15 @@ class TorchGroup:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._pg)
+
+
+def env_node_rank(rank: int) -> int:
+    """This process's node number from the environment (see the module docstring)."""
+    for var in ("TIERFS_NODE_RANK", "GROUP_RANK"):
+        if os.environ.get(var, "").strip():
+            return int(os.environ[var])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return rank // int(local) if local else 0
 
 
 def default_group() -> SingleProcess | TorchGroup:

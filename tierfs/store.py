@@ -24,10 +24,11 @@ from ._worker import Throttle, Worker
 from .dist import SingleProcess, TorchGroup, default_group
 from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StateMismatchError,
                      StepExistsError, StepNotFoundError, TierfsError)
-from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker, crc32c,
+from .format import (DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, MARKER, Entry, Manifest, Marker, crc32c,
                      manifest_filename, plan_files)
 from .policies import SaveContext, StepInfo
 from .tiers.base import Tier
+from .tiers.peer import plan_fetch
 
 log = logging.getLogger("tierfs")
 
@@ -49,13 +50,18 @@ class RestoreInfo:
     metadata: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)  # entries in the checkpoint not in the target state
+    peer: int | None = None  # the rank that sent this rank's shard, when it came from the peer tier
+    #: every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}`` (the same on every rank)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     def __str__(self) -> str:
-        s = f"step {self.step} from tier {self.tier!r}: {self.nbytes / 1e6:.1f} MB in {self.seconds:.3f}s"
+        s = f"step {self.step} from tier {self.tier!r}"
+        s += f" (rank {self.peer})" if self.peer is not None else ""
+        s += f": {self.nbytes / 1e6:.1f} MB in {self.seconds:.3f}s"
         for tier, step, why in self.skipped:
             s += f"; skipped {tier!r} step {step}: {why}"
         return s
@@ -101,11 +107,17 @@ class TieredStore:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}; pass name=... to tell them apart")
+        peers = [t for t in tiers if t.is_peer]
+        if len(peers) > 1 or tiers[0].is_peer:
+            raise ValueError("use at most one PeerTier, after the RAM tier: "
+                             "[MemoryTier(...), PeerTier(), ObjectTier(url)]")
         self.tiers = tiers
         self.group = group if group is not None else default_group()
         # one group per thread role, so collectives of different threads never interleave
         self._commit_group = self.group.fork()
-        self._copy_group = self.group.fork()
+        self._copy_groups = {t.name: self.group.fork() for t in tiers[1:]}
+        for t in peers:
+            t.bind(tiers[0], self.group)
         self.threads = threads
         self.file_size, self.block_size = int(file_size), int(block_size)
         self._clock = clock
@@ -126,7 +138,8 @@ class TieredStore:
         self._in_flight: dict[int, int] = {}  # step -> unfinished background jobs (commit, copies)
         self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
         self._commits = Worker("tierfs-commit", self._record_error)
-        self._copies = Worker("tierfs-copy", self._record_error)
+        # one copy worker per slower tier: a slow upload never holds back the replicas to peers
+        self._copies = {t.name: Worker(f"tierfs-copy-{t.name}", self._record_error) for t in tiers[1:]}
         self._closed = False
         for t in tiers:
             t.open()
@@ -152,7 +165,10 @@ class TieredStore:
                 self._history[t.name].sort(key=lambda i: i.step)
 
     def _owns(self, tier: Tier) -> bool:
-        """Whether this rank commits and deletes whole steps on ``tier`` (per node for local tiers)."""
+        """Whether this rank commits and deletes whole steps on ``tier`` (per node for local tiers; each
+        rank its own replicas on a peer tier)."""
+        if tier.is_peer:
+            return True
         return (self.group.local_rank if tier.is_local else self.group.rank) == 0
 
     def _expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, None]:
@@ -365,7 +381,7 @@ class TieredStore:
             self._cond.notify_all()
         for t in slow:
             self._pin(fast, step)
-            self._copies.submit(lambda t=t: self._copy_step(step, fast, t, marker))
+            self._copies[t.name].submit(lambda t=t: self._copy_step(step, fast, t, marker))
         self._done(step)
         self._apply_retention(fast)
         self._commits.submit(lambda: fast.prepare(step, manifest.files))  # pre-fault the next step's buffers
@@ -387,7 +403,8 @@ class TieredStore:
     def wait_until_finished(self) -> None:
         """Block until every background commit, copy and deletion is done; raise the first failure."""
         self._commits.join()
-        self._copies.join()
+        for w in self._copies.values():
+            w.join()
         self.raise_background_errors()
 
     def _pin(self, tier: Tier, step: int) -> None:
@@ -404,6 +421,9 @@ class TieredStore:
 
     def _copy_step(self, step: int, src: Tier, dst: Tier, marker: Marker) -> None:
         """Byte copy of this rank's files from ``src`` to ``dst``, verified before upload, marker last."""
+        if dst.is_peer:
+            return self._replicate(step, src, dst, marker)
+        group = self._copy_groups[dst.name]
         try:
             t0 = time.perf_counter()
             mname = manifest_filename(self.group.rank)
@@ -413,7 +433,7 @@ class TieredStore:
                 manifest = Manifest.from_bytes(mbytes)
                 files = src.read_files(step, list(manifest.files))
                 # a damaged RAM copy must not become the durable one; verified and sent within the cap
-                _verify(manifest, files, 1, pace=self._throttle.consume)
+                _copy.verify(manifest, files, 1, pace=self._throttle.consume)
                 dst.write_files(step, files, pace=self._throttle.consume)
                 dst.write_file(step, mname, mbytes)
                 _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
@@ -421,17 +441,54 @@ class TieredStore:
                 done = manifest.nbytes
             except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
                 failure = e
-            _agree(self._copy_group, done, failure, f"copy step {step} to {dst.name}")
+            _agree(group, done, failure, f"copy step {step} to {dst.name}")
             if self._owns(dst):
                 _check_complete(dst, step, self._expected_manifests(dst, marker))
                 dst.write_marker(step, marker.to_bytes())
-            self._copy_group.barrier()
+            group.barrier()
             with self._lock:
                 self._index[dst.name].add(step)
             log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
                      done / 1e6, time.perf_counter() - t0)
         except BaseException:
             with self._lock:  # not stored there: the tier's policy may take the next step instead
+                self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
+            raise
+        finally:
+            self._unpin(src, step)
+            self._done(step)
+        self._apply_retention(dst)
+        self._retire_transient(step)
+        self._apply_retention(src)
+
+    def _replicate(self, step: int, src: Tier, dst: Tier, marker: Marker) -> None:
+        """Every rank sends its shard to its peers at once; kept only if every copy is verified."""
+        try:
+            t0 = time.perf_counter()
+            mbytes, files, error, nbytes = b"", {}, None, 0
+            try:
+                mbytes = bytes(src.read_file(step, manifest_filename(self.group.rank)))
+                manifest = Manifest.from_bytes(mbytes)
+                files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
+            except (TierfsError, OSError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
+            # no check before sending: each receiver verifies every block as it lands
+            failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=self._throttle.consume,
+                                   error=error)
+            del files
+            if failed:
+                s, t, why = failed[0]
+                log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: "
+                            "%s); peers keep their previous step", step, len(failed), s, t, why)
+                with self._lock:
+                    self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
+                return
+            with self._lock:
+                self._index[dst.name].add(step)
+            log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6,
+                     time.perf_counter() - t0)
+        except BaseException:
+            with self._lock:
                 self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
             raise
         finally:
@@ -477,7 +534,9 @@ class TieredStore:
                 return
             self._index[tier.name].discard(step)
             self._history[tier.name] = [i for i in self._history[tier.name] if i.step != step]
-        if tier.is_local and len(self.group.node_ranks) > 1:
+        if tier.is_peer:
+            tier.delete_step(step)  # the replicas this rank keeps
+        elif tier.is_local and len(self.group.node_ranks) > 1:
             # ranks sharing a node's directory each take back their own buffers; the owner drops the marker
             tier.release(step, self.group.rank, marker=self._owns(tier))
         elif self._owns(tier):
@@ -553,11 +612,21 @@ class TieredStore:
         self.raise_background_errors()
         usable = list(self.tiers) if tiers is None else [self.tier(n) for n in dict.fromkeys(tiers)]
         self.refresh()
+        peer = next((t for t in usable if t.is_peer), None)
         with self._lock:
-            have = {t.name: set(self._index[t.name]) for t in usable}
+            have = {t.name: set(self._index[t.name]) for t in usable if not t.is_peer}
         mine = set().union(*have.values()) if have else set()
-        every = self.group.all_gather(sorted(mine))
-        common = set(every[0]).intersection(*map(set, every[1:]))
+        held = peer.holdings() if peer is not None else {}
+        # every rank learns which steps each rank can read itself and which shards each rank keeps for others
+        views = self.group.all_gather([sorted(mine), [[s, r] for s, rs in held.items() for r in rs]])
+        own = [set(v[0]) for v in views]
+        holders: dict[tuple[int, int], list[int]] = {}
+        for h, (_, kept) in enumerate(views):
+            for s, r in kept:
+                holders.setdefault((s, r), []).append(h)
+        ranks = range(self.group.world_size)
+        every = set().union(*own, (s for s, _ in holders))
+        common = {s for s in every if all(s in own[r] or (s, r) in holders for r in ranks)}
         if step is not None:
             if step not in common:
                 raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]} for every "
@@ -569,13 +638,25 @@ class TieredStore:
                 raise StepNotFoundError(f"nothing to restore: no committed step on {[t.name for t in usable]}")
         skipped: list[tuple[str, int, str]] = []
         for s in order:
-            info = self._restore_step(s, usable, have, sink, out, zero_copy, wanted, skipped)
-            if self.group.world_size > 1 and not all(self.group.all_gather(info is not None)):
-                if info is not None:  # another rank has no verified copy of s: all go back together
-                    skipped.append((info.tier, s, "another rank could not restore this step"))
-                info = None
-            if info is not None:
+            got, mismatch = self._restore_step(s, usable, have, holders, sink, out, zero_copy, wanted, skipped)
+            if self.group.world_size > 1:
+                views = self.group.all_gather([got is not None, str(mismatch or "")])
+                bad = [(r, m) for r, (_, m) in enumerate(views) if m]
+                if bad and mismatch is None:
+                    mismatch = StateMismatchError(f"rank {bad[0][0]}: {bad[0][1]}")
+                if got is not None and not all(ok for ok, _ in views):  # all go back together
+                    skipped.append((got[0].tier, s, "another rank could not restore this step"))
+                    got = None
+            if mismatch is not None:
+                raise mismatch
+            if got is not None:
+                info, shard = got
+                if self.group.world_size > 1:
+                    info.ranks = self.group.all_gather({"rank": self.group.rank, "tier": info.tier, "peer": info.peer,
+                                                        "nbytes": info.nbytes, "seconds": info.seconds})
                 log.info("restored %s", info)
+                if peer is not None:
+                    self._reseed(peer, s, holders, shard)
                 return info
             out.clear()
             if step is not None:
@@ -583,14 +664,33 @@ class TieredStore:
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
 
-    def _restore_step(self, s, usable, have, sink, out, zero_copy, wanted, skipped) -> RestoreInfo | None:
-        """This rank's part of step ``s`` from the first tier whose copy verifies, or None."""
+    def _restore_step(self, s, usable, have, holders, sink, out, zero_copy, wanted, skipped):
+        """This rank's part of step ``s``: from its own tiers up to the peer tier, then (all ranks together)
+        from peers, then from the tiers after it. Returns ``((info, shard) or None, mismatch error)``; never
+        raises between collectives."""
+        cut = next((i for i, t in enumerate(usable) if t.is_peer), len(usable))
+        got, mismatch = None, None
+        try:
+            got = self._restore_local(s, usable[:cut], have, sink, out, zero_copy, wanted, skipped)
+        except StateMismatchError as e:
+            mismatch = e
+        if cut < len(usable):
+            got = self._restore_from_peers(s, usable[cut], holders, got, mismatch, sink, out, wanted, skipped)
+        if got is None and mismatch is None:
+            try:
+                got = self._restore_local(s, usable[cut + 1:], have, sink, out, zero_copy, wanted, skipped)
+            except StateMismatchError as e:
+                mismatch = e
+        return got, mismatch
+
+    def _restore_local(self, s, usable, have, sink, out, zero_copy, wanted, skipped):
+        """This rank's part of step ``s`` from the first of its own tiers whose copy verifies, or None."""
         for t in usable:
             if s not in have[t.name]:
                 continue
             t0 = time.perf_counter()
             try:
-                nbytes, manifest = self._read_step(t, s, sink, out, zero_copy, wanted)
+                shard = self._read_step(t, s, sink, out, zero_copy, wanted)
             except StateMismatchError:
                 raise  # the caller's state does not match the checkpoint: not a tier problem
             except (TierfsError, OSError, ValueError, KeyError) as e:
@@ -599,57 +699,127 @@ class TieredStore:
                 skipped.append((t.name, s, why))
                 out.clear()
                 continue
-            info = RestoreInfo(s, t.name, nbytes, time.perf_counter() - t0, skipped, manifest.metadata,
-                               manifest.metrics)
-            if wanted is not None:
-                info.unused = sorted({e.name for e in manifest.entries} - wanted)
-            return info
+            return self._restored(s, t.name, shard, time.perf_counter() - t0, skipped, wanted), shard
         return None
 
-    def _read_step(self, tier: Tier, step: int, sink, out, zero_copy, wanted) -> tuple[int, Manifest]:
+    def _restore_from_peers(self, s, peer, holders, got, mismatch, sink, out, wanted, skipped):
+        """Ranks still without their shard get it from a peer that keeps a copy; every rank takes part
+        (holders send). Holders that fail are dropped and the next one tried."""
+        needs = self.group.all_gather(got is None and mismatch is None)
+        tried: set[tuple[int, int]] = set()
+        while True:
+            options = {r: [h for h in holders.get((s, r), []) if (r, h) not in tried]
+                       for r, need in enumerate(needs) if need}
+            assign = plan_fetch({r: hs for r, hs in options.items() if hs})
+            if not assign:
+                return got
+            t0 = time.perf_counter()
+            res = peer.fetch(s, assign)
+            ok = True
+            if isinstance(res, tuple):
+                manifest, mbytes, marker, files = res
+                try:
+                    shard = _Shard(manifest, mbytes, marker, files)
+                    self._fill(peer, s, shard, sink, out, False, wanted)
+                    info = self._restored(s, peer.name, shard, time.perf_counter() - t0, skipped, wanted)
+                    info.peer = assign[self.group.rank]
+                    got = (info, shard)
+                except (TierfsError, ValueError, KeyError) as e:  # StateMismatchError included
+                    res = f"{type(e).__name__}: {e}"
+                    out.clear()
+            if isinstance(res, str):
+                ok = False
+                why = f"from rank {assign[self.group.rank]}: {res}"
+                log.warning("tier %s step %d: the copy %s is unusable, trying another source", peer.name, s, why)
+                skipped.append((peer.name, s, why))
+            for r, good in enumerate(self.group.all_gather(ok)):
+                if r in assign:
+                    tried.add((r, assign[r]))
+                    if good:
+                        needs[r] = False
+
+    def _restored(self, s, tier, shard, seconds, skipped, wanted) -> RestoreInfo:
+        m = shard.manifest
+        info = RestoreInfo(s, tier, m.nbytes, seconds, skipped, m.metadata, m.metrics)
+        if wanted is not None:
+            info.unused = sorted({e.name for e in m.entries} - wanted)
+        return info
+
+    def _reseed(self, peer: Tier, s: int, holders, shard: "_Shard") -> None:
+        """After restoring the newest step, give ranks that lost their replicas (a replaced node) the
+        copies they kept for others again."""
+        if any(step > s for step, _ in holders):
+            return  # peers keep a newer step: that one matters
+        pairs = [(r, t) for r in range(self.group.world_size) for t in peer.targets[r]
+                 if t not in holders.get((s, r), [])]
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        failed = peer.replicate(s, shard.marker, shard.mbytes, shard.files, pairs=pairs, role="main")
+        if failed:
+            log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
+            return
+        with self._lock:
+            if peer.holdings().get(s):
+                self._index[peer.name].add(s)
+        log.info("step %d: re-seeded %d peer copies in %.2fs", s, len(pairs), time.perf_counter() - t0)
+
+    def _read_step(self, tier: Tier, step: int, sink, out, zero_copy, wanted) -> "_Shard":
         self._pin(tier, step)
         try:
-            manifest = self._checked_manifest(tier, step, self.group.rank)
+            marker = bytes(tier.read_file(step, MARKER))
+            manifest, mbytes = self._checked_manifest(tier, step, self.group.rank, with_bytes=True)
             if wanted is not None:
                 missing = wanted - {e.name for e in manifest.entries}
                 if missing:
                     raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
-            raw = _shard_views(manifest, tier.read_files(step, list(manifest.files)))
-            jobs, finish = [], []
-            for e in manifest.entries:
-                if wanted is not None and e.name not in wanted:
-                    continue
-                if e.kind == "json":
-                    out[e.name] = e.value
-                    continue
-                src = raw[e.file][e.offset:e.offset + e.length]
-                dst, done = sink(e, tier)
-                if dst is None:  # zero-copy: hand out a read-only view of the tier's mapping
-                    view = tier.export(step, e.file)[e.offset:e.offset + e.length]
-                    view.flags.writeable = False
-                    out[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
-                jobs.append(_copy.Job(e.name, src, dst, manifest.block_size, e.crc32c))
-                finish.append(done)
-            _copy.run(jobs, self.threads)
-            for done in finish:
-                done()
-            return manifest.nbytes, manifest
+            shard = _Shard(manifest, mbytes, marker, tier.read_files(step, list(manifest.files)))
+            self._fill(tier, step, shard, sink, out, zero_copy, wanted)
+            return shard
         finally:
             self._unpin(tier, step)
+
+    def _fill(self, tier: Tier, step: int, shard: "_Shard", sink, out, zero_copy, wanted) -> None:
+        """Verify every block of the shard's wanted entries and copy them into the sink's arrays."""
+        manifest = shard.manifest
+        raw = _copy.shard_views(manifest, shard.files)
+        if wanted is not None:
+            missing = wanted - {e.name for e in manifest.entries}
+            if missing:
+                raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
+        jobs, finish = [], []
+        for e in manifest.entries:
+            if wanted is not None and e.name not in wanted:
+                continue
+            if e.kind == "json":
+                out[e.name] = e.value
+                continue
+            src = raw[e.file][e.offset:e.offset + e.length]
+            dst, done = sink(e, tier)
+            if dst is None:  # zero-copy: hand out a read-only view of the tier's mapping
+                view = tier.export(step, e.file)[e.offset:e.offset + e.length]
+                view.flags.writeable = False
+                out[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
+            jobs.append(_copy.Job(e.name, src, dst, manifest.block_size, e.crc32c))
+            finish.append(done)
+        _copy.run(jobs, self.threads)
+        for done in finish:
+            done()
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def _holders(self, step: int, tiers: Sequence[str] | None) -> list[Tier]:
         usable = list(self.tiers) if tiers is None else [self.tier(n) for n in dict.fromkeys(tiers)]
         self.refresh()
         with self._lock:
-            held = [t for t in usable if step in self._index[t.name]]
+            held = [t for t in usable if step in self._index[t.name] and not t.is_peer]
         if not held:
             raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]}")
         return held
 
     @staticmethod
-    def _checked_manifest(tier: Tier, step: int, rank: int) -> Manifest:
-        """Rank ``rank``'s manifest of ``step`` on ``tier``, checked against the tier's marker."""
+    def _checked_manifest(tier: Tier, step: int, rank: int, with_bytes: bool = False):
+        """Rank ``rank``'s manifest of ``step`` on ``tier``, checked against the tier's marker (and its
+        bytes, ``with_bytes``)."""
         marker = tier.read_marker(step)
         mname = manifest_filename(rank)
         if marker.step != step or mname not in marker.manifests:
@@ -660,7 +830,7 @@ class TieredStore:
         manifest = Manifest.from_bytes(mbytes)
         if manifest.step != step or manifest.rank != rank:
             raise FormatError(f"manifest {mname} is for step {manifest.step} rank {manifest.rank}")
-        return manifest
+        return (manifest, mbytes) if with_bytes else manifest
 
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:
         """The commit marker of ``step`` from the fastest tier holding a readable one."""
@@ -715,7 +885,7 @@ class TieredStore:
                         raise StateMismatchError(f"step {step} rank {rank} has no entries {missing[:5]}")
                     entries = [by_name[n] for n in wanted]
                     need = sorted({e.file for e in entries if e.kind == "array"})
-                    raw = _shard_views(manifest, t.read_files(step, need) if need else {})
+                    raw = _copy.shard_views(manifest, t.read_files(step, need) if need else {})
                     out: dict[str, tuple[Entry, Any]] = {}
                     jobs = []
                     for e in entries:
@@ -749,7 +919,7 @@ class TieredStore:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
         t = self.tier(tier)
         manifest = self._checked_manifest(t, step, self.group.rank)
-        _verify(manifest, t.read_files(step, list(manifest.files)), self.threads)
+        _copy.verify(manifest, t.read_files(step, list(manifest.files)), self.threads)
         return manifest
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -766,7 +936,8 @@ class TieredStore:
         finally:
             self._closed = True
             self._commits.close()
-            self._copies.close()
+            for w in self._copies.values():
+                w.close()
             for t in self.tiers:
                 t.close()
 
@@ -798,6 +969,16 @@ def _check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -
 
 
 @dataclass
+class _Shard:
+    """One rank's shard of a step as read from some source: kept until a restore has re-seeded peers."""
+
+    manifest: Manifest
+    mbytes: bytes
+    marker: bytes
+    files: Mapping[str, Any]
+
+
+@dataclass
 class _Pending:
     """A step staged in the first tier, waiting for its checksums and commit."""
 
@@ -805,28 +986,6 @@ class _Pending:
     manifest: Manifest
     buffers: list[np.ndarray]  # one per array entry, in manifest order
     crcs: list[list[int]] | None
-
-
-def _as_u8(data: Any) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-def _shard_views(manifest: Manifest, files: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The shard files read from a tier as uint8 arrays, each checked against its length in the manifest."""
-    raw = {f: _as_u8(data) for f, data in files.items()}
-    for f, data in raw.items():
-        if data.size != manifest.files[f]:
-            raise FormatError(f"{f} holds {data.size} bytes, manifest says {manifest.files[f]} (truncated copy)")
-    return raw
-
-
-def _verify(manifest: Manifest, files: Mapping[str, Any], threads: int | None,
-            pace: Callable[[int], None] | None = None) -> None:
-    raw = _shard_views(manifest, {f: files[f] for f in manifest.files})
-    _copy.run([_copy.Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size,
-                         e.crc32c) for e in manifest.entries if e.kind == "array"], threads, pace)
 
 
 def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
@@ -838,3 +997,6 @@ def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be JSON-serialisable ({e}); convert values to numbers or strings") from None
     return d
+
+
+_verify = _copy.verify  # the CLI's name for it

@@ -3,5 +3,6 @@
 from .base import Capacity, Tier
 from .memory import MemoryTier
 from .object import ObjectTier
+from .peer import PeerTier
 
-__all__ = ["Capacity", "MemoryTier", "ObjectTier", "Tier"]
+__all__ = ["Capacity", "MemoryTier", "ObjectTier", "PeerTier", "Tier"]

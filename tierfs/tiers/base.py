@@ -74,6 +74,12 @@ class Tier(ABC):
         return False
 
     @property
+    def is_peer(self) -> bool:
+        """True when the tier keeps *other* ranks' shards, moved between ranks by exchanges that every rank
+        joins (the store saves to it with ``replicate`` and restores from it with ``fetch``)."""
+        return False
+
+    @property
     def zero_copy(self) -> bool:
         """True when ``read_file`` returns a view of the stored bytes rather than a copy."""
         return False

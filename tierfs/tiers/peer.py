@@ -1,0 +1,372 @@
+"""The peer tier: copies of every rank's shard in the RAM of ranks on other nodes.
+
+After a step commits in the RAM tier, the store calls ``replicate`` on every rank at once: each rank
+sends its shard to its ``replicas`` targets on other nodes and receives the shards it keeps for others,
+point to point over a torch.distributed group of tierfs's own (gloo by default, so it never queues
+behind the training job's NCCL work). A receiver checks every block against the manifest as the bytes
+land. A step counts as replicated only when *every* pair of the job has verified its copy; only then do
+receivers write their marker, so retention never drops the newest fully replicated step for one that is
+not.
+
+Replicas live inside the RAM tier's directory (``<ram>/peers/rank_<r>/step_<n>/``, the usual format), so
+they vanish with the node and the RAM tier's budget counts them. A receiver without room refuses: the
+step is not replicated (a warning), training goes on, and peers keep the previous step.
+
+On restore the store asks each rank what it ``holds``, picks a holder for every missing shard with
+``plan_fetch`` (spreading the load) and moves them with ``fetch``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from .. import _copy
+from ..errors import FormatError, TierfsError
+from ..format import Manifest, Marker, crc32c, manifest_filename, validate_filename
+from ..policies import LatestN, PreservationPolicy, SavePolicy
+from .base import Capacity, Tier
+from .memory import MemoryTier
+
+#: ``strategy(rank, nodes, replicas) -> target ranks``; ``nodes[r]`` is the node number of rank ``r``
+StrategyFn = Callable[[int, Sequence[int], int], Sequence[int]]
+Strategy = Union[str, StrategyFn]
+
+_MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
+_MAX_HEADER = 1 << 30
+
+
+def replica_targets(nodes: Sequence[int], replicas: int, strategy: Strategy = "ring") -> list[list[int]]:
+    """For every rank, the ranks (on other nodes) that keep copies of its shard.
+
+    ``"ring"``: nodes in order of their number; a rank sends to the rank with the same local index on
+    each of the next ``replicas`` nodes. ``"pairwise"``: nodes form groups of ``replicas + 1`` (the last
+    group takes any remainder, so odd node counts work), and the ring runs inside each group: with
+    ``replicas=1`` nodes 0<->1, 2<->3, ... A callable ``strategy(rank, nodes, replicas)`` returns the
+    target ranks itself.
+    """
+    order = sorted(set(nodes))
+    members = {n: [r for r, x in enumerate(nodes) if x == n] for n in order}
+    if len(order) < 2:
+        raise TierfsError("the peer tier needs ranks on at least 2 nodes, but every rank is on one node; "
+                          "run on more nodes or set TIERFS_NODE_RANK per node")
+    if not isinstance(replicas, int) or not 1 <= replicas <= len(order) - 1:
+        raise TierfsError(f"replicas={replicas!r} needs at least {replicas + 1 if isinstance(replicas, int) else 2} "
+                          f"nodes; this job has {len(order)}")
+    if callable(strategy):
+        out = []
+        for r in range(len(nodes)):
+            ts = [int(t) for t in strategy(r, list(nodes), replicas)]
+            bad = [t for t in ts if not 0 <= t < len(nodes) or nodes[t] == nodes[r]]
+            if bad or len(set(ts)) != replicas:
+                raise TierfsError(f"peer strategy gave rank {r} targets {ts}: need {replicas} distinct ranks "
+                                  "on other nodes")
+            out.append(ts)
+        return out
+    if strategy == "ring":
+        rings = [order]
+    elif strategy == "pairwise":
+        g = replicas + 1
+        rings = [order[i:i + g] for i in range(0, len(order) - len(order) % g, g)]
+        rings[-1] = rings[-1] + order[len(order) - len(order) % g:]
+    else:
+        raise TierfsError(f"unknown peer strategy {strategy!r}; use 'ring', 'pairwise' or a function")
+    out = [[] for _ in nodes]
+    for ring in rings:
+        for p, node in enumerate(ring):
+            for i, r in enumerate(members[node]):
+                for k in range(1, replicas + 1):
+                    dst = members[ring[(p + k) % len(ring)]]
+                    out[r].append(dst[i % len(dst)])
+    return out
+
+
+def plan_fetch(wanted: Mapping[int, Sequence[int]], sizes: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Pick one holder per wanted shard, ``{rank: [holder ranks]} -> {rank: holder}``.
+
+    Largest shards first, each to the holder with the fewest bytes assigned so far (ties: lowest rank),
+    so that when several peers hold copies the load is spread across them. Deterministic: every rank
+    computes the same plan.
+    """
+    load: dict[int, int] = {}
+    plan = {}
+    size = (lambda r: sizes.get(r, 1)) if sizes else (lambda r: 1)  # noqa: E731
+    for r in sorted(wanted, key=lambda r: (-size(r), r)):
+        holders = sorted(set(wanted[r]))
+        if holders:
+            h = min(holders, key=lambda h: (load.get(h, 0), h))
+            plan[r] = h
+            load[h] = load.get(h, 0) + size(r)
+    return plan
+
+
+class _Replicas(MemoryTier):
+    """The directory of replicas this rank keeps; it shares the RAM tier's budget."""
+
+    def __init__(self, path, ram: MemoryTier, name: str) -> None:
+        super().__init__(path, name=name)
+        self._ram = ram
+
+    def capacity(self) -> Capacity:
+        return self._ram.capacity()  # counts this directory too: it lies inside the RAM tier's
+
+
+class PeerTier(Tier):
+    """Copies of each rank's shard in the RAM of ``replicas`` ranks on other nodes.
+
+    Place it after the RAM tier: ``TieredStore([MemoryTier(...), PeerTier(replicas=1), ObjectTier(url)])``.
+    The store binds it to the RAM tier and the job's ranks when it opens.
+
+    Parameters
+    ----------
+    replicas:
+        Copies of each shard, each on a different other node (needs ``replicas + 1`` nodes).
+    strategy:
+        ``"ring"``, ``"pairwise"`` or ``strategy(rank, nodes, replicas) -> target ranks`` (see
+        :func:`replica_targets`).
+    save, keep:
+        Policies: by default every step the RAM tier commits is replicated, and the newest fully
+        replicated step is kept.
+    backend:
+        torch.distributed backend of the groups tierfs creates for replication (default ``"gloo"``).
+    node_rank:
+        This process's node number, overriding ``TIERFS_NODE_RANK`` / torchrun's ``GROUP_RANK``.
+    name:
+        Label in listings (default ``"peer"``).
+    """
+
+    kind = "peer"
+
+    def __init__(self, replicas: int = 1, strategy: Strategy = "ring", *, save: SavePolicy | None = None,
+                 keep: PreservationPolicy | None = None, backend: str = "gloo", node_rank: int | None = None,
+                 name: str = "peer") -> None:
+        super().__init__(name, save, keep if keep is not None else LatestN(1))
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        if not callable(strategy) and strategy not in ("ring", "pairwise"):
+            raise ValueError(f"strategy must be 'ring', 'pairwise' or a function, got {strategy!r}")
+        self.replicas, self.strategy, self.backend = replicas, strategy, backend
+        self._node_rank = node_rank
+        self._local: _Replicas | None = None
+        self.targets: list[list[int]] = []
+        self.sources: list[list[int]] = []
+
+    # -- binding ------------------------------------------------------------------------------------
+    def bind(self, ram: Tier, group: Any) -> None:
+        """Keep replicas in ``ram``'s directory and exchange them among ``group``'s ranks (collective)."""
+        if not isinstance(ram, MemoryTier):
+            raise TierfsError("PeerTier keeps replicas in the RAM tier: put a MemoryTier first, e.g. "
+                              "TieredStore([MemoryTier(path), PeerTier(), ObjectTier(url)])")
+        if group.world_size < 2:
+            raise TierfsError("PeerTier needs a job of several processes on several nodes (torchrun with "
+                              "torch.distributed initialised); this process is alone")
+        nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
+        self.targets = replica_targets(nodes, self.replicas, self.strategy)
+        self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
+        self.rank = group.rank
+        self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
+        self._groups = {"copy": group.fork(self.backend), "main": group.fork(self.backend)}
+
+    @property
+    def local(self) -> MemoryTier:
+        if self._local is None:
+            raise TierfsError("PeerTier is used only through a TieredStore, which binds it to the RAM tier")
+        return self._local
+
+    # -- capabilities -------------------------------------------------------------------------------
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    @property
+    def is_peer(self) -> bool:
+        return True
+
+    def capacity(self) -> Capacity:
+        return self.local.capacity()
+
+    # -- the primitives act on the replicas this rank keeps -----------------------------------------
+    def open(self) -> None:
+        self.local.open()
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+
+    def list_steps(self) -> dict[int, bool]:
+        return self.local.list_steps()
+
+    def file_sizes(self, step: int) -> dict[str, int]:
+        return self.local.file_sizes(step)
+
+    def write_file(self, step: int, name: str, data) -> None:
+        self.local.write_file(step, name, data)
+
+    def read_file(self, step: int, name: str):
+        return self.local.read_file(step, name)
+
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
+        return self.local.read_range(step, name, start, end)
+
+    def write_marker(self, step: int, data: bytes) -> None:
+        self.local.write_marker(step, data)
+
+    def delete_step(self, step: int) -> None:
+        self.local.delete_step(step)
+
+    def holdings(self) -> dict[int, list[int]]:
+        """``{step: [ranks whose shard this rank keeps]}`` for every committed step."""
+        out = {}
+        for s in self.local.committed_steps():
+            try:
+                names = self.local.file_sizes(s)
+            except FileNotFoundError:
+                continue
+            out[s] = sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, names) if m)
+        return out
+
+    # -- moving shards ------------------------------------------------------------------------------
+    def replicate(self, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any],
+                  pairs: Sequence[tuple[int, int]] | None = None, pace: Callable[[int], None] | None = None,
+                  role: str = "copy", error: str | None = None) -> list[tuple[int, int, str]]:
+        """Send this rank's shard of ``step`` to its targets and keep the shards sent to it (collective).
+
+        ``pairs`` are ``(source rank, receiving rank)``, the same on every rank (default: every rank to
+        each of its targets). A rank that cannot read its own shard passes ``error`` (and empty bytes) and
+        still takes part; its receivers refuse. Returns the failed pairs with reasons, the same on every rank; when there
+        are none the receivers have committed their copies, otherwise they dropped what they received.
+        """
+        g = self._groups[role]
+        me = g.rank
+        pairs = [(s, t) for s in range(g.world_size) for t in self.targets[s]] if pairs is None else list(pairs)
+        header = _header(step, me, manifest, marker, files, error=error)
+        sends = [(t, header, files) for s, t in pairs if s == me]
+        incoming = [s for s, t in pairs if t == me]
+        received: dict[int, bytes] = {}
+
+        def accept(src: int, h: dict) -> dict[str, np.ndarray]:
+            m, mbytes, _ = _check_header(h, step, src)
+            bufs = self.local.stage(step, m.files)  # CapacityError when the RAM budget has no room
+            received[src] = mbytes
+            return bufs
+
+        errors = _transfer(g, sends, incoming, accept, pace)
+        failed = [(s, me, why) for s, why in errors.items() if why]
+        failed = [tuple(f) for part in g.all_gather(failed) for f in part]
+        if failed:
+            self.local.discard_staged(step)
+            for s in incoming:
+                self.local.release(step, s, marker=False)
+            return failed  # type: ignore[return-value]
+        for s in incoming:
+            self.local.write_file(step, manifest_filename(s), received[s])
+        if incoming:
+            self.local.write_marker(step, marker)
+        return []
+
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main"
+              ) -> tuple[Manifest, bytes, bytes, dict[str, np.ndarray]] | str | None:
+        """Move shards of ``step`` from holders to the ranks that lack them (collective).
+
+        ``assign`` is ``{rank: holder}``, the same on every rank. A holder sends what it keeps (or says
+        why it cannot); the receiver checks the manifest against the marker and every block as it lands.
+        Returns, on a receiving rank, ``(manifest, manifest bytes, marker bytes, files)`` or the reason it
+        failed; None on other ranks.
+        """
+        g = self._groups[role]
+        me = g.rank
+        sends = []
+        for q, h in sorted(assign.items()):
+            if h != me:
+                continue
+            try:
+                marker = bytes(self.local.read_file(step, "COMMITTED"))
+                mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
+                files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
+                sends.append((q, _header(step, q, mbytes, marker, files), files))
+            except (TierfsError, OSError, ValueError) as e:
+                sends.append((q, _header(step, q, b"", b"", {}, error=f"{type(e).__name__}: {e}"), {}))
+        got: dict[str, Any] = {}
+
+        def accept(src: int, h: dict) -> dict[str, np.ndarray]:
+            m, mbytes, marker = _check_header(h, step, me)
+            got.update(manifest=m, mbytes=mbytes, marker=marker,
+                       files={n: np.empty(size, dtype=np.uint8) for n, size in m.files.items()})
+            return got["files"]
+
+        incoming = [h for q, h in assign.items() if q == me]
+        errors = _transfer(g, sends, incoming, accept, None)
+        if not incoming:
+            return None
+        why = errors[incoming[0]]
+        return why if why else (got["manifest"], got["mbytes"], got["marker"], got["files"])
+
+
+def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
+            error: str | None = None) -> bytes:
+    return json.dumps({"step": step, "rank": rank, "manifest": manifest.decode("latin-1"),
+                       "marker": marker.decode("latin-1"), "error": error,
+                       "files": [[n, int(np.asarray(f).nbytes)] for n, f in files.items()]}).encode()
+
+
+def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
+    """The manifest a peer announced for ``rank``'s shard of ``step``, checked against its marker."""
+    if h.get("error"):
+        raise TierfsError(f"the holder cannot send it ({h['error']})")
+    mbytes, marker_bytes = h["manifest"].encode("latin-1"), h["marker"].encode("latin-1")
+    marker = Marker.from_bytes(marker_bytes)
+    mname = manifest_filename(rank)
+    if h["step"] != step or h["rank"] != rank or marker.step != step or mname not in marker.manifests:
+        raise FormatError(f"a peer offered step {h['step']} rank {h['rank']} for step {step} rank {rank}")
+    if crc32c(mbytes) != marker.manifests[mname]:
+        raise FormatError(f"the manifest of rank {rank} step {step} does not match its commit marker")
+    m = Manifest.from_bytes(mbytes)
+    announced = {validate_filename(n): size for n, size in h["files"]}
+    if m.step != step or m.rank != rank or announced != m.files or list(announced) != list(m.files):
+        raise FormatError(f"a peer's files for rank {rank} step {step} do not match the manifest")
+    return m, mbytes, marker_bytes
+
+
+def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
+              accept: Callable[[int, dict], dict[str, np.ndarray]],
+              pace: Callable[[int], None] | None) -> dict[int, str | None]:
+    """One round of shard moves between ranks: headers, accept/refuse, then the files, every block
+    checked as it lands. ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    size_out = [(t, np.array([len(h)], dtype=np.int64).view(np.uint8)) for t, h, _ in sends]
+    size_in = [(s, np.zeros(8, dtype=np.uint8)) for s in incoming]
+    g.exchange(size_out, size_in)
+    lengths = [int(b.view(np.int64)[0]) for _, b in size_in]
+    if any(not 0 < n <= _MAX_HEADER for n in lengths):
+        raise TierfsError(f"a peer announced a header of {max(lengths)} bytes; the job's tierfs versions differ?")
+    head_in = [(s, np.empty(n, dtype=np.uint8)) for s, n in zip(incoming, lengths)]
+    g.exchange([(t, np.frombuffer(h, dtype=np.uint8)) for t, h, _ in sends], head_in)
+    errors: dict[int, str | None] = {}
+    bufs: dict[int, dict[str, np.ndarray]] = {}
+    manifests: dict[int, Manifest] = {}
+    for s, raw in head_in:
+        try:
+            h = json.loads(bytes(raw))
+            bufs[s] = accept(s, h)
+            manifests[s] = Manifest.from_bytes(h["manifest"].encode("latin-1"))
+            errors[s] = None
+        except (TierfsError, OSError, ValueError, KeyError, TypeError) as e:
+            errors[s] = f"{type(e).__name__}: {e}"
+    ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
+    ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
+    g.exchange(ok_out, ok_in)
+    data_out = [(t, _copy.as_u8(f)) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0] for f in files.values()]
+    data_in = [(s, name, buf) for s in incoming if errors[s] is None for name, buf in bufs[s].items()]
+
+    def landed(i: int) -> None:
+        s, name, buf = data_in[i]
+        if errors[s] is None:
+            try:
+                _copy.verify(manifests[s], {name: buf}, 1)
+            except (TierfsError, ValueError) as e:
+                errors[s] = f"{type(e).__name__}: {e}"
+
+    g.exchange(data_out, [(s, buf) for s, _, buf in data_in], pace=pace, on_received=landed)
+    return errors
