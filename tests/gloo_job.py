@@ -16,9 +16,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, same_node: bool = False
-            ) -> list[dict]:
-    """``same_node``: all processes are one node (node rank 0, local ranks 0..world-1)."""
+def start_job(world: int, script: str | Path, *args: str, same_node: bool = False) -> list[subprocess.Popen]:
+    """Start the processes; ``same_node``: all are one node (node rank 0, local ranks 0..world-1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -30,6 +29,13 @@ def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, sa
                             "PYTHONPATH": str(HERE.parent)}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env))
+    return procs
+
+
+def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, same_node: bool = False
+            ) -> list[dict]:
+    """Run the job to the end; every process must succeed. Results come back sorted by rank."""
+    procs = start_job(world, script, *args, same_node=same_node)
     outs = []
     try:
         for p in procs:

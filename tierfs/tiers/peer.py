@@ -29,7 +29,7 @@ from ..errors import FormatError, TierfsError
 from ..format import Manifest, Marker, crc32c, manifest_filename, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from .base import Capacity, Tier
-from .memory import MemoryTier
+from .memory import MemoryTier, make_private_dir
 
 #: ``strategy(rank, nodes, replicas) -> target ranks``; ``nodes[r]`` is the node number of rank ``r``
 StrategyFn = Callable[[int, Sequence[int], int], Sequence[int]]
@@ -190,6 +190,7 @@ class PeerTier(Tier):
 
     # -- the primitives act on the replicas this rank keeps -----------------------------------------
     def open(self) -> None:
+        make_private_dir(self.local.path.parent)
         self.local.open()
 
     def close(self) -> None:

@@ -1,0 +1,72 @@
+"""One rank of a job with a peer tier (gloo on localhost, each process its own node, RAM in SHM/node<N>).
+
+    peer_child.py SHM OBJ MODE REPLICAS [STEPS]
+MODE: save (steps 1..STEPS, async), restore, die-replicating (rank 1 is SIGKILLed while step 2 is being
+replicated). Prints one JSON line with what it saw.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+from tierfs import TieredStore
+from tierfs.policies import LatestN
+from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
+
+
+def state_for(rank: int, step: int) -> dict:
+    rng = np.random.default_rng(1000 * rank + step)
+    return {"w": rng.standard_normal(300_000 + 1000 * rank).astype(np.float32),
+            "b": rng.integers(0, 255, 5000 + rank, dtype=np.uint8), "step": step}
+
+
+def target_for(rank: int) -> dict:
+    return {"w": np.zeros(300_000 + 1000 * rank, np.float32), "b": np.zeros(5000 + rank, np.uint8), "step": -1}
+
+
+def main() -> None:
+    shm, obj, mode, replicas = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2))
+    peer = PeerTier(replicas=replicas)
+    tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
+    store = TieredStore(tiers, file_size=1 << 20, block_size=256 << 10)
+    out = {"rank": rank, "targets": peer.targets[rank]}
+    if mode == "die-replicating" and rank == 1:
+        consume = store._throttle.consume  # noqa: SLF001 - the kill point: rank 1 sending step 2's bytes
+        active = {"step": 0}
+        store._throttle.consume = lambda n: (os.kill(os.getpid(), signal.SIGKILL) if active["step"] == 2
+                                             else consume(n))
+    if mode in ("save", "die-replicating"):
+        for step in range(1, steps + 1):
+            if mode == "die-replicating":
+                store.wait_until_finished()
+                if rank == 1:
+                    active["step"] = step
+            store.save(step, state_for(rank, step), blocking=False)
+        store.wait_until_finished()
+        dist.barrier()
+        out["steps"] = {str(k): v for k, v in store.steps().items()}
+        out["held"] = {str(k): v for k, v in peer.holdings().items()}
+    else:
+        target = target_for(rank)
+        info = store.restore_into(target)
+        want = state_for(rank, info.step)
+        out.update(step=info.step, tier=info.tier, peer=info.peer, ranks=info.ranks,
+                   skipped=[list(x) for x in info.skipped],
+                   exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b"))
+                   and target["step"] == info.step)
+        out["held"] = {str(k): v for k, v in peer.holdings().items()}
+    store.close()
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

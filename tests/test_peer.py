@@ -1,0 +1,160 @@
+"""The peer tier with real processes: 3-4 gloo ranks on localhost, each its own node with its own RAM
+directory. Nodes are lost by deleting their RAM directory (and, in one test, by SIGKILL mid-replication);
+every restored shard is compared bit for bit with what was saved."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+import gloo_job
+from tierfs.errors import TierfsError
+from tierfs.format import step_dirname
+from tierfs.tiers.peer import plan_fetch, replica_targets
+
+HERE = Path(__file__).parent
+CHILD = HERE / "peer_child.py"
+
+
+# -- placement and fetch planning (pure functions) ------------------------------------------------
+def test_ring_sends_to_the_next_nodes_any_count():
+    assert replica_targets([0, 1, 2, 3], 1) == [[1], [2], [3], [0]]
+    assert replica_targets([0, 1, 2], 2) == [[1, 2], [2, 0], [0, 1]]
+    # two ranks per node: same local index on the next node
+    assert replica_targets([0, 0, 1, 1, 2, 2], 1) == [[2], [3], [4], [5], [0], [1]]
+
+
+def test_pairwise_pairs_nodes_and_folds_an_odd_one_into_the_last_group():
+    assert replica_targets([0, 1, 2, 3], 1, "pairwise") == [[1], [0], [3], [2]]
+    assert replica_targets([0, 1, 2, 3, 4], 1, "pairwise") == [[1], [0], [3], [4], [2]]
+
+
+def test_custom_strategy_is_checked():
+    assert replica_targets([0, 1, 2], 1, lambda r, nodes, k: [(r + 2) % 3]) == [[2], [0], [1]]
+    with pytest.raises(TierfsError, match="other nodes"):
+        replica_targets([0, 0, 1], 1, lambda r, nodes, k: [r ^ 1])  # rank 0 -> rank 1, same node
+
+
+def test_too_few_nodes_is_a_clear_error():
+    with pytest.raises(TierfsError, match="at least 2 nodes"):
+        replica_targets([0, 0], 1)
+    with pytest.raises(TierfsError, match="replicas=2 needs at least 3 nodes"):
+        replica_targets([0, 1], 2)
+
+
+def test_fetch_plan_spreads_the_load_over_holders():
+    assert plan_fetch({1: [3], 2: [3, 0]}) == {1: 3, 2: 0}
+    assert plan_fetch({0: [2, 3], 1: [2, 3]}) == {0: 2, 1: 3}
+    assert plan_fetch({5: []}) == {}
+
+
+# -- real jobs ----------------------------------------------------------------------------------
+def job(world: int, shm: Path, obj: Path | str, mode: str, replicas: int, *extra: str) -> list[dict]:
+    return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, str(replicas), *extra)
+
+
+def wipe(shm: Path, *nodes: int) -> None:
+    for n in nodes:
+        shutil.rmtree(shm / f"node{n}")
+
+
+@pytest.fixture(scope="module")
+def saved_r1(tmp_path_factory):
+    """4 ranks, replicas=1, steps 1..3 saved to RAM, peers and a file:// object tier."""
+    root = tmp_path_factory.mktemp("r1")
+    outs = job(4, root / "shm", root / "obj", "save", 1, "3")
+    for o in outs:
+        assert o["steps"]["3"] == ["ram", "peer", "file"]  # replicated and durable
+        assert "peer" not in o["steps"]["2"]  # peers keep only the newest replicated step
+    # ring: rank r keeps the shard of rank r-1
+    assert [o["held"] for o in outs] == [{"3": [3]}, {"3": [0]}, {"3": [1]}, {"3": [2]}]
+    return root
+
+
+def fresh_copy(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved / "shm", tmp_path / "shm")
+    return tmp_path / "shm"
+
+
+def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1, tmp_path):
+    shm = fresh_copy(saved_r1, tmp_path)
+    wipe(shm, 1)
+    outs = job(4, shm, saved_r1 / "obj", "restore", 1)
+    assert all(o["exact"] and o["step"] == 3 for o in outs)
+    sources = [(r["tier"], r["peer"]) for r in outs[0]["ranks"]]
+    assert sources == [("ram", None), ("peer", 2), ("ram", None), ("ram", None)]  # object tier untouched
+    assert all(o["ranks"] == outs[0]["ranks"] for o in outs)  # every rank reports every rank's source
+    assert outs[1]["held"] == {"3": [0]}  # the replaced node keeps rank 0's copy again
+    assert (shm / "node1" / "peers" / "rank_00001" / step_dirname(3) / "rank_00000.manifest.json").exists()
+
+
+def test_two_neighbours_lost_with_one_replica_falls_back_to_the_object_tier(saved_r1, tmp_path):
+    shm = fresh_copy(saved_r1, tmp_path)
+    wipe(shm, 1, 2)  # rank 1's only copy was on node 2
+    outs = job(4, shm, saved_r1 / "obj", "restore", 1)
+    assert all(o["exact"] and o["step"] == 3 for o in outs)
+    assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [
+        ("ram", None), ("file", None), ("peer", 3), ("ram", None)]
+
+
+@pytest.fixture(scope="module")
+def saved_r2(tmp_path_factory):
+    """4 ranks, replicas=2, no object tier."""
+    root = tmp_path_factory.mktemp("r2")
+    outs = job(4, root / "shm", "-", "save", 2, "2")
+    assert [o["targets"] for o in outs] == [[1, 2], [2, 3], [3, 0], [0, 1]]
+    assert [o["held"] for o in outs] == [{"2": [2, 3]}, {"2": [0, 3]}, {"2": [0, 1]}, {"2": [1, 2]}]
+    return root
+
+
+def test_two_neighbours_lost_with_two_replicas_restore_from_peers_spread_over_holders(saved_r2, tmp_path):
+    shm = fresh_copy(saved_r2, tmp_path)
+    wipe(shm, 1, 2)
+    outs = job(4, shm, "-", "restore", 2)
+    assert all(o["exact"] and o["step"] == 2 for o in outs)
+    # rank 1's copies: nodes 2 (lost) and 3; rank 2's: nodes 3 and 0 -> node 3 is not asked twice
+    assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [
+        ("ram", None), ("peer", 3), ("peer", 0), ("ram", None)]
+    assert outs[1]["held"] == {"2": [0, 3]} and outs[2]["held"] == {"2": [0, 1]}  # re-seeded
+
+
+def test_a_corrupted_replica_is_detected_and_another_peer_serves(saved_r2, tmp_path):
+    shm = fresh_copy(saved_r2, tmp_path)
+    wipe(shm, 1)
+    bad = shm / "node2" / "peers" / "rank_00002" / step_dirname(2) / "rank_00001.0000.bin"
+    data = bytearray(bad.read_bytes())
+    data[12345] ^= 0x40
+    bad.write_bytes(bytes(data))
+    outs = job(4, shm, "-", "restore", 2)
+    assert all(o["exact"] and o["step"] == 2 for o in outs)
+    assert (outs[1]["tier"], outs[1]["peer"]) == ("peer", 3)
+    assert any(t == "peer" and "rank 2" in why and "checksum mismatch" in why for t, _, why in outs[1]["skipped"])
+
+
+def test_a_rank_killed_while_replicating_restores_the_newest_fully_replicated_step(tmp_path):
+    procs = gloo_job.start_job(4, CHILD, str(tmp_path / "shm"), "-", "die-replicating", "1", "2")
+    try:
+        procs[1].wait(timeout=120)
+        assert procs[1].returncode == -signal.SIGKILL
+    finally:
+        for p in procs:  # torchrun tears the job down when a worker dies
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    wipe(tmp_path / "shm", 1)  # and the node is replaced
+    outs = job(4, tmp_path / "shm", "-", "restore", 1)
+    # step 2 was committed in RAM everywhere but never fully replicated: rank 1 has no copy of it
+    assert all(o["exact"] and o["step"] == 1 for o in outs)
+    assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "peer", "ram", "ram"]
+
+
+def test_three_nodes_work(tmp_path):
+    outs = job(3, tmp_path / "shm", "-", "save", 1, "2")
+    assert [o["held"] for o in outs] == [{"2": [2]}, {"2": [0]}, {"2": [1]}]
+    wipe(tmp_path / "shm", 0)
+    outs = job(3, tmp_path / "shm", "-", "restore", 1)
+    assert all(o["exact"] and o["step"] == 2 for o in outs)
+    assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("peer", 1), ("ram", None), ("ram", None)]
