@@ -1,7 +1,8 @@
 """One rank of a job with a peer tier (gloo on localhost, each process its own node, RAM in SHM/node<N>).
 
     peer_child.py SHM OBJ MODE REPLICAS [STEPS]
-MODE: save (steps 1..STEPS, async), restore, die-replicating (rank 1 is SIGKILLed while step 2 is being
+MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
+restore, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated). Prints one JSON line with what it saw.
 """
 
@@ -33,7 +34,8 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2))
+    budget = 2_000_000 if mode == "tight" and rank == 1 else None
+    ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
     peer = PeerTier(replicas=replicas)
     tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
     store = TieredStore(tiers, file_size=1 << 20, block_size=256 << 10)
@@ -43,7 +45,7 @@ def main() -> None:
         active = {"step": 0}
         store._throttle.consume = lambda n: (os.kill(os.getpid(), signal.SIGKILL) if active["step"] == 2
                                              else consume(n))
-    if mode in ("save", "die-replicating"):
+    if mode in ("save", "tight", "die-replicating"):
         for step in range(1, steps + 1):
             if mode == "die-replicating":
                 store.wait_until_finished()

@@ -158,3 +158,21 @@ def test_three_nodes_work(tmp_path):
     outs = job(3, tmp_path / "shm", "-", "restore", 1)
     assert all(o["exact"] and o["step"] == 2 for o in outs)
     assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("peer", 1), ("ram", None), ("ram", None)]
+
+
+def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path):
+    outs = job(2, tmp_path / "shm", "-", "tight", 1, "1")  # save and wait_until_finished raise nothing
+    for o in outs:
+        assert o["steps"] == {"1": ["ram"]}  # committed in RAM, not counted as replicated
+        assert o["held"] == {}  # rank 0 dropped the copy it did receive: no half-replicated step
+    assert list((tmp_path / "shm" / "node1" / "peers" / "rank_00001").iterdir()) == []
+
+
+def test_a_peer_tier_needs_several_nodes(tmp_path):
+    from tierfs import TieredStore
+    from tierfs.tiers import MemoryTier, PeerTier
+
+    with pytest.raises(TierfsError, match="several processes"):
+        TieredStore([MemoryTier(tmp_path / "ram"), PeerTier()])
+    with pytest.raises(ValueError, match="after the RAM tier"):
+        TieredStore([PeerTier(), MemoryTier(tmp_path / "ram")])
