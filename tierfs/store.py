@@ -127,6 +127,9 @@ class TieredStore:
         self._info: dict[int, StepInfo] = {}
         self._pins: dict[str, dict[int, int]] = {t.name: {} for t in tiers}  # steps being read from a tier
         self._transient: set[int] = set()  # steps staged in the first tier only to be copied on
+        # steps newer than the one a restore fell back to, held by only some ranks or tiers: saving them
+        # again replaces them (the job is redoing those steps)
+        self._stale: set[int] = set()
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if max_in_flight < 1:
@@ -234,6 +237,9 @@ class TieredStore:
         if not chosen:
             return False
         fast = self.tiers[0]
+        if holders and step in self._stale:
+            log.info("step %d: replacing the copies on %s left from before the restore", step, holders)
+            overwrite = True
         if holders and not overwrite:
             raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                   "replace it or save a new step")
@@ -657,6 +663,11 @@ class TieredStore:
                 log.info("restored %s", info)
                 if peer is not None:
                     self._reseed(peer, s, holders, shard)
+                if step is None:
+                    self._stale = {x for x in every if x > s}
+                    if self._stale:
+                        log.warning("steps %s could not be restored for every rank and were passed over; saving them "
+                                    "again replaces them", sorted(self._stale))
                 return info
             out.clear()
             if step is not None:

@@ -128,8 +128,8 @@ class PeerTier(Tier):
         ``"ring"``, ``"pairwise"`` or ``strategy(rank, nodes, replicas) -> target ranks`` (see
         :func:`replica_targets`).
     save, keep:
-        Policies: by default every step the RAM tier commits is replicated, and the newest fully
-        replicated step is kept.
+        Policies. By default the peer tier shares the RAM tier's save policy (every step saved to RAM is
+        replicated) and keeps the newest fully replicated step.
     backend:
         torch.distributed backend of the groups tierfs creates for replication (default ``"gloo"``).
     node_rank:
@@ -144,6 +144,7 @@ class PeerTier(Tier):
                  keep: PreservationPolicy | None = None, backend: str = "gloo", node_rank: int | None = None,
                  name: str = "peer") -> None:
         super().__init__(name, save, keep if keep is not None else LatestN(1))
+        self._follow_ram = save is None
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if not callable(strategy) and strategy not in ("ring", "pairwise"):
@@ -167,6 +168,8 @@ class PeerTier(Tier):
         self.targets = replica_targets(nodes, self.replicas, self.strategy)
         self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
         self.rank = group.rank
+        if self._follow_ram:
+            self.save_policy = ram.save_policy
         self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
         self._groups = {"copy": group.fork(self.backend), "main": group.fork(self.backend)}
 
