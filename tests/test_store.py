@@ -127,6 +127,12 @@ def test_damaged_newest_everywhere_falls_back_to_older_step(shm_dir):
         assert_state(out, 1)
         with pytest.raises(RestoreError, match="does not match"):
             store.restore(step=2)
+        # the job redoes step 2: saving it replaces the damaged copy the restore passed over
+        store.restore()
+        store.save(2, state_for(2))
+        assert_state(store.restore()[0], 2)
+        with pytest.raises(StepExistsError):  # only passed-over steps are replaced without overwrite=True
+            store.save(1, state_for(1))
 
 
 def test_step_without_marker_is_never_restored_and_is_cleaned_up(shm_dir):

@@ -240,6 +240,7 @@ class TieredStore:
         if holders and step in self._stale:
             log.info("step %d: replacing the copies on %s left from before the restore", step, holders)
             overwrite = True
+        self._stale.discard(step)
         if holders and not overwrite:
             raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                   "replace it or save a new step")
