@@ -1,0 +1,241 @@
+"""Peer replication on loopback: throughput against a plain socket copy, and the cost to training.
+
+    .venv/bin/python benchmarks/bench_peer.py [--size-mib 512] [--repeats 5] [--world 2]
+
+Starts ``--world`` processes (gloo on 127.0.0.1, each its own node with its own RAM directory). Every rank
+holds a shard of ``--size-mib``; with ``replicas=1`` on a ring every rank sends its shard to the next
+rank and receives the previous one's, so each link carries one shard each way at once. In one run:
+
+- a plain TCP socket copy of the same bytes in the same pattern (one sender and one receiver thread per
+  rank, ``sendall`` / ``recv_into`` a preallocated buffer), and raw gloo ``isend``/``irecv`` of tensors;
+- tierfs replication, unthrottled: from the RAM commit until every receiver has verified its copy and
+  the step counts as replicated (the store's own timing, from its log);
+- a training-like loop (1-thread 512x512 matmuls in every rank, saving every ``--interval`` seconds of
+  work with ``blocking=False``): without checkpoints, with RAM-only saves, with RAM + peers at the
+  default throttle and unthrottled. The slowdown excludes the time inside ``save`` (the stall, see
+  bench_async.py); "replica lands" is the time from ``save`` until that step is replicated.
+
+Results are medians over ranks and repeats; rank 0 prints the tables (stdout) and progress (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import GB, MiB, Result, Scratch, log, machine_note, table  # noqa: E402
+
+
+# -- inside each rank -------------------------------------------------------------------------------
+class Replicated(logging.Handler):
+    """Collects the store's "step N replicated to peers: X MB sent in Ys" records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[int, float] = {}
+        self.at: dict[int, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("step %d replicated to peers"):
+            step, _mb, secs = record.args
+            self.seconds[step], self.at[step] = secs, time.perf_counter()
+
+
+def socket_copy(dist, buf_out, buf_in) -> float:
+    """Ring over TCP: send ``buf_out`` to the next rank while receiving ``buf_in`` from the previous."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    srv = socket.create_server(("127.0.0.1", 0))
+    ports = [None] * world
+    dist.all_gather_object(ports, srv.getsockname()[1])
+    out = socket.create_connection(("127.0.0.1", ports[(rank + 1) % world]))
+    conn, _ = srv.accept()
+    for s in (out, conn):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    mv_in = memoryview(buf_in)
+
+    def recv() -> None:
+        got = 0
+        while got < len(mv_in):
+            n = conn.recv_into(mv_in[got:], min(len(mv_in) - got, 4 << 20))
+            if not n:
+                raise ConnectionError("peer closed")
+            got += n
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    th = threading.Thread(target=recv)
+    th.start()
+    out.sendall(memoryview(buf_out))
+    th.join()
+    dt = time.perf_counter() - t0
+    for s in (out, conn, srv):
+        s.close()
+    return dt
+
+
+def gloo_copy(dist, t_out, t_in) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    t0 = time.perf_counter()
+    r = dist.irecv(t_in, (rank - 1) % world)
+    s = dist.isend(t_out, (rank + 1) % world)
+    r.wait()
+    s.wait()
+    return time.perf_counter() - t0
+
+
+def matmul(n: int) -> float:
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = (a @ b) * 0.001
+    return time.perf_counter() - t0
+
+
+def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int, handler: Replicated
+               ) -> tuple[float, list[float]]:
+    """``iters`` chunks of matmuls, a save every ``every`` chunks; returns (time outside save, landings)."""
+    busy, saved = 0.0, {}
+    for i in range(iters):
+        busy += matmul(chunk)
+        if store is not None and (i + 1) % every == 0:
+            step = first_step + i
+            saved[step] = time.perf_counter()
+            store.save(step, state, blocking=False)
+    if store is not None:
+        store.wait_until_finished()
+    return busy, [handler.at[s] - t for s, t in saved.items() if s in handler.at]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from tierfs import TieredStore
+    from tierfs.policies import LatestN
+    from tierfs.tiers import MemoryTier, PeerTier
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = log if rank == 0 else (lambda *a: None)  # noqa: E731
+    handler = Replicated()
+    logging.getLogger("tierfs").addHandler(handler)
+    logging.getLogger("tierfs").setLevel(logging.INFO)
+    nbytes = args.size_mib * MiB
+    g = torch.Generator().manual_seed(rank)
+    state = {f"layer{i}": torch.randn(nbytes // 4 // 8, generator=g) for i in range(8)}
+    scratch = Scratch(f"bench-peer-{rank}-")
+    results: dict[str, list[float]] = {}
+    try:
+        say(f"{world} ranks, {args.size_mib} MiB per rank: plain socket and gloo copies")
+        buf_out, buf_in = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8), np.empty(nbytes, np.uint8)
+        results["socket"] = [socket_copy(dist, buf_out, buf_in) for _ in range(args.repeats)]
+        t_out, t_in = torch.from_numpy(buf_out), torch.from_numpy(buf_in)
+        results["gloo"] = [gloo_copy(dist, t_out, t_in) for _ in range(args.repeats)]
+        del buf_out, buf_in, t_out, t_in
+
+        say("tierfs replication, unthrottled")
+        ram = MemoryTier(scratch.fresh("ram"), keep=LatestN(2))
+        with TieredStore([ram, PeerTier(replicas=1)], background_bandwidth=None) as store:
+            for step in range(2 + args.repeats):  # two warm-up steps: buffers mapped, then reused
+                store.save(step, state)
+                store.wait_until_finished()
+            results["tierfs"] = [handler.seconds[s] for s in range(2, 2 + args.repeats)]
+
+        chunk = max(1, int(args.chunk_ms / 1e3 / max(matmul(20) / 20, 1e-6)))
+        every = max(1, int(args.interval * 1e3 / args.chunk_ms))
+        iters = every * args.saves
+        say(f"training loop: {iters} chunks of {chunk} matmuls, a save every {every} chunks")
+        dist.barrier()
+        results["loop: no checkpoints"] = [train_loop(None, state, iters, chunk, every, 0, handler)[0]]
+        variants = [("RAM only", [], None), ("RAM + peers, default throttle", [PeerTier(1)], "default"),
+                    ("RAM + peers, unthrottled", [PeerTier(1)], None)]
+        for n, (label, extra, bw) in enumerate(variants):
+            ram = MemoryTier(scratch.fresh(f"loop{n}"), keep=LatestN(2))
+            kw = {} if bw == "default" else {"background_bandwidth": None}
+            with TieredStore([ram, *extra], **kw) as store:
+                store.save(0, state)  # warm-up outside the timed loop
+                store.wait_until_finished()
+                dist.barrier()
+                busy, lands = train_loop(store, state, iters, chunk, every, 100 * (n + 1), handler)
+            results[f"loop: {label}"] = [busy]
+            if extra:
+                results[f"lands: {label}"] = lands
+            scratch.remove(f"loop{n}")
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+    finally:
+        scratch.cleanup()
+    if rank == 0:
+        report(args, world, nbytes, gathered)
+    dist.destroy_process_group()
+
+
+def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]) -> None:
+    every = {k: [t for r in gathered for t in r[k]] for k in gathered[0]}
+    print(f"## Peer replication, {world} ranks x {args.size_mib} MiB, ring, replicas=1\n")
+    print(f"- machine: {machine_note()}")
+    print(f"- command: `.venv/bin/python benchmarks/bench_peer.py --size-mib {args.size_mib} --repeats "
+          f"{args.repeats} --world {world} --interval {args.interval} --saves {args.saves}`\n")
+    rows = [Result("plain TCP socket copy (ring, both directions)", nbytes, every["socket"]),
+            Result("gloo isend/irecv of tensors", nbytes, every["gloo"]),
+            Result("tierfs replication, unthrottled (commit -> verified)", nbytes, every["tierfs"])]
+    print(table("Throughput per rank (each rank sends and receives one shard)", rows, floor=rows[0],
+                ratio_label="x socket"))
+    base = statistics.median(every["loop: no checkpoints"])
+    ram_only = statistics.median(every["loop: RAM only"])
+    print("### Training-like loop (1-thread matmuls in every rank; time outside save)\n")
+    print("| variant | median s | vs no checkpoints | vs RAM only | replica lands (median / max s) |")
+    print("|---|---|---|---|---|")
+    for key in [k for k in every if k.startswith("loop: ")]:
+        t = statistics.median(every[key])
+        label = key[len("loop: "):]
+        lands = every.get(f"lands: {label}")
+        land = f"{statistics.median(lands):.2f} / {max(lands):.2f}" if lands else "-"
+        print(f"| {label} | {t:.2f} | {(t / base - 1) * 100:+.1f}% | {(t / ram_only - 1) * 100:+.1f}% | {land} |")
+    ratio = statistics.median(every["socket"]) / statistics.median(every["tierfs"])
+    print(f"\n- save interval: {args.interval:.1f} s of training; replication unthrottled = {ratio:.2f}x the "
+          f"socket copy (target >= 0.8)")
+
+
+# -- the launcher -----------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--interval", type=float, default=8.0, help="seconds of training between saves")
+    ap.add_argument("--saves", type=int, default=4, help="saves per training-loop variant")
+    ap.add_argument("--chunk-ms", type=float, default=50.0)
+    ap.add_argument("--worker", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(args.world):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                            "WORLD_SIZE": str(args.world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env))
+    codes = [p.wait() for p in procs]
+    return max(abs(c) for c in codes)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
