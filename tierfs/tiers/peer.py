@@ -265,6 +265,7 @@ class PeerTier(Tier):
             for s in incoming:
                 self.local.release(step, s, marker=False)
             return failed  # type: ignore[return-value]
+        self.local.write_staged(step)  # the bytes are in the mapped files already
         for s in incoming:
             self.local.write_file(step, manifest_filename(s), received[s])
         if incoming:
@@ -313,7 +314,7 @@ def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping
             error: str | None = None) -> bytes:
     return json.dumps({"step": step, "rank": rank, "manifest": manifest.decode("latin-1"),
                        "marker": marker.decode("latin-1"), "error": error,
-                       "files": [[n, int(np.asarray(f).nbytes)] for n, f in files.items()]}).encode()
+                       "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}).encode()
 
 
 def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
