@@ -28,12 +28,16 @@ takes to transfer, and a slower tier takes whole multiples of the base interval.
 Goodput (useful training time / wall time) generalises Daly's exact expression for one tier,
 ``tau / (M * exp(R/M) * (exp((tau + C)/M) - 1))``, to several tiers and failure classes: with
 ``S = tau + sum(C_i / every_i)`` the mean wall time of a base interval, ``e = exp(S/M) - 1`` the expected
-failures before a base interval completes, ``E_c = M * (exp(R_c/M) - 1)`` the expected recovery time of
-class ``c`` (a failure during recovery starts it again) and ``D_c = (every - 1) / 2 * S + lag`` the work
-that class loses beyond the current interval::
+failures before a base interval completes, ``E = M * A / (1 - A)`` with ``A = sum_c p_c (1 - exp(-R_c/M))``
+the expected recovery time per failure (a failure during recovery starts a recovery of its own class) and
+``D_c = (every - 1) / 2 * S + lag`` the work class ``c`` loses beyond the current interval (the tier it
+recovers from is on average half its interval behind, plus the time its copy takes to become usable)::
 
-    T_interval = e * (M + sum_c p_c E_c) / (1 - e * sum_c p_c D_c / S)
+    T_interval = e * (M + E) / (1 - e * sum_c p_c D_c / S)
     goodput    = tau / T_interval
+
+A failure costs the work since the newest usable copy plus the recovery, and the redone work is itself
+hit by failures: hence the division.
 
 For one tier and one failure class this is Daly's formula exactly (and the simulation agrees within its
 confidence interval); with several tiers it is a first-order approximation of the simulated model.
@@ -274,7 +278,11 @@ def expected_goodput(strategy: Strategy, mttf: float) -> float:
     lam = 1.0 / mttf
     e = math.expm1(lam * s)
     by_name = {t.name: t for t in strategy.tiers}
-    recover = sum(c.probability * math.expm1(lam * c.recovery) / lam for c in strategy.classes)
+    # a failure during recovery starts the recovery of its own class again: A = P(a recovery is hit)
+    hit = sum(c.probability * -math.expm1(-lam * c.recovery) for c in strategy.classes)
+    if hit >= 1.0:
+        return 0.0
+    recover = hit / (lam * (1.0 - hit))
     extra = sum(c.probability * ((by_name[c.tier].every - 1) / 2.0 * s + by_name[c.tier].lag)
                 for c in strategy.classes)
     denom = 1.0 - e * extra / s
@@ -501,11 +509,23 @@ def optimise(strategy: Strategy, mttf: float, *, fixed: Mapping[str, float] | No
         out.add(kmax)
         return sorted(out)
 
+    slow = strategy.tiers[1:]
+
+    def snap(tau: float, every: Sequence[int]) -> list[int]:
+        """Each slower tier's ``every`` a multiple of the one before (an object step is also a peer step),
+        within its bounds; a fixed interval wins."""
+        out: list[int] = []
+        prev = 1
+        for t, k in zip(slow, every):
+            kmin, kmax = bounds(t.name, tau)
+            k = max(1, round(fixed[t.name] / tau)) if t.name in fixed else min(max(k, kmin), kmax)
+            k = max(prev, round(k / prev) * prev)
+            out.append(k)
+            prev = k
+        return out
+
     tau = strategy.interval if base.name in fixed else (ok_tau(strategy.interval) or strategy.interval)
-    every = [t.every for t in strategy.tiers[1:]]
-    for i, t in enumerate(strategy.tiers[1:]):
-        if t.name in fixed:
-            every[i] = max(1, round(fixed[t.name] / tau))
+    every = snap(tau, [t.every for t in slow])
     best = expected_goodput(with_(tau, every), mttf)
     for _ in range(rounds):
         changed = False
@@ -514,18 +534,28 @@ def optimise(strategy: Strategy, mttf: float, *, fixed: Mapping[str, float] | No
                 cand = ok_tau(strategy.interval * 10 ** (j / 40))
                 if cand is None or cand == tau:
                     continue
-                ev = [max(1, round(fixed[t.name] / cand)) if t.name in fixed
-                      else min(max(k, bounds(t.name, cand)[0]), bounds(t.name, cand)[1])
-                      for t, k in zip(strategy.tiers[1:], every)]
+                ev = snap(cand, every)
                 g = expected_goodput(with_(cand, ev), mttf)
                 if g > best + 1e-12:
                     best, tau, every, changed = g, cand, ev, True
-        for i, t in enumerate(strategy.tiers[1:]):
+            # then step by step (one training step, or 0.5%) while it improves
+            for sign in (1, -1):
+                while True:
+                    cand = ok_tau(tau + sign * (step_time or tau * 0.005))
+                    if cand is None or cand == tau:
+                        break
+                    ev = snap(cand, every)
+                    g = expected_goodput(with_(cand, ev), mttf)
+                    if g <= best + 1e-12:
+                        break
+                    best, tau, every, changed = g, cand, ev, True
+        for i, t in enumerate(slow):
             if t.name in fixed:
                 continue
             for k in ks(t.name, tau):
                 ev = list(every)
                 ev[i] = k
+                ev = snap(tau, ev)
                 g = expected_goodput(with_(tau, ev), mttf)
                 if g > best + 1e-12:
                     best, every, changed = g, ev, True
