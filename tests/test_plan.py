@@ -27,7 +27,7 @@ def test_seed_ramdisk_70b_on_32_hosts_is_60_gb():
     assert r.total == pytest.approx(60.375e9)
     plan = make_plan(PlanInputs(checkpoint=ckpt, hosts=32, accelerators=256, keep=1, replicas=0))
     assert plan.ram.total == pytest.approx(60.375e9)
-    assert "60.4 GB" in format_plan(plan)
+    assert "60.38 GB" in format_plan(plan)
 
 
 def test_ram_per_host_with_tierfs_defaults_and_a_replica():

@@ -488,9 +488,12 @@ def optimise(strategy: Strategy, mttf: float, *, fixed: Mapping[str, float] | No
         tiers = (strategy.tiers[0],) + tuple(replace(t, every=int(k)) for t, k in zip(strategy.tiers[1:], every))
         return replace(strategy, interval=tau, tiers=tiers)
 
+    # a slower tier takes whole multiples of the base interval: its cap bounds the base interval too
+    tau_cap = min(hi_b.get(t.name, math.inf) for t in strategy.tiers)
+
     def ok_tau(tau: float) -> float | None:
         tau = _round_to_steps(tau, step_time)
-        if tau < lo_b.get(base.name, 0.0) or tau > hi_b.get(base.name, math.inf):
+        if tau < lo_b.get(base.name, 0.0) or tau > tau_cap:
             return None
         return tau
 
@@ -524,7 +527,9 @@ def optimise(strategy: Strategy, mttf: float, *, fixed: Mapping[str, float] | No
             prev = k
         return out
 
-    tau = strategy.interval if base.name in fixed else (ok_tau(strategy.interval) or strategy.interval)
+    tau = strategy.interval
+    if base.name not in fixed:
+        tau = ok_tau(min(tau, tau_cap)) or ok_tau(tau_cap - (step_time or 0.0)) or min(tau, tau_cap)
     every = snap(tau, [t.every for t in slow])
     best = expected_goodput(with_(tau, every), mttf)
     for _ in range(rounds):
@@ -721,7 +726,9 @@ def _dur(s: float) -> str:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
+    if n >= 1e12:
+        return f"{n / 1e9:.0f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
 
 
 def _gbps(n: float) -> str:
