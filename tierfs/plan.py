@@ -716,6 +716,8 @@ def _dur(s: float) -> str:
         return "never"
     if math.isnan(s):
         return "-"
+    if s < 1:
+        return f"{s:.2f} s"
     if s < 120:
         return f"{s:.1f} s"
     if s < 7200:
@@ -732,7 +734,7 @@ def _gb(n: float) -> str:
 
 
 def _gbps(n: float) -> str:
-    return f"{n / 1e9:.2f} GB/s" if n >= 1e7 or n == 0 else f"{n / 1e6:.2f} MB/s"
+    return f"{n / 1e9:.2f} GB/s" if n >= 1e9 or n == 0 else f"{n / 1e6:.1f} MB/s"
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
