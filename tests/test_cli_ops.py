@@ -17,7 +17,7 @@ import pytest
 from tierfs import TieredStore
 from tierfs.cli import main
 from tierfs.format import MARKER, step_dirname
-from tierfs.policies import FixedIntervalPolicy, LatestN, PreserveAll
+from tierfs.policies import FixedIntervalPolicy, PreserveAll
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
@@ -393,3 +393,16 @@ def test_plan_as_a_program():
                         "--keep", "1", "--replicas", "0"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "60.38 GB" in r.stdout
+
+
+def test_the_worked_examples_in_docs_planning_print_what_the_page_shows(capsys):
+    """Every ``$ tierfs plan|simulate ...`` block of docs/planning.md is this code's output, verbatim."""
+    import shlex
+
+    text = (REPO / "docs" / "planning.md").read_text()
+    blocks = re.findall(r"```\n(\$ tierfs (?:plan|simulate) [^\n]*)\n(.*?)```", text, re.S)
+    assert len(blocks) >= 5
+    for command, shown in blocks:
+        code, out, err = run(capsys, *shlex.split(command)[2:])
+        assert code == 0, err
+        assert out.rstrip() == shown.rstrip(), command
