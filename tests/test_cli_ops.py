@@ -406,3 +406,21 @@ def test_the_worked_examples_in_docs_planning_print_what_the_page_shows(capsys):
         code, out, err = run(capsys, *shlex.split(command)[2:])
         assert code == 0, err
         assert out.rstrip() == shown.rstrip(), command
+
+
+def test_simulate_takes_the_intervals_a_config_file_gives(tmp_path, capsys):
+    cfg = tmp_path / "tiers.json"
+    cfg.write_text(json.dumps({"tiers": [
+        {"kind": "memory", "path": str(tmp_path / "ram"), "save": {"every_n_steps": 12}},
+        {"kind": "object", "url": "s3://b/run", "save": {"every_n_seconds": 600}}]}))
+    args = ["--checkpoint-size", "840GB", "--hosts", "32", "--mttf", "2h", "--ram-bw", "5GB/s",
+            "--object-bw", "200MB/s", "--replicas", "0", "--step-time", "5s", "--config", cfg]
+    code, out, err = run(capsys, "plan", *args, "--json")
+    assert code == 0, err
+    ram_obj = json.loads(out)["strategies"][1]
+    assert [t["interval_s"] for t in ram_obj["tiers"]] == [60.0, 600.0]  # 12 steps of 5 s; 600 s
+    code, out, err = run(capsys, "simulate", *args, "--runs", 20, "--json")
+    assert code == 0, err
+    assert [r["strategy"] for r in json.loads(out)] == ["object alone", "RAM + object"]
+    code, _, err = run(capsys, "plan", *[a for a in args if a not in ("--step-time", "5s")])
+    assert code == 2 and "give --step-time" in err

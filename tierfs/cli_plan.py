@@ -161,6 +161,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--peer-interval", type=parse_duration, metavar="DUR", help="fix the peer tier's interval")
     r.add_argument("--object-interval", type=parse_duration, metavar="DUR",
                    help="fix the object tier's interval")
+    r.add_argument("--config", metavar="FILE",
+                   help="take the RAM and object tiers' intervals from a tiers config's \"save\" specs "
+                        "(every_n_steps needs --step-time); --*-interval options win")
     r.add_argument("--saves-per-mttf", type=float, metavar="N",
                    help="save to the object tier N times per MTTF (interval = MTTF / N)")
     r.add_argument("--max-object-interval", type=parse_duration, default=3600.0, metavar="DUR",
@@ -186,8 +189,9 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
     given = {"ram_save": args.ram_bw, "ram_restore": args.ram_restore_bw, "peer": args.peer_bw,
              "object_write": args.object_bw, "object_read": args.object_read_bw}
     bw.update({k: v for k, v in given.items() if v is not None})  # the command line wins over the file
-    intervals = {k: v for k, v in (("ram", args.ram_interval), ("peer", args.peer_interval),
-                                   ("object", args.object_interval)) if v is not None}
+    intervals = intervals_from_config(args.config, args.step_time) if args.config else {}
+    intervals.update({k: v for k, v in (("ram", args.ram_interval), ("peer", args.peer_interval),
+                                        ("object", args.object_interval)) if v is not None})
     return pl.PlanInputs(
         checkpoint=ckpt, hosts=hosts, accelerators=accelerators, mttf=mttf, node_loss=args.node_loss,
         replica_loss=args.replica_loss, step_time=args.step_time, restart=args.restart, replace=args.replace,
@@ -195,6 +199,50 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
         replica_keep=args.replica_keep, headroom=args.headroom, background_slowdown=args.background_slowdown,
         intervals=intervals, saves_per_mttf=args.saves_per_mttf, max_object_interval=args.max_object_interval,
         **bw)
+
+
+def intervals_from_config(path: str, step_time: float | None) -> dict[str, float]:
+    """``{"ram"|"object": seconds}`` from the ``save`` specs of a tiers config's memory and object tiers.
+
+    ``{"every_n_steps": N}`` is N x ``step_time``; ``{"every_n_seconds": S}`` is S. A tier without a
+    ``save`` spec is left to the planner; any other spec is an error (the planner models fixed intervals).
+    """
+    from pathlib import Path
+
+    from .errors import FormatError
+    from .policies import ContinuousCheckpointingPolicy, FixedIntervalPolicy
+    from .policies.spec import save_policy
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FormatError(f"config file {path} does not exist") from None
+    except ValueError as e:
+        raise FormatError(f"config {path}: not valid JSON ({e})") from None
+    out: dict[str, float] = {}
+    for i, spec in enumerate(cfg.get("tiers", []) if isinstance(cfg, dict) else []):
+        if not isinstance(spec, dict) or spec.get("save") is None:
+            continue
+        name = {"memory": "ram", "object": "object"}.get(spec.get("kind"))  # type: ignore[arg-type]
+        if name is None:
+            continue
+        try:
+            policy = save_policy(spec["save"])
+        except ValueError as e:
+            raise FormatError(f"config {path}: tiers[{i}]: {e}") from None
+        if isinstance(policy, FixedIntervalPolicy):
+            if step_time is None:
+                raise ValueError(f"config {path}: tiers[{i}] saves every {policy.interval} steps; give --step-time")
+            seconds = policy.interval * step_time
+        elif isinstance(policy, ContinuousCheckpointingPolicy) and policy.minimum_interval_secs > 0:
+            seconds = policy.minimum_interval_secs
+        else:
+            raise ValueError(f"config {path}: tiers[{i}]: the planner models every_n_steps or every_n_seconds, "
+                             f"not {spec['save']}")
+        if name in out:
+            raise ValueError(f"config {path}: more than one {spec.get('kind')} tier; the planner models one of each")
+        out[name] = seconds
+    return out
 
 
 # -- plan -------------------------------------------------------------------------------------------
