@@ -1,19 +1,33 @@
-"""The ``tierfs`` command: look at and check the checkpoints on a tier without a training job.
+"""The ``tierfs`` command: inspect, check, copy, clean and export checkpoints; plan and simulate.
 
-    tierfs ls /dev/shm/tierfs/job-42                 a RAM tier directory (or any local step directory)
-    tierfs ls s3://bucket/run -o endpoint_url=...    an object tier at an fsspec URL
-    tierfs ls tiers.json                             every tier a config file describes
-    tierfs verify TARGET [--step N] [--tier NAME]    check every checksum of a step
+    tierfs ls TARGET                                  steps per tier (committed or partial)
+    tierfs verify TARGET [--step N] [--tier NAME]     check every checksum of a step
+    tierfs cp SRC [DST] [--step N] [--from T] [--to T]   copy a step, verified, marker last
+    tierfs gc TARGET [--older-than DUR] [--force] [--dry-run]   retention now; stale partial steps
+    tierfs export TARGET DIR --dcp [--step N]         a plain DCP checkpoint (FileSystemReader reads it)
+    tierfs plan ...                                   RAM per host, intervals, goodput, bandwidth
+    tierfs simulate ...                               Monte-Carlo of a training run under failures
+    tierfs bench [--object URL -o ...]                measure the tiers here; plan/simulate read it
 
-Both commands only read. They work on the tiers directly and never build a ``TieredStore``, whose
-start-up removes uncommitted steps: a step that is still being written, or that a crash left behind,
-is listed as ``partial`` and left alone.
+A TARGET is a RAM tier directory (/dev/shm/tierfs/job-42), an fsspec URL (s3://bucket/run, with
+``-o endpoint_url=...``) or a JSON config listing tiers. ``ls`` and ``verify`` only read: they work on the
+tiers directly and never build a ``TieredStore``, whose start-up removes uncommitted steps; a step still
+being written, or that a crash left behind, is listed as ``partial`` and left alone.
 
-A config file is ``{"tiers": [{"kind": "memory", "path": ..., "budget": ..., "name": ...},
-{"kind": "object", "url": ..., "storage_options": {...}, "name": ...}]}``; relative paths are taken
-from the config file's directory.
+A config file::
 
-Exit status: 0 on success, 1 when a check fails or a tier cannot be read, 2 for a bad command line.
+    {"tiers": [
+      {"kind": "memory", "path": "/dev/shm/tierfs/job-42", "budget": null, "name": "ram",
+       "save": {"every_n_steps": 1}, "keep": {"latest": 2}},
+      {"kind": "object", "url": "s3://bucket/job-42", "storage_options": {"endpoint_url": "..."},
+       "name": "s3", "save": {"every_n_steps": 100}, "keep": {"latest": 3, "every_n_steps": 1000}}]}
+
+``save`` and ``keep`` are optional policy specs (see :mod:`tierfs.policies.spec`); without ``keep`` a
+memory tier keeps the latest 2 and an object tier everything. Relative paths are taken from the config
+file's directory.
+
+Exit status: 0 on success, 1 when a check fails or a tier cannot be read or written, 2 for a bad
+command line. Errors are one line on stderr: ``tierfs: error: ...``.
 """
 
 from __future__ import annotations
@@ -85,8 +99,23 @@ def storage_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-_MEMORY_KEYS = {"kind", "name", "path", "budget"}
-_OBJECT_KEYS = {"kind", "name", "url", "storage_options"}
+_MEMORY_KEYS = {"kind", "name", "path", "budget", "save", "keep"}
+_OBJECT_KEYS = {"kind", "name", "url", "storage_options", "save", "keep"}
+
+
+def _policies(spec: dict[str, Any], where: str) -> dict[str, Any]:
+    """``save=``/``keep=`` keyword arguments for a tier from its config entry."""
+    from .policies.spec import keep_policy, save_policy
+
+    out: dict[str, Any] = {}
+    try:
+        if spec.get("save") is not None:
+            out["save"] = save_policy(spec["save"])
+        if spec.get("keep") is not None:
+            out["keep"] = keep_policy(spec["keep"])
+    except ValueError as e:
+        raise FormatError(f"{where}: {e}") from None
+    return out
 
 
 def tiers_from_config(path: Path) -> list[Tier]:
@@ -127,14 +156,14 @@ def tiers_from_config(path: Path) -> list[Tier]:
             budget = spec.get("budget")
             if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
                 raise FormatError(f"{where}: budget must be a number of bytes or null")
-            tiers.append(MemoryTier(p, budget=budget, name=name or "ram"))
+            tiers.append(MemoryTier(p, budget=budget, name=name or "ram", **_policies(spec, where)))
         else:
             url, so = spec.get("url"), spec.get("storage_options") or {}
             if not isinstance(url, str) or not url:
                 raise FormatError(f'{where}: an object tier needs "url", e.g. "s3://bucket/run"')
             if not isinstance(so, dict):
                 raise FormatError(f"{where}: storage_options must be an object")
-            tiers.append(ObjectTier(url, so, name=name))
+            tiers.append(ObjectTier(url, so, name=name, **_policies(spec, where)))
     names = [t.name for t in tiers]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -422,6 +451,213 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- cp ---------------------------------------------------------------------------------------------
+
+def _dst_options(args: argparse.Namespace, src_opts: dict[str, Any]) -> dict[str, Any]:
+    """Storage options for cp's destination: its own (-O/--dst-storage-options), else the source's."""
+    ns = argparse.Namespace(storage_options=args.dst_storage_options, option=args.dst_option)
+    own = storage_options_from_args(ns)
+    return own if (args.dst_storage_options or args.dst_option) else dict(src_opts)
+
+
+def _pick_source(tiers: list[Tier], step: int | None) -> tuple[Tier, int]:
+    """The fastest tier holding ``step`` committed (default: the newest step any tier holds)."""
+    held: dict[int, Tier] = {}
+    for t in tiers:
+        open_readonly(t)
+        for s, ok in sorted(t.list_steps().items()):
+            if ok:
+                held.setdefault(s, t)
+    if step is None:
+        if not held:
+            raise TierfsError(f"nothing to copy: no committed step on {[t.name for t in tiers]}")
+        step = max(held)
+    if step not in held:
+        raise TierfsError(f"step {step} is not committed on {[t.name for t in tiers]}")
+    return held[step], step
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from .ops import copy_step
+    from .tiers import ObjectTier
+
+    src_opts = storage_options_from_args(args)
+    src_all = tiers_from_target(args.source, src_opts)
+    if args.dest is None:
+        if args.to is None:
+            raise UsageError("give a destination (a directory, URL or config) or --to NAME, a tier of the source "
+                             "config")
+        dst = _select(src_all, args.to)[0]
+    elif _is_url(args.dest):
+        dst = ObjectTier(args.dest, _dst_options(args, src_opts))
+    elif args.dest.lower().endswith(".json"):
+        cfg = Path(args.dest).expanduser()
+        if not cfg.is_file():
+            raise TierUnavailableError(f"config file {args.dest} does not exist")
+        dtiers = tiers_from_config(cfg)
+        if args.to is None and len(dtiers) > 1:
+            raise UsageError(f"{args.dest} has tiers {[t.name for t in dtiers]}; choose one with --to")
+        dst = _select(dtiers, args.to)[0] if args.to else dtiers[0]
+    else:  # a plain directory: the step in tierfs's format, as a file:// object tier writes it
+        dst = ObjectTier("file://" + str(Path(args.dest).expanduser().resolve()), name="dir")
+    srcs = _select(src_all, args.from_tier)
+    srcs = [t for t in srcs if not (t is dst)]
+    if not srcs:
+        raise UsageError("the source and the destination are the same tier; choose another with --from/--to")
+    try:
+        src, step = _pick_source(srcs, args.step)
+        dst.open()
+        total = _marker_bytes(src, step)
+        bar = _progress_bar(total, f"cp step {step}", not args.no_progress and sys.stderr.isatty())
+        t0 = time.perf_counter()
+        try:
+            n = copy_step(src, dst, step, overwrite=args.overwrite, threads=args.threads,
+                          progress=bar.update if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        dt = time.perf_counter() - t0
+        print(f"copied step {step} from {describe(src)} to {describe(dst)}: {human_bytes(n)} verified in "
+              f"{dt:.2f} s, commit marker written last")
+    finally:
+        for t in {id(t): t for t in [*src_all, dst]}.values():
+            t.close()
+    return 0
+
+
+# -- gc ---------------------------------------------------------------------------------------------
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "at an unknown time"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .ops import live_users, partial_steps
+    from .policies.spec import keep_policy
+    from .store import TieredStore
+
+    tiers = tiers_from_target(args.target, storage_options_from_args(args))
+    chosen = _select(tiers, args.tier)
+    is_config = not _is_url(args.target) and args.target.lower().endswith(".json")
+    if args.keep is not None:
+        try:
+            spec = json.loads(args.keep) if args.keep.strip()[:1] in "{[\"" else args.keep.strip()
+            policy = keep_policy(spec)
+        except ValueError as e:
+            raise UsageError(f"--keep: {e}") from None
+        for t in chosen:
+            t.keep_policy = policy
+    elif not is_config:
+        raise UsageError("gc on a bare directory or URL needs --keep, e.g. --keep '{\"latest\": 3}' (or a config "
+                         "file whose tiers say \"keep\")")
+    verb = "would remove" if args.dry_run else "removed"
+    removed = deleted = kept = 0
+    try:
+        for t in tiers:
+            open_readonly(t)
+        for t in chosen:
+            pids = live_users(t)
+            if pids and not args.force:
+                raise TierfsError(f"tier {t.name!r} ({getattr(t, 'path', '')}) is in use by running process(es) "
+                                  f"{pids}: stop the job first, or pass --force")
+        # 1. partial steps: only stale ones (or every one with --force): a running save looks just like them
+        for t in chosen:
+            for step, age in partial_steps(t):
+                stale = args.force or (args.older_than is not None and age is not None and age >= args.older_than)
+                if not stale:
+                    kept += 1
+                    print(f"tier {t.name}: kept partial step {step} (last written {_age(age)}; may be a save in "
+                          "progress: pass --older-than DUR or --force to remove it)")
+                    continue
+                if not args.dry_run:
+                    t.delete_step(step)
+                removed += 1
+                print(f"tier {t.name}: {verb} partial step {step} (last written {_age(age)})")
+        # 2. retention, by the store's own rules (never the only copy of the newest step)
+        with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
+            doomed = store.retention_plan()
+            for t in chosen:
+                for step in doomed[t.name]:
+                    if not args.dry_run:
+                        store.delete(step, tiers=[t.name])
+                    deleted += 1
+                    print(f"tier {t.name}: {'would delete' if args.dry_run else 'deleted'} step {step} "
+                          f"(not kept by {t.keep_policy})")
+    finally:
+        for t in tiers:
+            t.close()
+    what = "would delete" if args.dry_run else "deleted"
+    print(f"gc: {what} {deleted} step(s) by retention, {verb} {removed} partial step(s), kept {kept} partial")
+    return 0
+
+
+# -- export -----------------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if not args.dcp:
+        raise UsageError("choose the export format: --dcp (a plain PyTorch DCP checkpoint directory)")
+    try:
+        from .adapters.dcp import export_dcp
+    except ImportError as e:
+        raise TierfsError(f"export --dcp needs torch ({e}); pip install 'tierfs[torch]'") from None
+    from .store import TieredStore
+
+    tiers = tiers_from_target(args.target, storage_options_from_args(args))
+    if args.tier is not None:
+        _select(tiers, args.tier)
+    try:
+        for t in tiers:
+            open_readonly(t)
+        with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
+            t0 = time.perf_counter()
+            md = export_dcp(store, args.directory, args.step, tiers=[args.tier] if args.tier else None,
+                            overwrite=args.overwrite)
+    finally:
+        for t in tiers:
+            t.close()
+    files = sorted({getattr(v, "relative_path", "") for v in md.storage_data.values()})
+    size = sum(os.path.getsize(os.path.join(args.directory, f)) for f in files if f)
+    print(f"exported {args.directory}: {len(files)} .distcp file(s), {human_bytes(size)} in "
+          f"{time.perf_counter() - t0:.2f} s; load it with dcp.load(state, "
+          f"storage_reader=FileSystemReader({args.directory!r}))")
+    return 0
+
+
+# -- plan, simulate, bench --------------------------------------------------------------------------
+
+def _inputs_errors_are_usage(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return run
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .cli_plan import cmd_plan
+
+    return _inputs_errors_are_usage(cmd_plan)(args)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .cli_plan import cmd_simulate
+
+    return _inputs_errors_are_usage(cmd_simulate)(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .cli_plan import cmd_bench
+
+    return cmd_bench(args, storage_options_from_args(args))
+
+
 # -- entry point ------------------------------------------------------------------------------------
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -437,8 +673,9 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Inspect and check tierfs checkpoints. Read-only: never "
-                                            "deletes or changes a step.")
+    parser = _Parser(prog=PROG, description="Inspect, check, copy, clean up and export tierfs checkpoints; "
+                                            "plan and simulate checkpointing for a training job. ls and "
+                                            "verify only read.")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -461,7 +698,93 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-j", "--threads", type=int, metavar="N", help="checksum threads (default: up to 4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("cp", help="copy a step between tiers, or out to a directory or URL", description=(
+        "Copy a committed step from a tier of SOURCE to DEST: a directory (the step in tierfs's format, "
+        "readable as a tier), an fsspec URL, a config file (--to picks its tier), or, without DEST, the tier "
+        "--to of the SOURCE config. Every manifest and every block's crc32c is checked before it is "
+        "written; the commit marker is written last, so an interrupted copy never looks committed."))
+    p.add_argument("source", metavar="SOURCE", help="a tier directory, an fsspec URL or a *.json config")
+    p.add_argument("dest", metavar="DEST", nargs="?", help="a directory, an fsspec URL or a *.json config")
+    p.add_argument("--step", type=int, metavar="N", help="the step (default: the newest committed one)")
+    p.add_argument("--from", dest="from_tier", metavar="NAME", help="the source tier (default: the fastest "
+                                                                     "tier holding the step)")
+    p.add_argument("--to", metavar="NAME", help="the destination tier of a config")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec storage options for a URL source")
+    p.add_argument("-o", dest="option", action="append", metavar="KEY=VALUE",
+                   help="one storage option for a URL source (repeatable); also used for a URL destination "
+                        "unless -O is given")
+    p.add_argument("--dst-storage-options", metavar="JSON", help="storage options for a URL destination")
+    p.add_argument("-O", dest="dst_option", action="append", metavar="KEY=VALUE",
+                   help="one storage option for a URL destination (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace a copy of the step already at DEST")
+    p.add_argument("-j", "--threads", type=int, metavar="N", help="checksum threads (default: up to 4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("gc", help="apply retention now; remove stale partial steps", description=(
+        "Delete the committed steps each tier's keep policy does not keep (the config's \"keep\", or "
+        "--keep), by the store's rules: never the only copy of the newest step. Partial steps (no commit "
+        "marker) are removed only when their newest file is older than --older-than, or with --force: a "
+        "save in progress looks exactly like a crash's leftovers. A RAM tier that a running process maps or "
+        "pools buffers in is refused unless --force. --dry-run prints what would go and deletes nothing."))
+    _add_target(p)
+    p.add_argument("--keep", metavar="SPEC", help='keep policy for the selected tiers, e.g. \'{"latest": 3}\' '
+                                                  '(required for a directory or URL target)')
+    p.add_argument("--older-than", type=_duration, metavar="DUR",
+                   help="remove partial steps last written longer ago than this, e.g. 1h")
+    p.add_argument("--force", action="store_true",
+                   help="remove every partial step and ignore running processes: only when no job runs")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export", help="write a step as a plain DCP checkpoint", description=(
+        "Write a step saved through tierfs's DCP layer (TieredWriter) as a plain PyTorch DCP checkpoint "
+        "directory: __<rank>_0.distcp files and .metadata (written last), loadable with "
+        "dcp.load(state, storage_reader=FileSystemReader(DIR)) without tierfs. Every byte is read through "
+        "the verified path (fastest tier whose checksums check out)."))
+    _add_target(p)
+    p.add_argument("directory", metavar="DIR", help="the output directory")
+    p.add_argument("--dcp", action="store_true", help="the format: a PyTorch DCP directory (required)")
+    p.add_argument("--step", type=int, metavar="N", help="the step (default: the newest)")
+    p.add_argument("--overwrite", action="store_true", help="replace a DCP checkpoint already in DIR")
+    p.set_defaults(func=cmd_export)
+
+    from .cli_plan import add_bench_args, add_model_args, add_simulate_args
+
+    p = sub.add_parser("plan", help="RAM per host, save intervals, goodput and bandwidth for a job",
+                       description=(
+        "Plan a job's checkpointing from its model, cluster, failure rate and the tiers' bandwidths "
+        "(measured with 'tierfs bench' or given): RAM per host for the RAM tier (own steps, steps in flight, "
+        "replicas held for others), each tier's save interval (Young/Daly, then the goodput maximum), the "
+        "expected goodput of object storage alone, RAM + object and RAM + peers + object, and the write "
+        "bandwidth each tier needs. Sizes take units: 70B params, 5TB, 5GB/s, 124min."))
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("simulate", help="Monte-Carlo of a training run under failures", description=(
+        "Simulate many runs of a job under exponential failures (node losses and process restarts, "
+        "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
+        "or several sizes (--sizes with --accelerator-mttf). Prints goodput, job time, work lost and time "
+        "recovering with 95% confidence intervals, next to the plan's goodput."))
+    add_model_args(p)
+    add_simulate_args(p)
+    p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("bench", help="measure the tiers on this machine for plan/simulate", description=(
+        "Measure RAM-tier save and restore through a TieredStore, object-tier upload and download for "
+        "--object URL, and (under torchrun) peer transfer over gloo send/recv. Writes a JSON file that "
+        "'tierfs plan --bench FILE' and 'tierfs simulate --bench FILE' read."))
+    add_bench_args(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _duration(text: str) -> float:
+    from .cli_plan import parse_duration
+
+    return parse_duration(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

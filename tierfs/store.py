@@ -517,20 +517,20 @@ class TieredStore:
             self._delete(fast, step)
 
     # -- retention ----------------------------------------------------------------------------------
+    def _doomed(self, tier: Tier, held: Mapping[str, set[int]]) -> list[int]:
+        """The steps of ``tier`` that retention deletes, given what every tier holds (lock held): not kept
+        by the tier's policy, not being read or copied, and not the only copy of the newest step."""
+        committed = sorted(held[tier.name] - self._transient)
+        if not committed:
+            return []
+        keep = tier.keep_policy.keep([self._info.get(s, StepInfo(s)) for s in committed])
+        newest = max(max(h) for h in held.values() if h)
+        return [s for s in committed if s not in keep and not self._pins[tier.name].get(s)
+                and not (s == newest and not any(s in held[t.name] for t in self.tiers if t is not tier))]
+
     def _apply_retention(self, tier: Tier) -> None:
         with self._lock:
-            committed = sorted(self._index[tier.name] - self._transient)
-            if not committed:
-                return
-            keep = tier.keep_policy.keep([self._info.get(s, StepInfo(s)) for s in committed])
-            newest = max(max(s) for s in self._index.values() if s)
-            doomed = []
-            for s in committed:
-                if s in keep or self._pins[tier.name].get(s):
-                    continue
-                if s == newest and not any(s in self._index[t.name] for t in self.tiers if t is not tier):
-                    continue  # never the only copy of the newest step
-                doomed.append(s)
+            doomed = self._doomed(tier, self._index)
         for s in doomed:
             log.debug("tier %s: retention deletes step %d", tier.name, s)
             self._delete(tier, s)
@@ -548,6 +548,44 @@ class TieredStore:
             tier.release(step, self.group.rank, marker=self._owns(tier))
         elif self._owns(tier):
             tier.delete_step(step)
+
+    def retention_plan(self) -> dict[str, list[int]]:
+        """``{tier: [steps its keep policy would delete now]}``, deleting nothing.
+
+        The rules of the retention that runs after each save: a step is kept when the tier's keep policy
+        keeps it, when it is being read or copied, or when it is the only copy of the newest step. Steps
+        this process did not save get their commit time and metrics from their marker and manifest, so
+        time- and metric-based policies see them (``tierfs gc`` runs on a store that saved nothing).
+        """
+        self.wait_until_finished()
+        self.refresh()
+        with self._lock:
+            unknown = sorted(set().union(*self._index.values()) - set(self._info))
+        for s in unknown:
+            when, metrics = 0.0, {}
+            try:
+                when = float(self.read_marker(s).committed or 0.0)
+                metrics = dict(self.read_manifest(s, self.group.rank)[0].metrics)
+            except (TierfsError, OSError, ValueError, KeyError) as e:
+                log.warning("step %d: no readable marker or manifest (%s); its time and metrics are unknown", s, e)
+            with self._lock:
+                self._info.setdefault(s, StepInfo(s, when, metrics))
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            held = {t.name: set(self._index[t.name]) for t in self.tiers}  # as the deletions go, tier by tier
+            for tier in self.tiers:
+                out[tier.name] = self._doomed(tier, held)
+                held[tier.name] -= set(out[tier.name])
+        return out
+
+    def apply_retention(self) -> dict[str, list[int]]:
+        """Apply every tier's keep policy now (see :meth:`retention_plan`); returns the steps deleted."""
+        doomed = self.retention_plan()
+        for tier in self.tiers:
+            for s in doomed[tier.name]:
+                log.info("tier %s: retention deletes step %d", tier.name, s)
+                self._delete(tier, s)
+        return doomed
 
     def delete(self, step: int, tiers: Sequence[str] | None = None) -> None:
         """Delete ``step`` from the named tiers (default: all)."""
