@@ -238,10 +238,13 @@ class _Drain:
     def tmpfile(self, rel: str) -> Path:
         """A fresh private temporary file next to ``rel``'s RAM path."""
         final = self.ram(rel)
-        if final.is_dir():
-            raise IsADirectoryError(f"{self.tpath(rel)} is a directory")
-        make_private_dir(final.parent)
-        return final.parent / f"{_TMP_PREFIX}{os.getpid()}-{next(self.tmp_ids)}"
+        with self.cond:  # created under the lock: eviction never prunes a directory holding it
+            if final.is_dir():
+                raise IsADirectoryError(f"{self.tpath(rel)} is a directory")
+            make_private_dir(final.parent)
+            tmp = final.parent / f"{_TMP_PREFIX}{os.getpid()}-{next(self.tmp_ids)}"
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, _DIRTY_MODE))
+        return tmp
 
     def reserve(self, rel: str, nbytes: int) -> None:
         with self.cond:
@@ -257,7 +260,11 @@ class _Drain:
         """Write ``data`` as ``rel`` in RAM (temporary file, then rename) and queue it for the target."""
         n = memoryview(data).nbytes
         tmp = self.tmpfile(rel)
-        self.reserve(rel, n)
+        try:
+            self.reserve(rel, n)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         try:
             try:
                 with open(tmp, "wb", opener=_private_opener) as f:
@@ -523,7 +530,7 @@ _DRAINS_LOCK = threading.Lock()
 def _warn_unflushed() -> None:
     for d in list(_DRAINS.values()):
         left = d.pending()
-        if left:
+        if left and d.root.exists():
             log.warning("tiered: %d file(s) written through tiered:// were not flushed to %s (e.g. %s); they "
                         "remain in RAM at %s and are uploaded by the next process using it", len(left),
                         d.label, left[0], d.root)
@@ -762,7 +769,11 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         def put() -> None:
             size = os.path.getsize(lpath)
             tmp = d.tmpfile(rel)
-            d.reserve(rel, size)
+            try:
+                d.reserve(rel, size)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             try:
                 try:
                     with open(lpath, "rb") as src, open(tmp, "wb", opener=_private_opener) as dst:
@@ -789,7 +800,11 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
             with f:
                 size = os.fstat(f.fileno()).st_size
                 tmp = self._drain.tmpfile(rel2)
-                self._drain.reserve(rel2, size)
+                try:
+                    self._drain.reserve(rel2, size)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
                 try:
                     with open(tmp, "wb", opener=_private_opener) as out:
                         shutil.copyfileobj(f, out, 8 << 20)
