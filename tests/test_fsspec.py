@@ -300,3 +300,53 @@ def test_registered_under_tiered_in_a_fresh_interpreter(s3_url, tmp_path):
     assert out.stdout.split() == ["tierfs.adapters.fsspec", "TieredFileSystem", url.split("://", 1)[1]]
     tfs, _ = _direct(url, opts)
     assert tfs.cat_file(url + "/from-child") == b"child"
+
+
+# -- DCP's own FsspecWriter / FsspecReader with a tiered:: checkpoint id ------------------------------
+def _dcp_state(torch):
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g).to(torch.bfloat16),
+            "step": torch.tensor(7), "ids": torch.randint(0, 1 << 30, (1000,), generator=g)}
+
+
+def _bits(t):
+    return t.reshape(-1).view(__import__("torch").uint8)
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_dcp_fsspec_writer_with_a_tiered_id(backend, request, tmp_path, monkeypatch):
+    """DCP rebuilds its filesystem from the checkpoint id (``url_to_fs(id)``), so options come from
+    fsspec's config: ``fsspec.config.conf["tiered"]`` for the RAM tier and ``conf["s3"]`` for the target."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    if backend == "s3":
+        url, opts = request.getfixturevalue("s3_url")
+        monkeypatch.setitem(fsspec.config.conf, "s3", opts)
+    else:
+        url, opts = f"file://{tmp_path}/target", {}
+    ckpt = f"tiered::{url}/ckpt/step_1"
+    ram1, ram2 = tmp_path / "ram-node1", tmp_path / "ram-node2"
+    monkeypatch.setitem(fsspec.config.conf, "tiered", {"path": str(ram1)})
+    state = _dcp_state(torch)
+    dcp.save(state, storage_writer=FsspecWriter(ckpt, thread_count=2))
+    fs, root = fsspec.url_to_fs(ckpt)
+    assert isinstance(fs, TieredFileSystem)
+    fs.flush()  # durable on the target
+    direct, troot = _direct(url + "/ckpt/step_1", opts)
+    assert ".metadata" in [p.rsplit("/", 1)[-1] for p in direct.ls(troot, detail=False)]
+    # a new node: empty RAM, everything comes from the target
+    monkeypatch.setitem(fsspec.config.conf, "tiered", {"path": str(ram2)})
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=FsspecReader(ckpt))
+    assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())  # bit-exact
+    fs2, _ = fsspec.url_to_fs(ckpt)
+    assert fs2.stats()["ram_reads"] == 0 and fs2.stats()["target_reads"] > 0
+    # the first node still holds it in RAM and serves DCP from there
+    monkeypatch.setitem(fsspec.config.conf, "tiered", {"path": str(ram1)})
+    before = fs.stats()
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=FsspecReader(ckpt))
+    assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())
+    assert fs.stats()["target_reads"] == before["target_reads"]
