@@ -80,6 +80,13 @@ def test_zarr_step_is_copied_to_the_object_tier_and_restored_from_it(s3_url, shm
         _same(restore_zarr(store, tiers=["s3"]), state)
 
 
+def test_the_store_keeps_the_shape_of_0d_numpy_arrays(shm_dir):
+    """(Fixed on the way: state.to_leaf turned a 0-d numpy array into shape (1,).)"""
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(1, {"s": np.array(5, dtype=np.int16)})
+        assert store.restore()[0]["s"].shape == ()
+
+
 def test_restore_zarr_refuses_a_step_it_did_not_write(shm_dir):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         store.save(1, {"x": np.ones(3)})

@@ -13,6 +13,9 @@ import numpy as np
 from .. import state as st
 from ..errors import FormatError
 
+#: bytes per chunk inside a shard (a read of part of an array fetches whole chunks)
+DEFAULT_CHUNK_BYTES = 4 << 20
+
 #: torch dtypes without a numpy counterpart -> the unsigned integer type of the same width
 _AS_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
@@ -51,3 +54,14 @@ def restore(a: Any, info: Mapping[str, Any]) -> Any:
         raise FormatError(f"array holds {data.size} bytes, expected {raw.size} for {info}")
     raw[...] = data
     return obj
+
+
+def layout(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(chunks, shard)``: chunks of about ``chunk_bytes`` split along the first axis, and one shard
+    holding them all (a multiple of the chunk shape). Both are ``()`` for a 0-d array."""
+    if not shape:
+        return (), ()
+    row = max(1, itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+    rows = max(1, min(max(shape[0], 1), chunk_bytes // row))
+    chunks = (rows, *(max(1, n) for n in shape[1:]))
+    return chunks, (-(-max(shape[0], 1) // rows) * rows, *chunks[1:])

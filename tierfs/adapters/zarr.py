@@ -26,8 +26,7 @@ from . import _arrays
 
 #: the step metadata key that marks a step written by :func:`save_zarr`
 ADAPTER_KEY = "tierfs.adapter"
-#: bytes per chunk inside a shard (a read of part of an array fetches whole chunks)
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = _arrays.DEFAULT_CHUNK_BYTES
 
 
 def _zarr():
@@ -36,17 +35,6 @@ def _zarr():
     except ImportError:
         raise ImportError("the zarr adapter needs zarr 3: pip install tierfs[zarr]") from None
     return zarr
-
-
-def _layout(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Chunks of about ``chunk_bytes`` (split along the first axis) and one shard holding them all."""
-    if not shape:
-        return (), ()
-    row = max(1, itemsize * int(np.prod(shape[1:], dtype=np.int64)))
-    rows = max(1, min(max(shape[0], 1), chunk_bytes // row))
-    chunks = (rows, *(max(1, n) for n in shape[1:]))
-    shard0 = -(-max(shape[0], 1) // rows) * rows
-    return chunks, (shard0, *chunks[1:])
 
 
 def write_state(zstore: Any, state: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -74,7 +62,7 @@ def write_state(zstore: Any, state: Mapping[str, Any], *, chunk_bytes: int = DEF
         if a is None:
             values[name] = info["value"]
             continue
-        chunks, shards = _layout(a.shape, a.itemsize, chunk_bytes)
+        chunks, shards = _arrays.layout(a.shape, a.itemsize, chunk_bytes)
         z = root.create_array(name, shape=a.shape, dtype=a.dtype, chunks=chunks or "auto",
                               shards=shards or None, compressors=compressors, fill_value=0)
         z[...] = a
