@@ -290,16 +290,40 @@ def test_registered_under_tiered_in_a_fresh_interpreter(s3_url, tmp_path):
         "fs.pipe_file(root + '/from-child', b'child')\n"
         "fs.flush()\n"
         "print(type(fs).__module__, type(fs).__name__, root)\n"
+        # options from the environment (FSSPEC_<PROTOCOL>[_<KWARG>]), as DCP's url_to_fs(id) needs them
+        f"fs2, _ = fsspec.url_to_fs('tiered::{url}')\n"
+        "assert fs2.cat_file(root + '/from-child') == b'child' and fs2.stats()['ram_reads'] >= 1\n"
     )
     import json
 
-    env = {k: v for k, v in os.environ.items()}
+    env = {**os.environ, "FSSPEC_TIERED_PATH": ram, "FSSPEC_TIERED_BUDGET": str(64 << 20),
+           "FSSPEC_S3": json.dumps(opts)}
     out = subprocess.run([sys.executable, "-c", code, json.dumps(opts)], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["tierfs.adapters.fsspec", "TieredFileSystem", url.split("://", 1)[1]]
     tfs, _ = _direct(url, opts)
     assert tfs.cat_file(url + "/from-child") == b"child"
+
+
+# -- an existing pipeline, changed only in its URL ------------------------------------------------------
+def export_parts(url: str, rows: list[str], **storage_options) -> None:
+    """A pipeline as found in the wild: one text file per part, through fsspec.open."""
+    for i, row in enumerate(rows):
+        with fsspec.open(f"{url}/part-{i:03d}.csv", "w", **storage_options) as f:
+            f.write(row)
+
+
+def test_a_plain_fsspec_open_loop_gains_the_ram_tier_by_its_url_alone(s3_url, shm_dir, monkeypatch):
+    url, opts = s3_url
+    rows = [f"id,value\n{i},{i * i}\n" for i in range(20)]
+    monkeypatch.setitem(fsspec.config.conf, "tiered", {"path": shm_dir})  # or tiered={...} per call
+    export_parts(f"tiered::{url}", rows, s3=opts)  # was: export_parts(url, rows, **opts)
+    fs, root = fsspec.url_to_fs(f"tiered::{url}", s3=opts)
+    fs.flush()
+    tfs, _ = _direct(url, opts)
+    assert [tfs.cat_file(f"{root}/part-{i:03d}.csv").decode() for i in range(20)] == rows
+    assert len(os.listdir(os.path.join(shm_dir, root))) == 20  # and RAM still holds them for reads
 
 
 # -- DCP's own FsspecWriter / FsspecReader with a tiered:: checkpoint id ------------------------------

@@ -112,7 +112,10 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
             raise ValueError(f"drain must be 'background' or 'manual', got {drain!r}")
         if when_full not in ("wait", "raise"):
             raise ValueError(f"when_full must be 'wait' or 'raise', got {when_full!r}")
-        if budget is not None and int(budget) <= 0:
+        # options may come from fsspec's config as strings (FSSPEC_TIERED_BUDGET=...)
+        budget = None if budget in (None, "", "none", "None") else int(float(budget))
+        drain_bandwidth = None if drain_bandwidth in (None, "", "none", "None") else float(drain_bandwidth)
+        if budget is not None and budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes or None, got {budget!r}")
         opts = {k: v for k, v in (target_options or {}).items() if k not in ("asynchronous", "loop")}
         if fs is None:
