@@ -257,12 +257,13 @@ class Drain:
     def commit(self, tmp: Path, rel: str, exclusive: bool = False, reserved: int | None = None) -> None:
         """Rename a finished temporary file to ``rel`` and queue the upload."""
         size = tmp.stat().st_size
+        remote = exclusive and rel not in self.sizes and self._remote_exists(rel)  # (no request under the lock)
         with self.cond:
             try:
+                if exclusive and (rel in self.sizes or remote):
+                    raise FileExistsError(f"{self.tpath(rel)} exists (mode='create')")
                 if reserved is None:
                     self._room(rel, size)
-                if exclusive and (rel in self.sizes or self._remote_exists(rel)):
-                    raise FileExistsError(f"{self.tpath(rel)} exists (mode='create')")
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -296,9 +297,7 @@ class Drain:
         """The RAM copy of ``rel`` open for reading, or None when RAM does not hold it."""
         if not rel:
             return None
-        with self.cond:
-            if rel not in self.sizes:
-                return None
+        with self.cond:  # (eviction unlinks under this lock: an open file stays readable)
             try:
                 f = open(self.ram(rel), "rb")
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -395,8 +394,14 @@ class Drain:
                 gen = self.dirty[rel]
                 try:
                     fd = os.open(self.ram(rel), os.O_RDONLY)  # the bytes of generation ``gen``
-                except FileNotFoundError:
+                except FileNotFoundError:  # removed behind our back: nothing left to make durable
                     self.dirty.pop(rel, None)
+                    self.cond.notify_all()
+                    continue
+                except OSError as e:  # kept as a failure, so flush() reports it instead of waiting
+                    self.failed[rel] = (gen, _short(e))
+                    self.counters["upload_failures"] += 1
+                    self.cond.notify_all()
                     continue
                 self.busy.add(rel)
                 self.remote.add(rel)
@@ -412,7 +417,10 @@ class Drain:
             with self.cond:
                 self.busy.discard(rel)
                 if ok:
-                    os.fchmod(fd, _DURABLE_MODE)  # this inode's bytes are on the target
+                    try:
+                        os.fchmod(fd, _DURABLE_MODE)  # this inode's bytes are on the target
+                    except OSError as e:  # only the mark for a later process is lost: it uploads again
+                        log.warning("tiered: cannot mark %s durable in RAM (%s)", rel, _short(e))
                     self.counters["uploads"] += 1
                     self.counters["bytes_uploaded"] += nbytes
                     if self.dirty.get(rel) == gen:
@@ -438,6 +446,11 @@ class Drain:
                     out.flush()
                     os.fsync(out.fileno())
                 os.replace(tmp, dst)
+                dfd = os.open(os.path.dirname(dst) or ".", os.O_RDONLY)
+                try:
+                    os.fsync(dfd)  # the rename itself survives a power loss
+                finally:
+                    os.close(dfd)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
