@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import uuid
 
 import fsspec
 import numpy as np
@@ -36,7 +37,30 @@ class _TieredFileFixtures(AbstractFixtures):
         return str(tmp_path / "remote")
 
 
+class _TieredMemoryFixtures(AbstractFixtures):
+    """Over memory:// with the drain running: files move to the target while the suite works on them."""
+
+    @pytest.fixture
+    def fs(self, shm_dir):
+        fs = fsspec.filesystem("tiered", path=shm_dir, target_protocol="memory", skip_instance_cache=True)
+        yield fs
+        fs.flush()  # every upload the suite caused succeeded
+        assert fs.pending() == []
+
+    @pytest.fixture
+    def fs_path(self, request):
+        return f"/tiered-abstract/{uuid.uuid4().hex}"
+
+
 class TestTieredCopy(_TieredFileFixtures, AbstractCopyTests):
+    pass
+
+
+class TestTieredCopyDraining(_TieredMemoryFixtures, AbstractCopyTests):
+    pass
+
+
+class TestTieredPutDraining(_TieredMemoryFixtures, AbstractPutTests):
     pass
 
 
