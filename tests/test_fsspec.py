@@ -398,3 +398,22 @@ def test_dcp_fsspec_writer_with_a_tiered_id(backend, request, tmp_path, monkeypa
     dcp.load(out, storage_reader=FsspecReader(ckpt))
     assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())
     assert fs.stats()["target_reads"] == before["target_reads"]
+
+
+def test_chained_options_follow_fsspec_conventions(tmp_path, shm_dir):
+    target = tmp_path / "t"
+    target.mkdir()
+    by_fo = fsspec.filesystem("tiered", fo=f"file://{target}", path=shm_dir, skip_instance_cache=True)
+    by_proto = fsspec.filesystem("tiered", target_protocol="file", path=shm_dir, skip_instance_cache=True)
+    by_fs = fsspec.filesystem("tiered", fs=fsspec.filesystem("file"), path=shm_dir, skip_instance_cache=True)
+    for fs in (by_fo, by_proto, by_fs):
+        assert fs.target.protocol[0] in ("file", "local")
+    assert by_fo._drain is by_proto._drain is by_fs._drain  # one drain per RAM directory and target
+    by_fo.pipe_file(f"{target}/x", b"1")
+    by_proto.flush()  # the same RAM directory and target: one drain
+    assert (target / "x").read_bytes() == b"1"
+    with pytest.raises(ValueError, match="needs a target"):
+        fsspec.filesystem("tiered", path=shm_dir, skip_instance_cache=True)
+    with pytest.raises(ValueError, match="drain must be"):
+        fsspec.filesystem("tiered", target_protocol="file", path=shm_dir, drain="sometimes",
+                          skip_instance_cache=True)

@@ -125,9 +125,9 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
                                      "or pass target_protocol= (or fs=)")
                 target_protocol = str(fo).split("://", 1)[0]
             fs = fsspec.filesystem(target_protocol, **opts)
-            key: Any = (target_protocol, tokenize(opts))
         else:
-            key = (type(fs).__name__, getattr(fs, "_fs_token", id(fs)))
+            opts = {k: v for k, v in getattr(fs, "storage_options", {}).items() if k not in ("asynchronous", "loop")}
+        key = (protocol_of(fs), tokenize(opts))  # not fs._fs_token: it differs per thread for sync classes
         self.target = fs
         self.fo = fo
         root = Path(path if path is not None else default_path() + "-fsspec")
