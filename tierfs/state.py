@@ -81,7 +81,7 @@ def to_leaf(name: str, v: Any) -> Leaf:
         if not _NUMPY_DTYPE_RE.match(v.dtype.str):
             raise TypeError(f"{name!r}: numpy dtype {v.dtype} is not supported (object/structured arrays "
                             "would need pickle); convert it to a numeric dtype")
-        a = np.ascontiguousarray(v)
+        a = np.asarray(v, order="C")  # (np.ascontiguousarray would turn a 0-d array into shape (1,))
         return Leaf(name, "array", "numpy", a.dtype.str, tuple(a.shape), a.reshape(-1).view(np.uint8))
     if is_tensor(v):
         t = v.detach()

@@ -1,0 +1,490 @@
+"""``tiered::`` — an fsspec filesystem that puts a RAM tier in front of any other filesystem.
+
+Any pipeline that writes through fsspec (zarr, DCP's ``FsspecWriter``, pandas, a plain ``fsspec.open``
+loop) gains a RAM tier by changing only its URL::
+
+    fs, root = fsspec.url_to_fs("tiered::s3://bucket/run", tiered={"path": "/dev/shm/tierfs/run"},
+                                s3={"endpoint_url": ...})
+    fs.pipe(f"{root}/a.bin", data)     # lands in RAM; copied to s3://bucket/run/a.bin in the background
+    fs.flush()                         # returns once everything written is durable on the target
+
+Paths are the target's paths (``bucket/run/a.bin`` here); the RAM directory mirrors them
+(``/dev/shm/tierfs/run/bucket/run/a.bin``). A write goes to a temporary file in RAM that is renamed into
+place, so a reader never sees half a file, and is then queued for the drain (``_writeback.Drain``): a few
+low-priority threads that upload within a bandwidth cap.
+
+The drain is shared by every instance of this class in the process that has the same RAM directory
+and target (fsspec makes separate instances per thread and for async use, and zarr makes its own), so
+``flush()`` on any of them waits for writes made through all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import stat
+from glob import has_magic
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.transaction import Transaction
+from fsspec.utils import stringify_path, tokenize
+
+from ..tiers.memory import default_path, make_private_dir
+from ._writeback import (DEFAULT_DRAIN_BANDWIDTH, DRAINS, DRAINS_LOCK, TMP_PREFIX, Drain, RamWriter, private_opener,
+                         protocol_of, rel_path)
+
+try:  # fsspec >= 2025.9: url_to_fs hands a chained filesystem the target's path
+    from fsspec.implementations.chained import ChainedFileSystem
+
+    _BASES: tuple[type, ...] = (AsyncFileSystem, ChainedFileSystem)
+except ImportError:  # pragma: no cover - older fsspec
+    _BASES = (AsyncFileSystem,)
+
+log = logging.getLogger("tierfs")
+
+
+class _FlushingTransaction(Transaction):
+    """``with fs.transaction:`` commits the files written inside, then flushes them to the target."""
+
+    def complete(self, commit: bool = True) -> None:
+        fs = self.fs
+        super().complete(commit)
+        if commit and fs is not None:
+            fs.flush()
+
+
+class TieredFileSystem(*_BASES):  # type: ignore[misc]
+    """A write-back RAM tier in front of any fsspec filesystem (``tiered::s3://bucket/run``).
+
+    Parameters
+    ----------
+    path:
+        RAM directory (created 0700), on tmpfs such as ``/dev/shm``. Default
+        ``/dev/shm/tierfs/<job id>-fsspec``. Target paths are mirrored below it.
+    target_protocol, target_options:
+        The filesystem behind the RAM tier and its options (what ``tiered::s3://...`` sets).
+    fo:
+        The target URL or path (``s3://bucket/run``); with no ``target_protocol`` the protocol comes from it.
+    fs:
+        A target filesystem instance instead of ``target_protocol``/``target_options``.
+    budget:
+        Most bytes the RAM directory may hold. Files already durable on the target are evicted oldest
+        first to make room; then a write waits for the drain (``when_full="wait"``) or raises
+        ``CapacityError`` (``"raise"``), as it does when the data cannot fit at all. Default: the free
+        space of the filesystem holding ``path``.
+    drain:
+        ``"background"`` (default): upload each file as soon as it is written. ``"manual"``: upload only
+        in ``flush()`` (nothing competes with training until then).
+    drain_bandwidth:
+        Bytes per second the uploads may move (default 256 MB/s; None: no cap).
+    drain_concurrency:
+        Files uploaded at once (default 4).
+    retries:
+        Attempts per upload on transient errors, with backoff.
+    when_full:
+        ``"wait"`` or ``"raise"``, see ``budget``.
+
+    Notes
+    -----
+    The drain (queue, threads, RAM accounting) is shared by every instance with the same RAM directory
+    and target in the process; the first instance's drain options apply. Reads come from RAM while it
+    holds a file, else from the target. This filesystem assumes it is the only writer of its target
+    paths (a job-scoped prefix), as any write-back cache does.
+    """
+
+    protocol = "tiered"
+    root_marker = ""
+    transaction_type = _FlushingTransaction
+
+    def __init__(self, path: str | None = None, target_protocol: str | None = None,
+                 target_options: dict[str, Any] | None = None, fo: str | None = None,
+                 fs: fsspec.AbstractFileSystem | None = None, *, budget: int | None = None,
+                 drain: str = "background", drain_bandwidth: float | None = DEFAULT_DRAIN_BANDWIDTH,
+                 drain_concurrency: int = 4, retries: int = 4, when_full: str = "wait",
+                 asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
+        super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
+        if drain not in ("background", "manual"):
+            raise ValueError(f"drain must be 'background' or 'manual', got {drain!r}")
+        if when_full not in ("wait", "raise"):
+            raise ValueError(f"when_full must be 'wait' or 'raise', got {when_full!r}")
+        # options may come from fsspec's config as strings (FSSPEC_TIERED_BUDGET=...)
+        budget = None if budget in (None, "", "none", "None") else int(float(budget))
+        drain_bandwidth = None if drain_bandwidth in (None, "", "none", "None") else float(drain_bandwidth)
+        if budget is not None and budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes or None, got {budget!r}")
+        opts = {k: v for k, v in (target_options or {}).items() if k not in ("asynchronous", "loop")}
+        if fs is None:
+            if target_protocol is None:
+                if not fo or "://" not in str(fo):
+                    raise ValueError("tiered:// needs a target: use a URL such as tiered::s3://bucket/run, "
+                                     "or pass target_protocol= (or fs=)")
+                target_protocol = str(fo).split("://", 1)[0]
+            fs = fsspec.filesystem(target_protocol, **opts)
+        else:
+            opts = {k: v for k, v in getattr(fs, "storage_options", {}).items() if k not in ("asynchronous", "loop")}
+        key = (protocol_of(fs), tokenize(opts))  # not fs._fs_token: it differs per thread for sync classes
+        self.target = fs
+        self.fo = fo
+        root = Path(path if path is not None else default_path() + "-fsspec")
+        make_private_dir(root)
+        root = root.resolve()
+        label = f"{protocol_of(fs)}://{self._strip_protocol(fo) if fo else ''}"
+        dkey = (os.getpid(), str(root), key)
+        with DRAINS_LOCK:
+            d = DRAINS.get(dkey)
+            if d is None:
+                d = DRAINS[dkey] = Drain(root, fs, label, budget=budget, drain=drain,
+                                           bandwidth=drain_bandwidth, concurrency=max(1, int(drain_concurrency)),
+                                           retries=max(1, int(retries)), when_full=when_full)
+            elif (d.budget, d.mode, d.throttle.rate, d.when_full) != (budget, drain, drain_bandwidth, when_full):
+                log.warning("tiered: %s already has a drain with other options; keeping the first ones", root)
+        self._drain = d
+
+    # -- paths --------------------------------------------------------------------------------------
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, (list, tuple)):
+            return [cls._strip_protocol(p) for p in path]
+        path = stringify_path(path)
+        for prefix in ("tiered::", "tiered://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        if "::" in path:
+            path = path.rsplit("::", 1)[-1]
+        if "://" in path:
+            path = path.split("://", 1)[1]
+        return path.rstrip("/") or ("/" if path.startswith("/") else "")
+
+    def _norm(self, path: Any) -> tuple[str, str]:
+        """``(target path, RAM-relative path)`` of a user path."""
+        tp = self.target._strip_protocol(self._strip_protocol(path))
+        tp = tp.rstrip("/") or tp
+        return tp, rel_path(tp)
+
+    def ram_path(self, path: str) -> str:
+        """The local directory or file that mirrors ``path`` in RAM; directories are created (0700).
+
+        For tools that cannot call fsspec (tensorstore's ``file`` kvstore): write below it, then call
+        :meth:`adopt` so the drain uploads what was written.
+        """
+        _, rel = self._norm(path)
+        p = self._drain.ram(rel)
+        if not p.exists():
+            make_private_dir(p)
+        return str(p)
+
+    def adopt(self, path: str) -> int:
+        """Queue the files another program wrote below ``ram_path(path)``; returns how many were new."""
+        _, rel = self._norm(path)
+        return self._drain.adopt(rel)
+
+    # -- durability ---------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every file written through any instance for this RAM directory and target is
+        durable on the target. Raises ``BackgroundError`` (one line) naming a file that is not."""
+        self._drain.flush(timeout)
+
+    async def _flush(self, timeout: float | None = None) -> None:
+        await asyncio.to_thread(self._drain.flush, timeout)
+
+    def pending(self) -> list[str]:
+        """Target paths written but not (yet) durable on the target."""
+        return self._drain.pending()
+
+    def stats(self) -> dict[str, int]:
+        """Counters shared by the instances of this drain: ``ram_reads``, ``target_reads``, ``uploads``,
+        ``bytes_uploaded``, ``upload_failures``, ``evictions``."""
+        with self._drain.cond:
+            return dict(self._drain.counters)
+
+    def __enter__(self) -> "TieredFileSystem":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.flush()
+
+    # -- reading ------------------------------------------------------------------------------------
+    def _read_ram(self, rel: str, start: int | None, end: int | None) -> bytes | None:
+        f = self._drain.open_ram(rel)
+        if f is None:
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            s = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
+            e = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+            if e <= s:
+                return b""
+            f.seek(s)
+            return f.read(e - s)
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs) -> bytes:
+        tp, rel = self._norm(path)
+        data = await asyncio.to_thread(self._read_ram, rel, start, end)
+        if data is not None:
+            return data
+        self._drain.count("target_reads")
+        return await asyncio.to_thread(self.target.cat_file, tp, start=start, end=end, **kwargs)
+
+    async def _get_file(self, rpath: str, lpath: str, **kwargs) -> None:
+        tp, rel = self._norm(rpath)
+        f = self._drain.open_ram(rel)
+        if f is None:
+            if rel and self._drain.ram(rel).is_dir():
+                os.makedirs(lpath, exist_ok=True)
+                return
+            self._drain.count("target_reads")
+            await asyncio.to_thread(self.target.get_file, tp, lpath, **kwargs)
+            return
+
+        def copy() -> None:
+            with f, open(lpath, "wb") as out:
+                shutil.copyfileobj(f, out, 8 << 20)
+        await asyncio.to_thread(copy)
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: dict | None = None, **kwargs):
+        tp, rel = self._norm(path)
+        if "r" in mode and "+" not in mode:
+            f = self._drain.open_ram(rel)
+            if f is not None:
+                return f
+            self._drain.count("target_reads")
+            return self.target.open(tp, mode, block_size=block_size, cache_options=cache_options, **kwargs)
+        if mode in ("wb", "xb", "ab"):
+            if not rel:
+                raise IsADirectoryError(f"{path} is the root")
+            if mode == "xb" and self.exists(tp):
+                raise FileExistsError(f"{tp} exists (mode='xb')")
+            w = RamWriter(self._drain, rel, exclusive=mode == "xb", autocommit=autocommit)
+            if mode == "ab" and self.exists(tp):
+                w.write(self.cat_file(tp))
+            return w
+        raise ValueError(f"tiered:// opens files with rb, wb, xb or ab, not {mode!r}")
+
+    # -- writing ------------------------------------------------------------------------------------
+    async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs) -> None:
+        _, rel = self._norm(path)
+        if not rel:
+            raise IsADirectoryError(f"{path} is the root")
+        await asyncio.to_thread(self._drain.write, rel, value, mode == "create")
+
+    async def _put_file(self, lpath: str, rpath: str, mode: str = "overwrite", **kwargs) -> None:
+        if os.path.isdir(lpath):
+            await self._makedirs(rpath, exist_ok=True)
+            return
+        _, rel = self._norm(rpath)
+        d = self._drain
+
+        def put() -> None:
+            size = os.path.getsize(lpath)
+            tmp = d.tmpfile(rel)
+            try:
+                d.reserve(rel, size)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            try:
+                try:
+                    with open(lpath, "rb") as src, open(tmp, "wb", opener=private_opener) as dst:
+                        shutil.copyfileobj(src, dst, 8 << 20)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                d.commit(tmp, rel, mode == "create", reserved=size)
+            finally:
+                d.unreserve(size)
+        await asyncio.to_thread(put)
+
+    async def _cp_file(self, path1: str, path2: str, **kwargs) -> None:
+        tp1, rel1 = self._norm(path1)
+        tp2, rel2 = self._norm(path2)
+        f = self._drain.open_ram(rel1)
+        if f is None:  # only the target holds it: copy there, and drop an older RAM copy of the destination
+            await self._forget(rel2)
+            self._drain.count("target_reads")
+            await asyncio.to_thread(self.target.cp_file, tp1, tp2, **kwargs)
+            return
+
+        def copy() -> None:
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                tmp = self._drain.tmpfile(rel2)
+                try:
+                    self._drain.reserve(rel2, size)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                try:
+                    with open(tmp, "wb", opener=private_opener) as out:
+                        shutil.copyfileobj(f, out, 8 << 20)
+                    self._drain.commit(tmp, rel2, reserved=size)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                finally:
+                    self._drain.unreserve(size)
+        await asyncio.to_thread(copy)
+
+    async def _forget(self, rel: str) -> None:
+        """Drop RAM's copy of a file about to be replaced on the target alone."""
+        if rel in self._drain.sizes:
+            await asyncio.to_thread(self._drain.remove, rel, False)
+
+    async def _mv_file(self, path1: str, path2: str) -> None:
+        tp1, rel1 = self._norm(path1)
+        tp2, rel2 = self._norm(path2)
+        if tp1 == tp2:
+            return
+        remote = await asyncio.to_thread(self._drain.move, rel1, rel2)
+        if remote is None:  # not in RAM
+            await self._forget(rel2)
+            await asyncio.to_thread(self.target.mv, tp1, tp2)
+        elif remote:
+            await asyncio.to_thread(_rm_quiet, self.target, tp1, False)
+
+    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs) -> None:
+        """Move a file; a file held in RAM is renamed there (no copy) and its new name queued."""
+        if isinstance(path1, str) and isinstance(path2, str) and not recursive and self.isfile(path1):
+            return sync(self.loop, self._mv_file, path1, path2)
+        return super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+
+    async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
+        tp, rel = self._norm(path)
+        p = self._drain.ram(rel)
+        if not exist_ok and (p.is_dir() or await self._isdir(tp)):
+            raise FileExistsError(tp)
+        if p.is_file():
+            raise FileExistsError(f"{tp} is a file")
+        await asyncio.to_thread(make_private_dir, p)
+
+    async def _mkdir(self, path: str, create_parents: bool = True, **kwargs) -> None:
+        tp, rel = self._norm(path)
+        if not create_parents and not await self._isdir(self._parent(tp)):
+            raise FileNotFoundError(f"parent of {tp} does not exist")
+        await self._makedirs(path, exist_ok=True)
+
+    # -- removing -----------------------------------------------------------------------------------
+    async def _rm_file(self, path: str, **kwargs) -> None:
+        await self._rm_one(path, False)
+
+    async def _rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs) -> None:
+        paths = [path] if isinstance(path, str) else list(path)
+        if maxdepth is not None or any(has_magic(p) for p in paths):
+            paths = await self._expand_path(paths, recursive=recursive, maxdepth=maxdepth)
+            for p in sorted(paths, reverse=True):  # files before their directories
+                await self._rm_one(p, False, missing_ok=True)
+            return
+        for p in paths:
+            await self._rm_one(p, recursive)
+
+    async def _rm_one(self, path: str, recursive: bool, missing_ok: bool = False) -> None:
+        tp, rel = self._norm(path)
+        in_ram, remote = await asyncio.to_thread(self._drain.remove, rel, recursive)
+        if not remote:
+            return
+        try:
+            await asyncio.to_thread(self.target.rm, tp, recursive=recursive)
+        except FileNotFoundError:
+            if not in_ram and not missing_ok:
+                raise FileNotFoundError(tp) from None
+
+    # -- listing ------------------------------------------------------------------------------------
+    def _ram_info(self, rel: str, tp: str) -> dict[str, Any] | None:
+        try:
+            st = self._drain.ram(rel).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+        return {"name": tp, "size": st.st_size if kind == "file" else 0, "type": kind, "mtime": st.st_mtime,
+                "tier": "ram"}
+
+    def _ram_ls(self, rel: str, tp: str) -> list[dict[str, Any]] | None:
+        p = self._drain.ram(rel)
+        if p.is_file():
+            return [self._ram_info(rel, tp)]  # type: ignore[list-item]
+        if not p.is_dir():
+            return None
+        out = []
+        for entry in os.scandir(p):
+            if entry.name.startswith(TMP_PREFIX):
+                continue
+            child = f"{rel}/{entry.name}" if rel else entry.name
+            info = self._ram_info(child, self._drain.tpath(child))
+            if info is not None:
+                out.append(info)
+        return out
+
+    async def _info(self, path: str, **kwargs) -> dict[str, Any]:
+        tp, rel = self._norm(path)
+        info = self._ram_info(rel, tp) if rel else None
+        if info is not None:
+            return info
+        out = await asyncio.to_thread(self.target.info, tp, **kwargs)
+        return {**out, "name": out["name"].rstrip("/") or out["name"], "tier": "target"}
+
+    async def _ls(self, path: str, detail: bool = True, **kwargs) -> list:
+        tp, rel = self._norm(path)
+        ram = await asyncio.to_thread(self._ram_ls, rel, tp)
+        try:
+            remote = await asyncio.to_thread(self.target.ls, tp, detail=True, **kwargs)
+        except FileNotFoundError:
+            remote = None
+        if ram is None and remote is None:
+            raise FileNotFoundError(tp)
+        merged = {i["name"].rstrip("/"): {**i, "name": i["name"].rstrip("/"), "tier": "target"}
+                  for i in remote or []}
+        merged.update({i["name"]: i for i in ram or []})
+        infos = [merged[k] for k in sorted(merged)]
+        return infos if detail else [i["name"] for i in infos]
+
+    def _ram_find(self, rel: str, tp: str, maxdepth: int | None, withdirs: bool) -> dict[str, dict]:
+        base = self._drain.ram(rel)
+        out: dict[str, dict] = {}
+        if base.is_file():
+            return {tp: self._ram_info(rel, tp)}  # type: ignore[dict-item]
+        if not base.is_dir():
+            return out
+        if withdirs and rel:
+            out[tp] = self._ram_info(rel, tp)  # type: ignore[assignment]
+        depth0 = len(base.parts)
+        for dirpath, dirs, files in os.walk(base):
+            depth = len(Path(dirpath).parts) - depth0 + 1  # entries directly below ``base`` are at depth 1
+            names = files + dirs if withdirs else list(files)
+            if maxdepth is not None and depth >= maxdepth:
+                dirs[:] = []
+            for name in names:
+                if name.startswith(TMP_PREFIX):
+                    continue
+                child = Path(dirpath, name).relative_to(self._drain.root).as_posix()
+                ctp = self._drain.tpath(child)
+                info = self._ram_info(child, ctp)
+                if info is not None:
+                    out[ctp] = info
+        return out
+
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs):
+        detail = kwargs.pop("detail", False)
+        tp, rel = self._norm(path)
+        ram = await asyncio.to_thread(self._ram_find, rel, tp, maxdepth, withdirs)
+        try:
+            remote = await asyncio.to_thread(self.target.find, tp, maxdepth=maxdepth, withdirs=withdirs,
+                                             detail=True, **kwargs)
+        except FileNotFoundError:
+            remote = {}
+        merged = {k.rstrip("/"): {**v, "name": k.rstrip("/"), "tier": "target"} for k, v in remote.items()}
+        merged.update(ram)
+        names = sorted(merged)
+        return {n: merged[n] for n in names} if detail else names
+
+
+def _rm_quiet(fs: fsspec.AbstractFileSystem, path: str, recursive: bool) -> None:
+    try:
+        fs.rm(path, recursive=recursive)
+    except FileNotFoundError:
+        pass
