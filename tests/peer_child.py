@@ -2,7 +2,7 @@
 
     peer_child.py SHM OBJ MODE REPLICAS [STEPS]
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
-restore, die-replicating (rank 1 is SIGKILLed while step 2 is being
+restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated). Prints one JSON line with what it saw.
 """
 
@@ -56,6 +56,13 @@ def main() -> None:
         dist.barrier()
         out["steps"] = {str(k): v for k, v in store.steps().items()}
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
+    elif mode == "localize":  # bring every shard into RAM, then read RAM alone
+        info = store.localize()
+        out.update(step=info.step, ranks=info.ranks, ram=store.tiers[0].committed_steps())
+        target = target_for(rank)
+        info = store.restore_into(target, tiers=["ram"])
+        want = state_for(rank, info.step)
+        out.update(exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
     else:
         target = target_for(rank)
         info = store.restore_into(target)

@@ -176,3 +176,13 @@ def test_a_peer_tier_needs_several_nodes(tmp_path):
         TieredStore([MemoryTier(tmp_path / "ram"), PeerTier()])
     with pytest.raises(ValueError, match="after the RAM tier"):
         TieredStore([PeerTier(), MemoryTier(tmp_path / "ram")])
+
+
+def test_localize_brings_a_lost_shard_back_into_ram(saved_r1, tmp_path):
+    """What readers without collectives (DCP's) rely on: after localize, RAM alone serves every rank."""
+    shm = fresh_copy(saved_r1, tmp_path)
+    wipe(shm, 1)
+    outs = job(4, shm, saved_r1 / "obj", "localize", 1)
+    assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [
+        ("ram", None), ("peer", 2), ("ram", None), ("ram", None)]
+    assert all(o["exact"] and o["step"] == 3 and 3 in o["ram"] for o in outs)

@@ -652,7 +652,18 @@ class TieredStore:
             parent[key] = v
         return info
 
-    def _restore(self, step, tiers, sink, out, zero_copy, wanted: set[str] | None = None) -> RestoreInfo:
+    def localize(self, step: int | None = None, *, tiers: Sequence[str] | None = None) -> RestoreInfo:
+        """Bring this rank's shard of a step (default: the newest every rank can get) into the first tier.
+
+        Collective. Picks the step as ``restore`` does; a rank whose first tier lacks it gets its shard
+        from a peer or a slower tier, verifies it and writes it into the first tier (committed once every
+        rank of its node has it). Readers that read tiers directly, without collectives (the DCP reader),
+        then find it in RAM. Returns what ``restore`` would: per rank, where the shard came from.
+        """
+        return self._restore(step, tiers, None, {}, False, adopt=True)
+
+    def _restore(self, step, tiers, sink, out, zero_copy, wanted: set[str] | None = None,
+                 adopt: bool = False) -> RestoreInfo:
         self._check_open()
         self.raise_background_errors()
         usable = list(self.tiers) if tiers is None else [self.tier(n) for n in dict.fromkeys(tiers)]
@@ -700,6 +711,8 @@ class TieredStore:
                     info.ranks = self.group.all_gather({"rank": self.group.rank, "tier": info.tier, "peer": info.peer,
                                                         "nbytes": info.nbytes, "seconds": info.seconds})
                 log.info("restored %s", info)
+                if adopt:
+                    self._adopt(s, info, shard)
                 if peer is not None:
                     self._reseed(peer, s, holders, shard)
                 if step is None:
@@ -795,6 +808,33 @@ class TieredStore:
             info.unused = sorted({e.name for e in m.entries} - wanted)
         return info
 
+    def _adopt(self, s: int, info: RestoreInfo, shard: "_Shard") -> None:
+        """Write a shard read from elsewhere into the first tier; each node's owner commits it there once
+        all of the node's ranks have theirs (collective). A failure only costs speed: it is logged."""
+        fast = self.tiers[0]
+        wrote = False
+        if info.tier != fast.name:
+            try:
+                bufs = fast.stage(s, shard.manifest.files)
+                for name, data in _copy.shard_views(shard.manifest, shard.files).items():
+                    np.copyto(bufs[name], data)
+                fast.write_staged(s)
+                fast.write_file(s, manifest_filename(self.group.rank), shard.mbytes)
+                wrote = True
+            except (TierfsError, OSError) as e:
+                fast.discard_staged(s)
+                log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, fast.name, e)
+        wrote_by = self.group.all_gather(wrote)
+        if self._owns(fast) and any(wrote_by[r] for r in self.group.node_ranks):
+            marker = Marker.from_bytes(shard.marker)
+            try:
+                _check_complete(fast, s, self._expected_manifests(fast, marker))
+                fast.write_marker(s, shard.marker)
+            except (TierfsError, OSError) as e:
+                log.warning("step %d: not committed in tier %s (%s)", s, fast.name, e)
+        self.group.barrier()
+        self.refresh()
+
     def _reseed(self, peer: Tier, s: int, holders, shard: "_Shard") -> None:
         """After restoring the newest step, give ranks that lost their replicas (a replaced node) the
         copies they kept for others again."""
@@ -830,8 +870,12 @@ class TieredStore:
             self._unpin(tier, step)
 
     def _fill(self, tier: Tier, step: int, shard: "_Shard", sink, out, zero_copy, wanted) -> None:
-        """Verify every block of the shard's wanted entries and copy them into the sink's arrays."""
+        """Verify every block of the shard's wanted entries and copy them into the sink's arrays (no sink:
+        only verify)."""
         manifest = shard.manifest
+        if sink is None:
+            _copy.verify(manifest, shard.files, self.threads)
+            return
         raw = _copy.shard_views(manifest, shard.files)
         if wanted is not None:
             missing = wanted - {e.name for e in manifest.entries}
