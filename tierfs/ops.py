@@ -18,6 +18,7 @@ from typing import Any, Callable
 from .errors import ChecksumError, FormatError, StepExistsError, StepNotFoundError
 from .format import MARKER, Manifest, Marker, crc32c, manifest_filename, step_dirname
 from .tiers.base import Tier
+from .tiers.memory import process_alive
 
 #: bytes read and written at once while copying: bounds memory, keeps object transfers concurrent
 BATCH_BYTES = 256 << 20
@@ -194,7 +195,7 @@ def live_users(tier: Tier) -> list[int]:
     pids: set[int] = set()
     for d in Path(tier.path).glob(".pool.*"):
         pid = d.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and int(pid) != me and _alive(int(pid)):
+        if pid.isdigit() and int(pid) != me and process_alive(int(pid)):
             pids.add(int(pid))
     root = str(Path(tier.path).resolve()) + "/"
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -209,12 +210,3 @@ def live_users(tier: Tier) -> list[int]:
             continue
     return sorted(pids)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

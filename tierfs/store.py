@@ -427,83 +427,71 @@ class TieredStore:
                 del pins[step]
 
     def _copy_step(self, step: int, src: Tier, dst: Tier, marker: Marker) -> None:
-        """Byte copy of this rank's files from ``src`` to ``dst``, verified before upload, marker last."""
-        if dst.is_peer:
-            return self._replicate(step, src, dst, marker)
-        group = self._copy_groups[dst.name]
+        """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
+        bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
+        stored = False
         try:
-            t0 = time.perf_counter()
-            mname = manifest_filename(self.group.rank)
-            done, failure = None, None
-            try:
-                mbytes = bytes(src.read_file(step, mname))
-                manifest = Manifest.from_bytes(mbytes)
-                files = src.read_files(step, list(manifest.files))
-                # a damaged RAM copy must not become the durable one; verified and sent within the cap
-                _copy.verify(manifest, files, 1, pace=self._throttle.consume)
-                dst.write_files(step, files, pace=self._throttle.consume)
-                dst.write_file(step, mname, mbytes)
-                _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
-                del files
-                done = manifest.nbytes
-            except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
-                failure = e
-            _agree(group, done, failure, f"copy step {step} to {dst.name}")
-            if self._owns(dst):
-                _check_complete(dst, step, self._expected_manifests(dst, marker))
-                dst.write_marker(step, marker.to_bytes())
-            group.barrier()
-            with self._lock:
-                self._index[dst.name].add(step)
-            log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
-                     done / 1e6, time.perf_counter() - t0)
-        except BaseException:
-            with self._lock:  # not stored there: the tier's policy may take the next step instead
-                self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
-            raise
+            stored = (self._replicate if dst.is_peer else self._upload)(step, src, dst, marker)
         finally:
+            with self._lock:
+                if stored:
+                    self._index[dst.name].add(step)
+                else:
+                    self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
             self._unpin(src, step)
             self._done(step)
         self._apply_retention(dst)
         self._retire_transient(step)
         self._apply_retention(src)
 
-    def _replicate(self, step: int, src: Tier, dst: Tier, marker: Marker) -> None:
-        """Every rank sends its shard to its peers at once; kept only if every copy is verified."""
+    def _upload(self, step: int, src: Tier, dst: Tier, marker: Marker) -> bool:
+        """Byte copy of this rank's files from ``src`` to ``dst``, verified before upload, marker last."""
+        group = self._copy_groups[dst.name]
+        t0 = time.perf_counter()
+        mname = manifest_filename(self.group.rank)
+        done, failure = None, None
         try:
-            t0 = time.perf_counter()
-            mbytes, files, error, nbytes = b"", {}, None, 0
-            try:
-                mbytes = bytes(src.read_file(step, manifest_filename(self.group.rank)))
-                manifest = Manifest.from_bytes(mbytes)
-                files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
-            except (TierfsError, OSError, ValueError) as e:
-                error = f"{type(e).__name__}: {e}"
-            # no check before sending: each receiver verifies every block as it lands
-            failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=self._throttle.consume,
-                                   error=error)
+            mbytes = bytes(src.read_file(step, mname))
+            manifest = Manifest.from_bytes(mbytes)
+            files = src.read_files(step, list(manifest.files))
+            # a damaged RAM copy must not become the durable one; verified and sent within the cap
+            _copy.verify(manifest, files, 1, pace=self._throttle.consume)
+            dst.write_files(step, files, pace=self._throttle.consume)
+            dst.write_file(step, mname, mbytes)
+            _check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
             del files
-            if failed:
-                s, t, why = failed[0]
-                log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: "
-                            "%s); peers keep their previous step", step, len(failed), s, t, why)
-                with self._lock:
-                    self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
-                return
-            with self._lock:
-                self._index[dst.name].add(step)
-            log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6,
-                     time.perf_counter() - t0)
-        except BaseException:
-            with self._lock:
-                self._history[dst.name] = [i for i in self._history[dst.name] if i.step != step]
-            raise
-        finally:
-            self._unpin(src, step)
-            self._done(step)
-        self._apply_retention(dst)
-        self._retire_transient(step)
-        self._apply_retention(src)
+            done = manifest.nbytes
+        except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
+            failure = e
+        _agree(group, done, failure, f"copy step {step} to {dst.name}")
+        if self._owns(dst):
+            _check_complete(dst, step, self._expected_manifests(dst, marker))
+            dst.write_marker(step, marker.to_bytes())
+        group.barrier()
+        log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name,
+                 done / 1e6, time.perf_counter() - t0)
+        return True
+
+    def _replicate(self, step: int, src: Tier, dst: Tier, marker: Marker) -> bool:
+        """Every rank sends its shard to its peers at once; stored only if every copy is verified."""
+        t0 = time.perf_counter()
+        mbytes, files, error, nbytes = b"", {}, None, 0
+        try:
+            mbytes = bytes(src.read_file(step, manifest_filename(self.group.rank)))
+            manifest = Manifest.from_bytes(mbytes)
+            files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
+        except (TierfsError, OSError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
+        # no check before sending: each receiver verifies every block as it lands
+        failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=self._throttle.consume, error=error)
+        del files
+        if failed:
+            s, t, why = failed[0]
+            log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: %s); "
+                        "peers keep their previous step", step, len(failed), s, t, why)
+            return False
+        log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6, time.perf_counter() - t0)
+        return True
 
     def _retire_transient(self, step: int) -> None:
         """A step staged in the first tier only for slower tiers leaves once they all have it."""

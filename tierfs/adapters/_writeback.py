@@ -26,7 +26,7 @@ import fsspec
 
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
-from ..tiers.memory import make_private_dir
+from ..tiers.memory import make_private_dir, process_alive
 
 log = logging.getLogger("tierfs")
 
@@ -45,15 +45,6 @@ def _short(e: BaseException) -> str:
     line = text.splitlines()[0] if text else ""
     return f"{type(e).__name__}: {line}"[:240]
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def rel_path(path: str) -> str:
@@ -119,7 +110,7 @@ class Drain:
                 p = Path(dirpath) / name
                 if name.startswith(TMP_PREFIX):
                     pid = name[len(TMP_PREFIX):].split("-", 1)[0]
-                    if pid.isdigit() and not _alive(int(pid)):
+                    if pid.isdigit() and not process_alive(int(pid)):
                         p.unlink(missing_ok=True)
                     continue
                 self._adopt(p)

@@ -134,7 +134,7 @@ class MemoryTier(Tier):
             raise TierUnavailableError(f"RAM tier {self.path}: cannot create directory ({e.strerror})") from None
         for d in self.path.glob(".pool.*"):  # pools of processes that died
             pid = d.name.rsplit(".", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
@@ -419,7 +419,8 @@ class MemoryTier(Tier):
         return f"MemoryTier({str(self.path)!r})"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
