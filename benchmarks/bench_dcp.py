@@ -2,12 +2,13 @@
 FileSystemWriter/Reader and FsspecWriter/Reader, all on /dev/shm.
 
     .venv/bin/python benchmarks/bench_dcp.py [--size-gib 2] [--repeats 5] [--procs 1]
+    .venv/bin/python benchmarks/bench_dcp.py --stall [--size-gib 2] [--procs 1]
 
 * state: a fp32 "transformer" (_common.transformer_state, fixed seed). With ``--procs N`` (gloo on
   localhost) every rank holds ``size/N`` of distinct tensors (fqns prefixed ``r<rank>.``, so DCP does not
   deduplicate them) and saves/loads its own part; a timing is rank 0's, between barriers.
 * tierfs: ``dcp.save(state, storage_writer=TieredWriter(store, step))`` with
-  ``store = TieredStore([MemoryTier(/dev/shm/..., keep=LatestN(2))])`` (each rank its own node and RAM
+  ``store = TieredStore([MemoryTier(/dev/shm/..., keep=LatestN(1))])`` (each rank its own node and RAM
   directory, as in the tests; ``--shared-ram``: one node, every rank shares one RAM directory), in
   steady state: 3 warm-up saves to new steps first, then every timed save to a new step (crc32c
   included). ``dcp.load(target, storage_reader=TieredReader(store))`` (newest step, every block verified).
@@ -15,6 +16,14 @@ FileSystemWriter/Reader and FsspecWriter/Reader, all on /dev/shm.
   each timed save into a fresh directory; ``FileSystemReader(dir)`` / ``FsspecReader("file://" + dir)``.
 * loads go into preallocated tensors (zeroed, untimed, before each repeat); the first load of each kind
   is checked bit-exact. Medians of ``--repeats``; ratios are by time vs FileSystemWriter/Reader.
+* the kinds run interleaved: ``--repeats`` rounds of saves, each round one save of every kind, then rounds
+  of loads likewise, so every kind sees the same minutes of this shared machine; the ratio of the medians
+  and the median of the per-round ratios are both reported.
+* ``--stall``: how long an asynchronous save of torch state holds the training thread, in rounds after
+  warm-up rounds: ``CheckpointManager.save`` (``dcp.save`` with ``TieredWriter(blocking=False)``),
+  ``dcp.async_save`` with ``TieredWriter`` (DCP's stager copies the state, then a DCP thread saves it),
+  ``store.save(blocking=False)`` (no DCP) and the floor, ``copy_`` into preallocated tensors; plus when the
+  step is committed in RAM.
 
 Progress goes to stderr, the result tables (markdown) to stdout. Scratch dirs are removed at the end.
 """
@@ -87,7 +96,7 @@ def run(args, root: str, rank: int, world: int) -> dict:
     import shutil
 
     ram = os.path.join(root, "ram") if args.shared_ram else os.path.join(root, "ram", f"node{rank}")
-    store = TieredStore([MemoryTier(ram, keep=LatestN(2))], threads=args.threads)
+    store = TieredStore([MemoryTier(ram, keep=LatestN(1))], threads=args.threads)  # memory: the machine is shared
     makers = {"fs": (lambda d: FileSystemWriter(d, thread_count=2), lambda d: FileSystemReader(d)),
               "fsspec": (lambda d: FsspecWriter("file://" + d, thread_count=2), lambda d: FsspecReader("file://" + d))}
     kinds = [k for k in makers if k not in args.skip]
