@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup must be at least 3 (buffers must be pooled and reused)")
 
     log(f"machine: {machine_note()}")
+    load_before = os.getloadavg()
     scratch = Scratch("tierfs-bench-dcp-")
     try:
         if args.procs == 1:
@@ -308,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         scratch.cleanup()
         log(f"removed {scratch.root}")
+    load = (f"load average (1, 5, 15 min) at the start {' '.join(f'{x:.2f}' for x in load_before)}, at the end "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (other users of this 2-CPU machine included)")
     if args.stall:
-        return report_stall(args, out)
+        return report_stall(args, out, load)
 
     total = out["nbytes"] * args.procs
     names = dict(KINDS)
     print(f"## bench_dcp: {total / GiB:.3f} GiB state, {args.procs} process(es) x {out['nbytes'] / GiB:.3f} GiB "
           f"({out['tensors']} fp32 tensors each), {args.repeats} repeats, {args.warmup} tierfs warm-up saves\n")
-    print(f"{machine_note()}\n")
+    print(f"{machine_note()}; {load}\n")
     if args.procs > 1:
         where = "one node, one RAM directory shared by all ranks" if args.shared_ram else \
             "a node and RAM directory per rank"
@@ -353,12 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report_stall(args, out: dict) -> int:
+def report_stall(args, out: dict, load: str) -> int:
     total = out["nbytes"] * args.procs
     print(f"## bench_dcp --stall: {total / GiB:.3f} GiB state, {args.procs} process(es) x "
           f"{out['nbytes'] / GiB:.3f} GiB ({out['tensors']} fp32 tensors each), {args.repeats} rounds after "
           f"{args.warmup} warm-up rounds\n")
-    print(f"{machine_note()}\n")
+    print(f"{machine_note()}; {load}\n")
     print("Each round runs every kind once (a new step each); times are rank 0's. 'returns': the training "
           "thread is free; 'committed': the step is committed in RAM (checksums, manifest, marker).\n")
     floor = statistics.median(out["stall"]["floor"])
