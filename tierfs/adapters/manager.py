@@ -283,15 +283,17 @@ class CheckpointManager:
                 target = split.tensors
         except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
             err = e
-        views = g.all_gather(None if err is None else [isinstance(err, StateMismatchError), str(err)]) \
-            if g.world_size > 1 else [None if err is None else [isinstance(err, StateMismatchError), str(err)]]
+        mine = None if err is None else [_failure_kind(err), f"{type(err).__name__}: {err}"]
+        views = g.all_gather(mine) if g.world_size > 1 else [mine]
         failed = {r: v for r, v in enumerate(views) if v is not None}
-        if failed:
-            if err is not None and (isinstance(err, StateMismatchError) or not isinstance(err, (TierfsError, OSError))):
-                raise err
-            if any(v[0] for v in failed.values()):
-                raise StateMismatchError(f"step {step}: rank(s) {sorted(failed)}: the target state does not match")
-            raise _Unusable([(",".join(tiers), step, f"rank {r}: {v[1]}") for r, v in failed.items()])
+        if failed:  # every rank takes the same way out: raise, or try an older step
+            if any(kind != "unusable" for kind, _ in failed.values()):
+                if err is not None:
+                    raise err
+                kind, why = next(v for v in failed.values() if v[0] != "unusable")
+                cls = StateMismatchError if kind == "mismatch" else TierfsError
+                raise cls(f"step {step}: rank(s) {sorted(failed)} failed before loading ({why})")
+            raise _Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
         assert saved is not None
         reader = TieredReader(self.store, step, tiers=tiers)
         pg = getattr(g, "_pg", None)
@@ -604,6 +606,13 @@ def _local_bytes(x: Any) -> int:
         local = x.to_local() if hasattr(x, "to_local") else x
         return local.numel() * local.element_size()
     return 0
+
+
+def _failure_kind(e: BaseException) -> str:
+    """How a restore treats a rank's failure: ``mismatch`` and ``fatal`` are raised, ``unusable`` skips a step."""
+    if isinstance(e, StateMismatchError):
+        return "mismatch"
+    return "unusable" if isinstance(e, (TierfsError, OSError)) else "fatal"
 
 
 def _run_dcp(fn: Callable[..., Any], *args: Any, unusable: bool = False, **kwargs: Any) -> Any:
