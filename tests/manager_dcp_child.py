@@ -1,7 +1,7 @@
 """One rank of a multi-process CheckpointManager job (gloo on localhost) whose model is sharded with FSDP2
 (``fully_shard`` on a CPU device mesh): its model and Adam state are DTensors, saved through DCP.
 
-    manager_dcp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save | load)
+    manager_dcp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save | load | mismatch)
 
 Each rank is its own node with its own RAM directory (``SHM_ROOT/node<rank>``); ``OBJ_DIR`` is a shared
 file:// object tier. Tiers: RAM takes every step and keeps 2, the object tier every 2nd step.
@@ -9,6 +9,7 @@ file:// object tier. Tiers: RAM takes every step and keeps 2, the object tier ev
 save: train 3 steps, saving each through the manager (asynchronously, the default), changing the model
 right after each save; then restore the newest step into a differently initialised model and optimizer.
 load: restore the newest common step into a fresh model and optimizer (any world size).
+mismatch: rank 1's target has a value the checkpoint lacks: every rank must raise (none may hang in DCP).
 
 Prints one JSON line: rank, world, the digest of the full (unsharded) state saved or restored, the
 restored step, the tier that served it, the steps per tier, and the restored per-rank values.
@@ -77,6 +78,17 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
+def restore(mgr, model, opt, target, rank, out) -> None:
+    """Restore in place, then report what came back."""
+    out["restored_step"] = mgr.restore(target)
+    set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    out["restored"] = digest(model, opt)
+    out["tier"] = mgr.last_restore_info.tier
+    out["loader"] = {"rank": target["loader"]["rank"], "position": target["loader"]["position"],
+                     "order": target["loader"]["order"].tolist(), "dtype": str(target["loader"]["order"].dtype)}
+    out["metrics"] = mgr.metrics(out["restored_step"]) if rank < 2 else None
+
+
 def main() -> None:
     shm, obj, mode = sys.argv[1:4]
     dist.init_process_group("gloo")
@@ -103,13 +115,16 @@ def main() -> None:
         model, opt = build(5, mesh)  # different weights; one step so that Adam's state exists
         train(model, opt, 0)
         target = state_of(model, opt, -1, -1)
-        out["restored_step"] = mgr.restore(target)
-        set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
-        out["restored"] = digest(model, opt)
-        out["tier"] = mgr.last_restore_info.tier
-        out["loader"] = {"rank": target["loader"]["rank"], "position": target["loader"]["position"],
-                         "order": target["loader"]["order"].tolist(), "dtype": str(target["loader"]["order"].dtype)}
-        out["metrics"] = mgr.metrics(out["restored_step"]) if rank < 2 else None
+        if mode == "mismatch":
+            if rank == 1:
+                target["loader"]["seed"] = 0
+            try:
+                mgr.restore(target)
+                out["error"] = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out["error"] = type(e).__name__
+        else:
+            restore(mgr, model, opt, target, rank, out)
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
 

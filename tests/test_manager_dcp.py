@@ -262,6 +262,8 @@ def test_fsdp2_sharded_state_with_two_ranks_then_four_then_one(shm_dir, tmp_path
         assert o["loader"] == {"rank": o["rank"], "position": 200 + o["rank"], "order": [o["rank"] + i for i in range(4)],
                                "dtype": "int32"}  # each rank its own
         assert o["metrics"] == {"loss": 0.5}
+    # one rank's target does not match: every rank raises, none waits forever in DCP's collectives
+    assert [o["error"] for o in run_job(2, shm_dir, obj, "mismatch")] == ["StateMismatchError"] * 2
     for world in (4, 1):  # resharded by DCP to another world size
         outs = run_job(world, shm_dir, obj, "load")
         assert [o["restored_step"] for o in outs] == [2] * world
