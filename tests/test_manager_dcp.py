@@ -94,8 +94,10 @@ def test_model_and_adam_round_trip_through_dcp_bit_exact(shm_dir, tmp_path):
         assert not any(e.name.startswith("b|") for e in manifest.entries), "DCP pickled a value"
         assert mgr.metrics(2) == {"loss": 0.25}
         got = fresh()
+        w, order = got["model"]["0.weight"], got["extra"]["order"]
         assert mgr.restore(got) == 2  # in place
         exact(full_state(7), got)
+        assert got["model"]["0.weight"] is w and got["extra"]["order"] is order  # the same objects, overwritten
         assert mgr.last_restore_info.tier == "ram" and mgr.last_restore_info.skipped == []
         exact(full_state(7), mgr.restore())  # a new state, rebuilt from the checkpoint alone
         mgr.restore_policy = RestorePolicy(prefer=["file"])

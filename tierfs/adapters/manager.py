@@ -564,13 +564,19 @@ def _extra(split: _Split) -> dict[str, Any]:
 
 
 def _assign(root: Any, path: Sequence[Any], value: Any) -> None:
+    """Set a leaf; a numpy array of the same dtype and shape is overwritten in place, as tensors are."""
     d = root
     for k in path[:-1]:
         if isinstance(d, list):
             d = d[k]
         else:
             d = d.setdefault(k, {})
-    d[path[-1]] = value
+    old = d[path[-1]] if isinstance(d, list) or path[-1] in d else None
+    if isinstance(old, np.ndarray) and isinstance(value, np.ndarray) and old.dtype == value.dtype \
+            and old.shape == value.shape and old.flags.writeable:
+        np.copyto(old, value)
+    else:
+        d[path[-1]] = value
 
 
 def _target_from(md: Any, saved: _Saved) -> dict[Any, Any]:
