@@ -179,8 +179,8 @@ class CheckpointManager:
             raise err
         bad = [r for r, v in enumerate(views) if not v[0]]
         if bad:
-            raise TierfsError(f"step {step}: rank(s) {bad} could not prepare the state (see their errors); "
-                              "nothing saved")
+            raise TierfsError(f"step {step}: rank(s) {bad} failed before saving (see their errors: the state, or "
+                              "an earlier background failure); nothing saved")
         exists = any(v[1] for v in views)
         _, _, chosen, force, preempted = views[0]  # rank 0 decides, as the store does
         if exists:
