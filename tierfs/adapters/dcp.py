@@ -280,7 +280,10 @@ class TieredWriter(StorageWriter):
         self.store, self.step, self.overwrite = store, _parse_step(step), bool(overwrite)
         self.force, self.preempted, self.blocking = bool(force), bool(preempted), bool(blocking)
         self.metrics = dict(metrics) if metrics is not None else None
-        self.extra = {EXTRA_PREFIX + str(k): v for k, v in (extra or {}).items()}
+        if extra is not None and not all(isinstance(k, str) for k in extra):
+            bad = [k for k in extra if not isinstance(k, str)][:3]
+            raise TypeError(f"TieredWriter extra= needs str names, got {bad}")
+        self.extra = {EXTRA_PREFIX + k: v for k, v in (extra or {}).items()}
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.saved: bool | None = None  # after write_data: whether any tier took the step
