@@ -53,7 +53,11 @@ store's verified path; ``FileSystemReader(directory)`` loads it without tierfs.
 
 Options
 -------
-``use_collectives=False`` and plan caching are rejected (the step must commit across all ranks). The
+By default every tier takes a step written by ``TieredWriter`` (DCP saves when the caller says so);
+``force=False`` lets the tiers' save policies decide, ``blocking=False`` returns once the tensors are
+staged, and ``metrics=`` / ``extra=`` store metrics and further non-DCP entries (``CheckpointManager``
+uses all four). ``use_collectives=False`` and plan caching are rejected (the step must commit across all
+ranks). The
 process group DCP uses must have the store's ranks (``rank=`` from DCP is checked against the store).
 Non-tensor values in a state dict are serialised by DCP's planner (``torch.save``), not by tierfs.
 """
