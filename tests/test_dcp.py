@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -104,6 +105,39 @@ def test_existing_step_needs_overwrite_and_bad_ids_are_rejected(store):
     assert not TieredWriter.validate_checkpoint_id("s3://bucket/x")
     with pytest.raises(ValueError):
         TieredWriter(store, "not-a-step")
+
+
+def test_writer_options_policies_metrics_non_blocking_extra(shm_dir, tmp_path):
+    from tierfs.policies import FixedIntervalPolicy
+
+    store = TieredStore([MemoryTier(shm_dir, save=FixedIntervalPolicy(2)),
+                         ObjectTier(f"file://{tmp_path / 'obj'}", save=FixedIntervalPolicy(4))])
+    try:
+        w = TieredWriter(store, 3, force=False)  # no tier's policy takes step 3: nothing is written
+        dcp.save(make_state(7, 1), storage_writer=w)
+        assert w.saved is False and store.steps() == {}
+        want = make_state(7, 2)
+        w = TieredWriter(store, 2, force=False, metrics={"loss": 0.5}, blocking=False,
+                         extra={"note": "hi", "order": np.arange(3)})
+        dcp.save(want, storage_writer=w)
+        assert w.saved is True
+        for t in want["model"].values():  # non-blocking: the tensors were copied before dcp.save returned
+            t.add_(1.0)
+        store.wait_until_finished()
+        assert store.steps() == {2: ["ram"]}  # the object tier takes every 4th step only
+        m = store.manifest(2)
+        assert m.metrics == {"loss": 0.5}
+        assert {e.name: e.value for e in m.entries if e.name == "x|note"} == {"x|note": "hi"}
+        got = fresh()
+        dcp.load(got, storage_reader=TieredReader(store, step=2))
+        assert same(make_state(7, 2), got)
+        dcp.save(make_state(7, 1), storage_writer=TieredWriter(store, 4, force=False, preempted=True))
+        store.wait_until_finished()
+        assert store.steps()[4] == ["ram", "file"]
+        with pytest.raises(TypeError, match="str names"):
+            TieredWriter(store, 5, extra={1: "x"})
+    finally:
+        store.close()
 
 
 def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:

@@ -53,7 +53,11 @@ store's verified path; ``FileSystemReader(directory)`` loads it without tierfs.
 
 Options
 -------
-``use_collectives=False`` and plan caching are rejected (the step must commit across all ranks). The
+By default every tier takes a step written by ``TieredWriter`` (DCP saves when the caller says so);
+``force=False`` lets the tiers' save policies decide, ``blocking=False`` returns once the tensors are
+staged, and ``metrics=`` / ``extra=`` store metrics and further non-DCP entries (``CheckpointManager``
+uses all four). ``use_collectives=False`` and plan caching are rejected (the step must commit across all
+ranks). The
 process group DCP uses must have the store's ranks (``rank=`` from DCP is checked against the store).
 Non-tensor values in a state dict are serialised by DCP's planner (``torch.save``), not by tierfs.
 """
@@ -68,7 +72,7 @@ import re
 import uuid
 import warnings
 from collections import ChainMap, defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -88,6 +92,8 @@ log = logging.getLogger("tierfs")
 __all__ = ["TieredWriter", "TieredReader", "export_dcp", "entry_name", "metadata_to_json", "metadata_from_json"]
 
 META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
+SHARD_KEY = "dcp_shard"  # in every rank's manifest metadata: the shard was written by TieredWriter
+EXTRA_PREFIX = "x|"  # entries given by TieredWriter(extra=...); DCP's names start with digits, "|" or "b|"
 META_FORMAT = "tierfs.dcp"
 META_VERSION = 1
 
@@ -242,25 +248,57 @@ def _done(value: Any) -> Future:
 class TieredWriter(StorageWriter):
     """DCP ``StorageWriter`` that saves a checkpoint as step ``step`` of ``store`` (see the module doc).
 
-    ``overwrite=True`` replaces a step that is already committed. Every tier of the store takes the
-    step (its save policies are not asked: DCP saves when the caller says so); slower tiers receive it in
-    the background, as with ``store.save``.
+    Parameters
+    ----------
+    store:
+        The store; its ranks must be the ranks of the process group DCP saves with.
+    step:
+        The step number (``checkpoint_id`` given to ``dcp.save`` replaces it).
+    overwrite:
+        Replace a step that is already committed (without it, an existing step is an error).
+    force:
+        ``True`` (the default): every tier takes the step, its save policy is not asked (DCP saves when
+        the caller says so). ``False``: each tier's save policy decides, as in ``store.save``; when no
+        tier takes the step nothing is written and :attr:`saved` is False.
+    preempted:
+        Passed to the save policies (``PreemptionCheckpointingPolicy``).
+    metrics:
+        JSON metrics stored with the step (``BestN`` retention and ``CheckpointManager.best_step`` use them).
+    blocking:
+        ``True``: ``write_data`` returns once the step is committed on the first tier. ``False``: it
+        returns once this rank's tensors are copied into the first tier's buffers; checksums and the
+        commit follow in the store's background worker (the caller may change its tensors right away;
+        ``store.wait_until_finished()`` waits for the commit and raises its failure).
+    extra:
+        Flat ``{name: value}`` of further entries for this rank's shard (numpy arrays, JSON values),
+        stored under ``"x|" + name`` beside DCP's items and never seen by DCP (no pickle).
+        ``CheckpointManager`` keeps non-tensor state here.
     """
 
-    def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False) -> None:
+    def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False, force: bool = True,
+                 preempted: bool = False, metrics: Mapping[str, Any] | None = None, blocking: bool = True,
+                 extra: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if not isinstance(store, TieredStore):
             raise TypeError(f"TieredWriter needs a TieredStore, got {type(store).__name__}")
         self.store, self.step, self.overwrite = store, _parse_step(step), bool(overwrite)
+        self.force, self.preempted, self.blocking = bool(force), bool(preempted), bool(blocking)
+        self.metrics = dict(metrics) if metrics is not None else None
+        if extra is not None and not all(isinstance(k, str) for k in extra):
+            bad = [k for k in extra if not isinstance(k, str)][:3]
+            raise TypeError(f"TieredWriter extra= needs str names, got {bad}")
+        self.extra = {EXTRA_PREFIX + k: v for k, v in (extra or {}).items()}
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
+        self.saved: bool | None = None  # after write_data: whether any tier took the step
         self._metadata: Metadata | None = None
+        self._metadata_json: dict[str, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.step = _parse_step(checkpoint_id)
         self.save_id = uuid.uuid4().hex
-        self._metadata = None
+        self._metadata, self._metadata_json, self.saved = None, None, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -298,7 +336,7 @@ class TieredWriter(StorageWriter):
         ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
                  for i, p in enumerate(plans)]
         md = _metadata_from_plans(plans, ranks)
-        metadata_to_json(md)  # fail now, before anything is written, if it cannot be stored
+        self._metadata_json = metadata_to_json(md)  # fails now, before anything is written, if it cannot be stored
         self._metadata = md
         return plans
 
@@ -323,23 +361,29 @@ class TieredWriter(StorageWriter):
             state[name] = value
             results.append(WriteResult(index=item.index, size_in_bytes=size,
                                        storage_data={"rank": rank, "entry": name}))
-        meta = None
+        for name, value in self.extra.items():
+            if name in state:
+                raise ValueError(f"extra entry {name!r} given twice")
+            state[name] = value
+        meta: dict[str, Any] = {SHARD_KEY: META_VERSION}
         if self.is_coordinator:
-            if self._metadata is None:
+            if self._metadata_json is None:
                 raise TierfsError("TieredWriter: the coordinator has no global plan (prepare_global_plan was "
                                   "not called); save with dcp.save / dcp.async_save")
-            meta = {META_KEY: metadata_to_json(self._metadata)}
+            meta[META_KEY] = self._metadata_json
         # collective over the store's ranks: the marker is written once every rank's shard is
-        self.store.save(self.step, state, metadata=meta, force=True, overwrite=self.overwrite, blocking=True)
+        self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
+                                     overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         ours = self._metadata
         storage = {r.index: r.storage_data for rs in results for r in rs}
         theirs = dataclasses.replace(metadata, storage_data=storage, storage_meta=None, version=None)
-        if ours is None or metadata_to_json(ours) != metadata_to_json(theirs):
+        if ours is None or self._metadata_json != metadata_to_json(theirs):
             log.error("step %d: DCP metadata differs from the one tierfs stored; removing the step", self.step)
-            self.store.delete(self.step)
+            if self.saved:
+                self.store.delete(self.step)
             raise FormatError(f"step {self.step}: the save planner's global metadata differs from the metadata "
                               "derived from its plans (a custom planner?); the step was removed. TieredWriter "
                               "supports planners whose metadata follows DefaultSavePlanner's rules")

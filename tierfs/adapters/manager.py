@@ -9,13 +9,22 @@
 
 from __future__ import annotations
 
+import base64
 import logging
+import math
 import signal
+import sys
 import threading
-from dataclasses import dataclass
+import time
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import StepNotFoundError
+import numpy as np
+
+from .. import state as st
+from ..errors import (ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError,
+                      TierfsError)
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
@@ -68,6 +77,13 @@ class CheckpointManager:
     handle_sigterm:
         Install a SIGTERM handler: ``reached_preemption`` turns true and the next ``save`` goes to every
         tier whose save policy includes ``PreemptionCheckpointingPolicy`` (to every tier if none does).
+    use_dcp:
+        How torch state is saved. ``None`` (the default): a state holding at least one ``torch.Tensor``
+        (DTensor and other subclasses included) goes through PyTorch Distributed Checkpoint (``dcp.save``
+        with :class:`~tierfs.adapters.dcp.TieredWriter`), so sharded states (FSDP2, DTensor) work and load
+        with another world size; a state without tensors (numpy, JSON) goes to the store directly.
+        ``True``: every state through DCP (needs torch). ``False``: never (tensors are saved whole per
+        rank; DTensors are rejected). Restores read each step in the format it was saved in.
     **store_options:
         Passed to ``TieredStore`` (``max_in_flight``, ``when_busy``, ``background_bandwidth``, ...).
     """
@@ -76,7 +92,10 @@ class CheckpointManager:
                  options: CheckpointManagerOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,
-                 **store_options: Any) -> None:
+                 use_dcp: bool | None = None, **store_options: Any) -> None:
+        if use_dcp not in (None, True, False):
+            raise ValueError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
+        self.use_dcp = use_dcp
         self.options = options or CheckpointManagerOptions()
         if (tiers is None) == (directory is None):
             raise ValueError("give CheckpointManager either a list of tiers or directory=URL, not both")
@@ -107,8 +126,11 @@ class CheckpointManager:
         Returns after the state is copied into the RAM tier's buffers; the rest runs in the background
         (``enable_async_checkpointing=False`` waits for the commit). A step that already exists is not
         saved again, unless it is newer than the step this manager restored (a run that resumed from an
-        earlier step replaces the steps it is redoing).
+        earlier step replaces the steps it is redoing). Torch state goes through DCP (see ``use_dcp``);
+        every rank of a job must call ``save`` with the same step.
         """
+        if self._through_dcp(state):
+            return self._save_dcp(step, state, metrics, force)
         overwrite = False
         if self._exists(step):
             if not self._replaces(step):
@@ -120,6 +142,57 @@ class CheckpointManager:
             force = True  # no tier names a preemption policy: save everywhere
         return self.store.save(step, state, metrics=metrics, force=force, overwrite=overwrite,
                                preempted=preempted, blocking=not self.options.enable_async_checkpointing)
+
+    def _through_dcp(self, state: Mapping[str, Any]) -> bool:
+        if self.use_dcp is not None:
+            if not self.use_dcp and _has_tensor(state, sharded_only=True):
+                raise TypeError("the state holds DTensors/ShardedTensors, which only DCP can save: "
+                                "use CheckpointManager(..., use_dcp=None or True)")
+            return self.use_dcp
+        return _has_tensor(state)
+
+    def _save_dcp(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
+                  force: bool) -> bool:
+        """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them."""
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp import TieredWriter
+
+        g = self.store.group
+        err: BaseException | None = None
+        tensors: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        try:
+            split = _split(state)
+            tensors, extra = split.tensors, _extra(split)
+            self.store.raise_background_errors()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
+            err = e
+        preempted = self._preempted.is_set()
+        exists = self._exists(step)
+        chosen = bool(self.store.should_save(step, force=force, preempted=preempted))
+        if preempted and not force and not chosen:
+            force, chosen = True, True  # no tier names a preemption policy: save everywhere
+        mine = [err is None, exists, chosen, force, preempted]
+        views = g.all_gather(mine) if g.world_size > 1 else [mine]
+        if err is not None:
+            raise err
+        bad = [r for r, v in enumerate(views) if not v[0]]
+        if bad:
+            raise TierfsError(f"step {step}: rank(s) {bad} failed before saving (see their errors: the state, or "
+                              "an earlier background failure); nothing saved")
+        exists = any(v[1] for v in views)
+        _, _, chosen, force, preempted = views[0]  # rank 0 decides, as the store does
+        if exists:
+            if not self._replaces(step):
+                return False
+            log.info("step %d exists from before the restore of step %s; replacing it", step, self._restored)
+        if not chosen:
+            return False
+        writer = TieredWriter(self.store, step, overwrite=exists, force=force, preempted=preempted,
+                              metrics=metrics, blocking=not self.options.enable_async_checkpointing, extra=extra)
+        _run_dcp(dcp.save, tensors, storage_writer=writer, process_group=getattr(g, "_pg", None))
+        return bool(writer.saved)
 
     def _exists(self, step: int) -> bool:
         with self.store._lock:  # noqa: SLF001 - the manager is the store's own adapter
@@ -134,22 +207,136 @@ class CheckpointManager:
 
         With ``state``: loads in place and returns the step, or None when there is nothing to restore.
         Without: returns the restored state (a nested dict), or None. Details are in ``last_restore_info``.
+        Each step is read in the format it was saved in: steps saved through DCP with ``dcp.load`` and
+        :class:`~tierfs.adapters.dcp.TieredReader` (DTensors are resharded to the target's placement;
+        the job may have another world size), other steps by the store. When no tier holds a verified copy
+        of the newest step, older steps are tried (not when ``step`` is given).
         """
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
-        try:
-            if state is not None:
-                info = self.store.restore_into(state, step, tiers=tiers)
-                out: Any = info.step
-            else:
-                out, info = self.store.restore(step, tiers=tiers)
-        except StepNotFoundError:
-            if step is not None:
-                raise
+        g = self.store.group
+        have = self.store.steps()
+        mine = sorted(s for s, ts in have.items() if set(ts) & set(tiers))
+        every = g.all_gather(mine) if g.world_size > 1 else [mine]
+        common = sorted(set(every[0]).intersection(*map(set, every[1:])), reverse=True)
+        if step is not None:
+            if step not in common:
+                raise StepNotFoundError(f"step {step} is not committed on {tiers} for every rank; available: "
+                                        f"{sorted(common)[-10:]}")
+            common = [step]
+        if not common:
             return None
-        self.last_restore_info = info
-        self._restored = info.step
-        return out
+        skipped: list[tuple[str, int, str]] = []
+        for s in common:
+            try:
+                if self._is_dcp_step(s, tiers):
+                    out, info = self._restore_dcp(state, s, tiers)
+                elif state is not None:
+                    info = self.store.restore_into(state, s, tiers=tiers)
+                    out = info.step
+                else:
+                    out, info = self.store.restore(s, tiers=tiers)
+            except _Unusable as e:
+                skipped += e.skipped
+                continue
+            except RestoreError as e:
+                skipped.append((",".join(tiers), s, str(e)))
+                continue
+            info.skipped = skipped + [x for x in info.skipped if x not in skipped]
+            self.last_restore_info = info
+            self._restored = info.step
+            return out
+        reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
+        raise RestoreError(f"no tier holds a verified copy ({reasons})")
+
+    def _is_dcp_step(self, step: int, tiers: list[str]) -> bool:
+        """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
+        from .dcp import SHARD_KEY
+
+        g = self.store.group
+        try:
+            mine: bool | None = SHARD_KEY in self.store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
+        except (TierfsError, OSError, ValueError, KeyError):
+            mine = None  # e.g. a rank beyond the saving job's world size
+        views = g.all_gather(mine) if g.world_size > 1 else [mine]
+        return any(v is True for v in views)
+
+    def _restore_dcp(self, state: Mapping[str, Any] | None, step: int, tiers: list[str]) -> tuple[Any, RestoreInfo]:
+        """``dcp.load`` of a step saved by :meth:`_save_dcp`, in place when ``state`` is given."""
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp import TieredReader
+
+        g = self.store.group
+        t0 = time.perf_counter()
+        err: BaseException | None = None
+        saved: _Saved | None = None
+        target: dict[str, Any] = {}
+        try:
+            saved = self._read_saved(step, tiers)
+            if state is not None:
+                split = _split(state)
+                have = {_key(p) for p, _ in saved.plain}
+                missing = [".".join(map(str, p)) for p, _ in split.plain if _key(p) not in have]
+                if missing:
+                    raise StateMismatchError(f"target state has entries the checkpoint lacks: {missing[:5]}")
+                target = split.tensors
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
+            err = e
+        mine = None if err is None else [_failure_kind(err), f"{type(err).__name__}: {err}"]
+        views = g.all_gather(mine) if g.world_size > 1 else [mine]
+        failed = {r: v for r, v in enumerate(views) if v is not None}
+        if failed:  # every rank takes the same way out: raise, or try an older step
+            if any(kind != "unusable" for kind, _ in failed.values()):
+                if err is not None:
+                    raise err
+                kind, why = next(v for v in failed.values() if v[0] != "unusable")
+                cls = StateMismatchError if kind == "mismatch" else TierfsError
+                raise cls(f"step {step}: rank(s) {sorted(failed)} failed before loading ({why})")
+            raise _Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
+        assert saved is not None
+        reader = TieredReader(self.store, step, tiers=tiers)
+        pg = getattr(g, "_pg", None)
+        if state is None:
+            target = _target_from(_run_dcp(reader.read_metadata, unusable=True), saved)
+        try:
+            _run_dcp(dcp.load, target, storage_reader=reader, process_group=pg, unusable=True)
+        except _Unusable as e:
+            raise _Unusable(reader.skipped + [(",".join(tiers), step, w) for _, _, w in e.skipped]) from None
+        root: Any = state if state is not None else target
+        for path, value in saved.plain:
+            _assign(root, path, _decode(value, saved.arrays))
+        if state is None:
+            root = _lists(root, saved.lists)
+        tier = reader.sources.get(g.rank) or next(iter(reader.sources.values()), tiers[0])
+        info = RestoreInfo(step, tier, _local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
+                           {}, dict(saved.metrics))
+        return (step if state is not None else root), info
+
+    def _read_saved(self, step: int, tiers: list[str]) -> "_Saved":
+        """The non-tensor part of a DCP step: this rank's own (rank 0's for ranks the saving job lacked)."""
+        from .dcp import EXTRA_PREFIX
+
+        g = self.store.group
+        world = self.store.read_marker(step, tiers=tiers).world_size
+        rank = g.rank if g.rank < world else 0
+        manifest, _ = self.store.read_manifest(step, rank, tiers=tiers)
+        names = [e.name for e in manifest.entries if e.name.startswith(EXTRA_PREFIX)]
+        got: dict[str, Any] = {}
+
+        def consume(found: Mapping[str, tuple[Any, Any]], tier: str) -> None:
+            for name, (e, raw) in found.items():
+                got[name[len(EXTRA_PREFIX):]] = e.value if e.kind == "json" else \
+                    np.array(st.view_as("numpy", e.dtype, e.shape, raw))
+
+        self.store.read_entries(step, rank, names, tiers=tiers, consume=consume)
+        index = got.get(_INDEX)
+        if not (isinstance(index, list) and len(index) == 5 and index[:2] == [_INDEX_FORMAT, 1]):
+            raise StateMismatchError(f"step {step} was saved by dcp.save directly, not by CheckpointManager: "
+                                     "load it with dcp.load and TieredReader")
+        arrays = {int(k[1:]): v for k, v in got.items() if k.startswith("a")}
+        return _Saved([(list(p), v) for p, v in index[2]], [list(p) for p in index[3]],
+                      {f: list(p) for f, p in index[4]}, arrays, dict(manifest.metrics))
 
     # -- queries ------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -229,3 +416,231 @@ def _find_best(policy: PreservationPolicy) -> BestN | None:
         if found is not None:
             return found
     return None
+
+
+# -- torch state through DCP ---------------------------------------------------------------------------
+# A state's tensors (torch.Tensor, DTensor, ...) go to dcp.save; every other leaf (numbers, strings, lists,
+# tuples, dicts, bytes, numpy arrays) is kept out of DCP, which would pickle it, and stored per rank beside
+# the rank's DCP items: one JSON entry (the index) plus one array entry per numpy array.
+_INDEX = "index"
+_INDEX_FORMAT = "tierfs.manager"
+_UNUSABLE = (RestoreError, ChecksumError, FormatError, StepNotFoundError, OSError)
+
+
+class _Unusable(TierfsError):
+    """No tier holds a verified copy of a step for some rank: the restore tries an older step."""
+
+    def __init__(self, skipped: list[tuple[str, int, str]]) -> None:
+        super().__init__("; ".join(f"{t} step {s}: {w}" for t, s, w in skipped))
+        self.skipped = skipped
+
+
+@dataclass
+class _Split:
+    tensors: dict[Any, Any] = field(default_factory=dict)  # nested, the caller's own tensor objects
+    plain: list[tuple[list[Any], Any]] = field(default_factory=list)  # (key path, value) of other leaves
+    lists: list[list[Any]] = field(default_factory=list)  # key paths of lists that hold tensors
+    paths: dict[str, list[Any]] = field(default_factory=dict)  # DCP fqn -> key path of each tensor
+
+
+@dataclass
+class _Saved:
+    plain: list[tuple[list[Any], Any]]  # (key path, encoded value)
+    lists: list[list[Any]]
+    paths: dict[str, list[Any]]
+    arrays: dict[int, np.ndarray]
+    metrics: dict[str, Any]
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _has_tensor(x: Any, sharded_only: bool = False) -> bool:
+    torch = _torch()
+    if torch is None:
+        return False
+    if isinstance(x, torch.Tensor):
+        return not sharded_only or type(x) is not torch.Tensor and type(x).__name__ in ("DTensor", "ShardedTensor")
+    if isinstance(x, Mapping):
+        return any(_has_tensor(v, sharded_only) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v, sharded_only) for v in x)
+    return False
+
+
+def _split(state: Mapping[str, Any]) -> _Split:
+    """Separate a state's tensors (for DCP) from its other leaves (stored without pickle)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    torch = _torch()
+    out = _Split()
+
+    def walk(x: Any, path: list[Any], into: dict[Any, Any]) -> None:
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(f"state key {k!r} under {_fqn(path) or 'the root'!r} is not a string or an int")
+            p = path + [k]
+            if torch is not None and isinstance(v, torch.Tensor):
+                into[k] = v
+                out.paths[_fqn(p)] = p
+            elif (isinstance(v, Mapping) and v) or (isinstance(v, list) and _has_tensor(v)):
+                if isinstance(v, list):
+                    out.lists.append(p)
+                sub: dict[Any, Any] = {}
+                walk(v, p, sub)
+                if sub:
+                    into[k] = sub
+            elif _has_tensor(v):
+                raise TypeError(f"{_fqn(p)!r}: tensors inside a {type(v).__name__} are not supported; put them "
+                                "in a list or a dict")
+            else:
+                out.plain.append((p, v))
+
+    walk(state, [], out.tensors)
+    return out
+
+
+def _fqn(path: Sequence[Any]) -> str:
+    return ".".join(str(k) for k in path)  # DCP's flattened key
+
+
+def _key(path: Sequence[Any]) -> tuple[tuple[str, str], ...]:
+    return tuple((type(k).__name__, str(k)) for k in path)
+
+
+def _encode(v: Any, arrays: list[np.ndarray], path: Sequence[Any]) -> Any:
+    """A JSON value that :func:`_decode` turns back into ``v`` exactly (types included)."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return float(v) if math.isfinite(v) else {"$f": repr(float(v))}
+    if isinstance(v, list):
+        return [_encode(x, arrays, path) for x in v]
+    if isinstance(v, tuple):
+        return {"$t": [_encode(x, arrays, path) for x in v]}
+    if isinstance(v, Mapping):
+        return {"$d": [[_encode(k, arrays, path), _encode(x, arrays, path)] for k, x in v.items()]}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
+    if isinstance(v, (np.ndarray, np.generic)):
+        a = np.asarray(v)
+        arrays.append(a)
+        return {"$a": len(arrays) - 1, "shape": list(a.shape), "scalar": isinstance(v, np.generic)}
+    raise TypeError(f"{_fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
+                    "arrays, numbers, strings, bytes, or lists/tuples/dicts of them")
+
+
+def _decode(v: Any, arrays: Mapping[int, np.ndarray]) -> Any:
+    if isinstance(v, list):
+        return [_decode(x, arrays) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "$f" in v:
+        return float(v["$f"])
+    if "$t" in v:
+        return tuple(_decode(x, arrays) for x in v["$t"])
+    if "$d" in v:
+        return {_decode(k, arrays): _decode(x, arrays) for k, x in v["$d"]}
+    if "$b" in v:
+        return base64.b64decode(v["$b"])
+    if "$a" in v:
+        a = arrays[int(v["$a"])].reshape(tuple(v["shape"]))  # the store keeps 0-d arrays as 1-d
+        return a[()] if v.get("scalar") else a
+    raise StateMismatchError(f"unknown value encoding {sorted(v)!r} in the checkpoint")
+
+
+def _extra(split: _Split) -> dict[str, Any]:
+    """The entries TieredWriter(extra=...) stores for this rank: the index and the numpy arrays."""
+    arrays: list[np.ndarray] = []
+    plain = [[p, _encode(v, arrays, p)] for p, v in split.plain]
+    index = [_INDEX_FORMAT, 1, plain, split.lists, [[f, p] for f, p in split.paths.items()]]
+    st.to_leaf(_INDEX, index)  # plain JSON: fails here, before any collective, if it is not
+    for i, a in enumerate(arrays):
+        st.to_leaf(f"a{i}", a)  # numeric dtypes only
+    return {_INDEX: index, **{f"a{i}": a for i, a in enumerate(arrays)}}
+
+
+def _assign(root: Any, path: Sequence[Any], value: Any) -> None:
+    """Set a leaf; a numpy array of the same dtype and shape is overwritten in place, as tensors are."""
+    d = root
+    for k in path[:-1]:
+        if isinstance(d, list):
+            d = d[k]
+        else:
+            d = d.setdefault(k, {})
+    old = d[path[-1]] if isinstance(d, list) or path[-1] in d else None
+    if isinstance(old, np.ndarray) and isinstance(value, np.ndarray) and old.dtype == value.dtype \
+            and old.shape == value.shape and old.flags.writeable:
+        np.copyto(old, value)
+    else:
+        d[path[-1]] = value
+
+
+def _target_from(md: Any, saved: _Saved) -> dict[Any, Any]:
+    """Empty tensors for every tensor of a DCP checkpoint, nested by their saved key paths."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: dict[Any, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            raise StateMismatchError(f"{fqn!r} in the checkpoint is not a tensor (saved by dcp.save directly?)")
+        path = saved.paths.get(fqn) or list((md.planner_data or {}).get(fqn, (fqn,)))
+        _assign(root, path, torch.empty(tuple(m.size), dtype=m.properties.dtype))
+    return root
+
+
+def _lists(root: Any, lists: list[list[Any]]) -> Any:
+    """Turn the dicts at ``lists`` (keyed 0..n-1) back into lists, innermost first."""
+    for path in sorted(lists, key=len, reverse=True):
+        parent, d = None, root
+        for k in path:
+            parent, d = d, d[k]
+        if isinstance(d, dict) and sorted(d) == list(range(len(d))):
+            parent[path[-1]] = [d[i] for i in range(len(d))]
+    return root
+
+
+def _local_bytes(x: Any) -> int:
+    torch = _torch()
+    if isinstance(x, Mapping):
+        return sum(_local_bytes(v) for v in x.values())
+    if torch is not None and isinstance(x, torch.Tensor):
+        local = x.to_local() if hasattr(x, "to_local") else x
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _failure_kind(e: BaseException) -> str:
+    """How a restore treats a rank's failure: ``mismatch`` and ``fatal`` are raised, ``unusable`` skips a step."""
+    if isinstance(e, StateMismatchError):
+        return "mismatch"
+    return "unusable" if isinstance(e, (TierfsError, OSError)) else "fatal"
+
+
+def _run_dcp(fn: Callable[..., Any], *args: Any, unusable: bool = False, **kwargs: Any) -> Any:
+    """Call a DCP function; a rank's failure comes out as the original exception, not DCP's wrapper.
+
+    With ``unusable``, failures to read a verified copy on any rank (RestoreError, ChecksumError,
+    FormatError, I/O errors) come out as :class:`_Unusable`, so a restore can try an older step.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "torch.distributed ... uninitialized": single process, as intended
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            return fn(*args, **kwargs)
+    except CheckpointException as ce:
+        failures = {r: e for r, (e, _) in ce.failures.items()}
+        if not failures:
+            raise
+        if unusable and all(isinstance(e, _UNUSABLE) for e in failures.values()):
+            raise _Unusable([("", -1, f"rank {r}: {type(e).__name__}: {e}") for r, e in failures.items()]) from ce
+        raise next(iter(failures.values())) from ce
+    except _UNUSABLE as e:  # raised outside DCP's collectives (TieredReader.read_metadata called directly)
+        if not unusable:
+            raise
+        raise _Unusable([("", -1, f"{type(e).__name__}: {e}")]) from e
