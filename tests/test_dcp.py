@@ -147,9 +147,10 @@ def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
 def test_two_ranks_save_and_load_with_gloo(shm_dir, tmp_path):
     outs = run_job(2, shm_dir, str(tmp_path / "obj"), "save")
     assert all(o["exact"] and o["step"] == 3 for o in outs)
-    # each node's RAM holds its own rank's shard; the other rank's items come from the object tier
-    assert outs[0]["sources"] == {"0": "ram", "1": "file"}
-    assert outs[1]["sources"] == {"0": "file", "1": "ram"}
+    # DCP plans each replicated tensor on one rank, but every rank kept its own copy in its shard
+    # (replicated="local"): each node loads from its own RAM alone
+    assert outs[0]["sources"] == {"0": "ram"}
+    assert outs[1]["sources"] == {"1": "ram"}
 
 
 @pytest.mark.parametrize("saved, loaded", [(2, 4), (4, 2)])

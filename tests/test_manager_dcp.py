@@ -256,14 +256,13 @@ def test_fsdp2_sharded_state_with_two_ranks_then_four_then_one(shm_dir, tmp_path
     assert all(o["saved"] == saved for o in outs)  # digests of the full (unsharded) state per step
     # RAM took steps 1-3 and keeps 2; the object tier every 2nd step
     assert outs[0]["steps"] == {"2": ["ram", "file"], "3": ["ram"]}
-    # step 3 is only in the nodes' RAM, each node holding its own rank's shard, and DCP wrote each replicated
-    # item (Adam's step counters) on one rank only: no rank can read all it needs, so both fall back to step
-    # 2, from the object tier where their own RAM lacks the other rank's shard
+    # step 3 is only in the nodes' RAM, each node holding its own rank's shard; DCP plans each replicated
+    # item (Adam's step counters) on one rank only, but every rank kept its copy: both restore step 3
     for o in outs:
-        assert o["restored_step"] == 2 and o["restored"] == saved["2"], o
+        assert o["restored_step"] == 3 and o["restored"] == saved["3"], o
         r = o["rank"]  # each rank gets its own values back
-        assert o["loader"] == {"rank": r, "position": 200 + r, "order": [r + i for i in range(4)], "dtype": "int32"}
-        assert o["metrics"] == {"loss": 0.5}
+        assert o["loader"] == {"rank": r, "position": 300 + r, "order": [r + i for i in range(4)], "dtype": "int32"}
+        assert o["metrics"] == {"loss": 1 / 3}
     # one rank's target does not match: every rank raises, none waits forever in DCP's collectives
     assert [o["error"] for o in run_job(2, shm_dir, obj, "mismatch")] == ["StateMismatchError"] * 2
     for world in (4, 1):  # resharded by DCP to another world size

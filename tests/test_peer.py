@@ -186,3 +186,17 @@ def test_localize_brings_a_lost_shard_back_into_ram(saved_r1, tmp_path):
     assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [
         ("ram", None), ("peer", 2), ("ram", None), ("ram", None)]
     assert all(o["exact"] and o["step"] == 3 and 3 in o["ram"] for o in outs)
+
+
+def test_data_parallel_manager_state_restores_from_ram_and_peers_alone(tmp_path):
+    """DCP writes a replicated tensor from one rank only; tierfs keeps it in every rank's shard, so each
+    node reloads from its own RAM, and a replaced node from its peer, with no durable tier at all."""
+    child = HERE / "ddp_child.py"
+    shm = tmp_path / "shm"
+    gloo_job.run_job(3, child, str(shm), "save")
+    outs = gloo_job.run_job(3, child, str(shm), "load")
+    assert [(o["step"], o["exact"], o["tier"], o["skipped"]) for o in outs] == [(4, True, "ram", [])] * 3
+    wipe(shm, 1)
+    outs = gloo_job.run_job(3, child, str(shm), "load")
+    assert [(o["step"], o["exact"], o["tier"]) for o in outs] == [(4, True, "ram")] * 3
+    assert 4 in outs[1]["ram"] and outs[1]["held"] == {"4": [0]}  # shard back in RAM, replica re-seeded

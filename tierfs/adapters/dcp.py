@@ -273,12 +273,23 @@ class TieredWriter(StorageWriter):
         Flat ``{name: value}`` of further entries for this rank's shard (numpy arrays, JSON values),
         stored under ``"x|" + name`` beside DCP's items and never seen by DCP (no pickle).
         ``CheckpointManager`` keeps non-tensor state here.
+    replicated:
+        ``"local"`` (the default): a tensor several ranks hold (replicated, e.g. data-parallel weights or
+        Adam's step counts) is also kept in the shard of every rank that holds it, not only in the one
+        rank's DCP picks, so each node's RAM tier holds all its ranks need to load again without reading
+        other nodes' shards. DCP's metadata is unchanged; ``TieredReader`` reads such items from the
+        rank's own shard. ``"dedup"``: each item is written once, as DCP plans it (less to copy; a load
+        on several nodes then reads replicated items from the durable tier).
     """
 
     def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False, force: bool = True,
                  preempted: bool = False, metrics: Mapping[str, Any] | None = None, blocking: bool = True,
-                 extra: Mapping[str, Any] | None = None) -> None:
+                 extra: Mapping[str, Any] | None = None, replicated: str = "local") -> None:
         super().__init__()
+        if replicated not in ("local", "dedup"):
+            raise ValueError(f"replicated must be 'local' or 'dedup', got {replicated!r}")
+        self.replicated = replicated
+        self._local_items: list[Any] = []
         if not isinstance(store, TieredStore):
             raise TypeError(f"TieredWriter needs a TieredStore, got {type(store).__name__}")
         self.store, self.step, self.overwrite = store, _parse_step(step), bool(overwrite)
@@ -324,6 +335,7 @@ class TieredWriter(StorageWriter):
         self.is_coordinator = bool(is_coordinator)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._local_items = list(plan.items)  # before DCP drops replicated items from all ranks but one
         return dataclasses.replace(plan, storage_data={"tierfs_rank": self.store.group.rank})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -344,7 +356,10 @@ class TieredWriter(StorageWriter):
         rank = self.store.group.rank
         state: dict[str, Any] = {}
         results: list[WriteResult] = []
-        for item in plan.items:
+        planned = {(i.index.fqn, tuple(i.index.offset or ())) for i in plan.items}
+        kept = [i for i in self._local_items if (i.index.fqn, tuple(i.index.offset or ())) not in planned
+                ] if self.replicated == "local" else []
+        for item in [*plan.items, *kept]:
             data = planner.resolve_data(item)
             is_bytes = item.type == WriteItemType.BYTE_IO
             name = entry_name(item.index, is_bytes)
@@ -359,8 +374,9 @@ class TieredWriter(StorageWriter):
                     value = value.cpu()
                 size = value.numel() * value.element_size()
             state[name] = value
-            results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data={"rank": rank, "entry": name}))
+            if (item.index.fqn, tuple(item.index.offset or ())) in planned:  # DCP hears only of its own items
+                results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                           storage_data={"rank": rank, "entry": name}))
         for name, value in self.extra.items():
             if name in state:
                 raise ValueError(f"extra entry {name!r} given twice")
@@ -410,6 +426,8 @@ class TieredReader(StorageReader):
         self.skipped: list[tuple[str, int, str]] = []
         self._resolved_step: int | None = None
         self._share_metadata = True  # collective in read_metadata (off for export_dcp: one process)
+        #: with a peer tier: where each rank's own shard came from into its RAM tier before the load
+        self.localized: Any = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -422,7 +440,19 @@ class TieredReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return TieredWriter.validate_checkpoint_id(checkpoint_id)
 
+    def _own_entries(self) -> set[str]:
+        """Entry names in this rank's own shard of the step (empty when no tier holds it)."""
+        try:
+            manifest, _ = self.store.read_manifest(self._resolved_step, self.store.group.rank, tiers=self.tiers)
+        except (TierfsError, OSError):
+            return set()
+        return {e.name for e in manifest.entries}
+
     def _pick_step(self) -> int:
+        if self._share_metadata and self.tiers is None and any(t.is_peer for t in self.store.tiers):
+            # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
+            self.localized = self.store.localize(self.step)
+            return self.localized.step
         if self.step is not None:
             return self.step
         steps = self.store.steps()
@@ -491,11 +521,14 @@ class TieredReader(StorageReader):
             raise TierfsError("TieredReader: read_metadata/set_up_storage_reader were not called; load with dcp.load")
         storage = self.metadata.storage_data
         by_rank: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        own = self._own_entries()
         for item in plan.items:
             where = storage.get(item.storage_index)
             if where is None:
                 raise FormatError(f"step {self._resolved_step} has no data for {item.storage_index}")
-            by_rank[int(where["rank"])][where["entry"]].append(item)
+            # a replicated item this rank kept too (TieredWriter replicated="local"): read it from its own shard
+            rank = self.store.group.rank if where["entry"] in own else int(where["rank"])
+            by_rank[rank][where["entry"]].append(item)
 
         for rank, wanted in sorted(by_rank.items()):
             def consume(found: dict[str, tuple[Any, Any]], tier: str, wanted=wanted) -> None:

@@ -215,6 +215,13 @@ class CheckpointManager:
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
         g = self.store.group
+        if any(self.store.tier(n).is_peer for n in tiers):
+            # collective: a rank whose RAM lacks its shard (a replaced node) gets it from a peer into RAM,
+            # where DCP's reader (which reads tiers directly) and the store find it
+            try:
+                self.store.localize(step, tiers=tiers)
+            except (StepNotFoundError, RestoreError) as e:
+                log.warning("no step could be brought into RAM from peers (%s); restoring from the tiers", e)
         have = self.store.steps()
         mine = sorted(s for s, ts in have.items() if set(ts) & set(tiers))
         every = g.all_gather(mine) if g.world_size > 1 else [mine]
