@@ -11,11 +11,14 @@ from typing import Callable
 
 log = logging.getLogger("tierfs")
 
+#: CPU priority (nice) of background work: tierfs's worker threads and the transfer threads of its groups
+BACKGROUND_NICE = 10
+
 
 class Worker:
     """One thread running submitted jobs in order. A job's exception goes to ``on_error``, never lost."""
 
-    def __init__(self, name: str, on_error: Callable[[BaseException], None], nice: int = 10) -> None:
+    def __init__(self, name: str, on_error: Callable[[BaseException], None], nice: int = BACKGROUND_NICE) -> None:
         self.name, self._on_error, self._nice = name, on_error, nice
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None

@@ -39,7 +39,7 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
-    def fork(self, backend: str | None = None) -> "SingleProcess":
+    def fork(self, backend: str | None = None, nice: int = 0) -> "SingleProcess":
         return self
 
 
@@ -64,12 +64,23 @@ class TorchGroup:
         self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
 
-    def fork(self, backend: str | None = None) -> "TorchGroup":
-        """The same ranks over a new group, for use by another thread (collective)."""
+    def fork(self, backend: str | None = None, nice: int = 0) -> "TorchGroup":
+        """The same ranks over a new group, for use by another thread (collective).
+
+        With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
+        kernel copies of every transfer) run at that lower CPU priority, like tierfs's background workers,
+        so bulk transfers give way to training.
+        """
         twin = object.__new__(TorchGroup)
         twin.__dict__.update(self.__dict__)
         twin._backend = backend or self._backend
+        before = _tasks() if nice else set()
         twin._pg = self._dist.new_group(backend=twin._backend)
+        for tid in (_tasks() - before) if nice else ():
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:
+                pass
         return twin
 
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],
@@ -114,6 +125,13 @@ class TorchGroup:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._pg)
+
+
+def _tasks() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: priorities stay as they are
+        return set()
 
 
 def env_node_rank(rank: int) -> int:

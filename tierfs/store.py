@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _copy, state as st
-from ._worker import Throttle, Worker
+from ._worker import BACKGROUND_NICE, Throttle, Worker
 from .dist import SingleProcess, TorchGroup, default_group
 from .errors import (BackgroundError, ChecksumError, FormatError, RestoreError, StateMismatchError,
                      StepExistsError, StepNotFoundError, TierfsError)
@@ -114,8 +114,8 @@ class TieredStore:
         self.tiers = tiers
         self.group = group if group is not None else default_group()
         # one group per thread role, so collectives of different threads never interleave
-        self._commit_group = self.group.fork()
-        self._copy_groups = {t.name: self.group.fork() for t in tiers[1:]}
+        self._commit_group = self.group.fork(nice=BACKGROUND_NICE)
+        self._copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:]}
         for t in peers:
             t.bind(tiers[0], self.group)
         self.threads = threads

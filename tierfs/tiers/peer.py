@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from .. import _copy
+from .._worker import BACKGROUND_NICE
 from ..errors import FormatError, TierfsError
 from ..format import Manifest, Marker, crc32c, manifest_filename, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
@@ -171,7 +172,8 @@ class PeerTier(Tier):
         if self._follow_ram:
             self.save_policy = ram.save_policy
         self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
-        self._groups = {"copy": group.fork(self.backend), "main": group.fork(self.backend)}
+        # replication runs in a background worker: its transfer threads give way to training too
+        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE), "main": group.fork(self.backend)}
 
     @property
     def local(self) -> MemoryTier:
