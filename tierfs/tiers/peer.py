@@ -26,8 +26,8 @@ import numpy as np
 
 from .. import _copy
 from .._worker import BACKGROUND_NICE
-from ..errors import FormatError, TierfsError
-from ..format import Manifest, Marker, crc32c, manifest_filename, validate_filename
+from ..errors import ChecksumError, FormatError, TierfsError
+from ..format import Manifest, Marker, blocks, crc32c, manifest_filename, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from .base import Capacity, Tier
 from .memory import MemoryTier, make_private_dir
@@ -38,6 +38,9 @@ Strategy = Union[str, StrategyFn]
 
 _MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
 _MAX_HEADER = 1 << 30
+#: bytes per message: small enough that each lands in cache and is checksummed right away, large enough
+#: that per-message costs stay small
+CHUNK = 2 << 20
 
 
 def replica_targets(nodes: Sequence[int], replicas: int, strategy: Strategy = "ring") -> list[list[int]]:
@@ -364,16 +367,56 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
     ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
     ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
     g.exchange(ok_out, ok_in)
-    data_out = [(t, _copy.as_u8(f)) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0] for f in files.values()]
-    data_in = [(s, name, buf) for s in incoming if errors[s] is None for name, buf in bufs[s].items()]
+    data_out = [(t, chunk) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0]
+                for f in files.values() for chunk in _chunks(_copy.as_u8(f))]
+    checks = {(s, name): _FileCheck(manifests[s], name) for s in incoming if errors[s] is None for name in bufs[s]}
+    data_in = [(s, name, buf, i) for s in incoming if errors[s] is None for name, buf in bufs[s].items()
+               for i, _ in enumerate(_chunks(buf))]
 
-    def landed(i: int) -> None:
-        s, name, buf = data_in[i]
+    def landed(k: int) -> None:
+        s, name, buf, i = data_in[k]
         if errors[s] is None:
             try:
-                _copy.verify(manifests[s], {name: buf}, 1)
-            except (TierfsError, ValueError) as e:
+                checks[s, name].feed(buf, i * CHUNK, min(buf.size, (i + 1) * CHUNK))
+            except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
 
-    g.exchange(data_out, [(s, buf) for s, _, buf in data_in], pace=pace, on_received=landed)
+    g.exchange(data_out, [(s, chunk) for s in incoming if errors[s] is None for buf in bufs[s].values()
+                          for chunk in _chunks(buf)], pace=pace, on_received=landed)
+    for (s, name), check in checks.items():  # blocks no chunk reached (empty files)
+        if errors[s] is None:
+            try:
+                check.feed(bufs[s][name], bufs[s][name].size, bufs[s][name].size)
+            except TierfsError as e:
+                errors[s] = f"{type(e).__name__}: {e}"
     return errors
+
+
+def _chunks(buf: np.ndarray) -> list[np.ndarray]:
+    return [buf[i:i + CHUNK] for i in range(0, buf.size, CHUNK)]
+
+
+class _FileCheck:
+    """Checks one shard file's blocks as its chunks land, in order, each chunk while it is in cache."""
+
+    def __init__(self, manifest: Manifest, name: str) -> None:
+        self.name = name
+        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], e.name) for e in manifest.entries
+                             if e.kind == "array" and e.file == name
+                             for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
+        self.next, self.crc = 0, 0
+
+    def feed(self, buf: np.ndarray, start: int, end: int) -> None:
+        """Bytes ``start:end`` of the file have landed (every byte before them already has)."""
+        while self.next < len(self.blocks):
+            lo, hi, want, entry = self.blocks[self.next]
+            if lo >= end and not (lo == hi == end):
+                return
+            if max(lo, start) < min(hi, end):
+                self.crc = crc32c(buf[max(lo, start):min(hi, end)], self.crc)
+            if hi > end:
+                return
+            if self.crc != want:
+                raise ChecksumError(f"checksum mismatch in {entry!r} ({self.name} bytes {lo}-{hi}): stored "
+                                    f"{want:#010x}, received {self.crc:#010x}")
+            self.next, self.crc = self.next + 1, 0
