@@ -9,7 +9,8 @@ from .adapters.manager import CheckpointManager, CheckpointManagerOptions
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError", "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
+    "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError", "ChecksumError",
+    "FormatError", "RestoreError", "RestoreInfo",
     "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
     "TierfsError",
 ]

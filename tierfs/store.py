@@ -1,14 +1,17 @@
 """TieredStore: one checkpoint store over several tiers, fastest first.
 
 Save: flatten the state → copy it, with crc32c per block, into the first tier's staged buffers (the RAM
-tier's reused mappings) → write the manifest → commit with the marker (with ``blocking=False`` only the copy happens on the caller's thread; a commit
-worker does the rest). Then a copy worker gives each slower tier whose save policy takes the step a byte
-copy of the files (verified before upload, marker last), and every tier applies its keep policy.
+tier's reused mappings) → write the manifest → commit with the marker (with ``blocking=False`` only the
+copy happens on the caller's thread; a commit worker does the rest). Then one copy worker per slower tier
+gives it the step if its save policy takes it: a byte copy of the files (verified before upload, marker
+last), or, for a peer tier, one exchange in which every rank sends its shard to its peers and each copy
+counts once its receiver has verified it. Every tier applies its keep policy.
 
-Restore: list what each tier holds → pick the newest step → read this rank's files from the fastest
-tier whose copy verifies → copy once into the user's arrays. Every tier skipped, and why, is in the info.
+Restore: all ranks gather what each can read and which shards each keeps for others → pick the newest
+step every rank's shard is somewhere → read this rank's files from the fastest source whose copy verifies
+(its own RAM, a peer, object storage) → copy once into the user's arrays. Every source skipped, and why,
+is in the info.
 """
-
 from __future__ import annotations
 
 import logging

@@ -27,7 +27,7 @@ import numpy as np
 from .. import _copy
 from .._worker import BACKGROUND_NICE
 from ..errors import ChecksumError, FormatError, TierfsError
-from ..format import Manifest, Marker, blocks, crc32c, manifest_filename, validate_filename
+from ..format import MARKER, Manifest, Marker, blocks, crc32c, manifest_filename, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from .base import Capacity, Tier
 from .memory import MemoryTier, make_private_dir
@@ -245,8 +245,9 @@ class PeerTier(Tier):
 
         ``pairs`` are ``(source rank, receiving rank)``, the same on every rank (default: every rank to
         each of its targets). A rank that cannot read its own shard passes ``error`` (and empty bytes) and
-        still takes part; its receivers refuse. Returns the failed pairs with reasons, the same on every rank; when there
-        are none the receivers have committed their copies, otherwise they dropped what they received.
+        still takes part; its receivers refuse. Returns the failed pairs with reasons, the same on every
+        rank; when there are none the receivers have committed their copies, otherwise they dropped what
+        they received.
         """
         g = self._groups[role]
         me = g.rank
@@ -293,7 +294,7 @@ class PeerTier(Tier):
             if h != me:
                 continue
             try:
-                marker = bytes(self.local.read_file(step, "COMMITTED"))
+                marker = bytes(self.local.read_file(step, MARKER))
                 mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
                 files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
                 sends.append((q, _header(step, q, mbytes, marker, files), files))
