@@ -191,8 +191,10 @@ def test_export_reads_with_a_plain_file_system_reader(store, tmp_path):
     dcp.save(want, storage_writer=TieredWriter(store, 3))
     store.wait_until_finished()
     out = tmp_path / "plain"
-    md = export_dcp(store, out)  # newest step
+    done: list[int] = []
+    md = export_dcp(store, out, progress=done.append)  # newest step
     assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sum(done) == sum(e.length for e in store.manifest(3).entries if e.kind == "array") > 0
     assert all(si.relative_path == "__0_0.distcp" for si in md.storage_data.values())
     got = fresh()
     dcp.load(got, storage_reader=FileSystemReader(str(out)))  # no tierfs involved

@@ -616,8 +616,17 @@ def cmd_export(args: argparse.Namespace) -> int:
             open_readonly(t)
         with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
             t0 = time.perf_counter()
-            md = export_dcp(store, args.directory, args.step, tiers=[args.tier] if args.tier else None,
-                            overwrite=args.overwrite)
+            chosen = [args.tier] if args.tier else None
+            held = sorted(s for s, ts in store.steps().items() if chosen is None or set(ts) & set(chosen))
+            step = args.step if args.step is not None else (held[-1] if held else None)
+            total = store.read_marker(step, tiers=chosen).nbytes if step in held else 0
+            bar = _progress_bar(total, f"export step {step}", not args.no_progress and sys.stderr.isatty())
+            try:
+                md = export_dcp(store, args.directory, step, tiers=chosen, overwrite=args.overwrite,
+                                progress=bar.update if bar else None)
+            finally:
+                if bar is not None:
+                    bar.close()
     finally:
         for t in tiers:
             t.close()
@@ -748,6 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp", action="store_true", help="the format: a PyTorch DCP directory (required)")
     p.add_argument("--step", type=int, metavar="N", help="the step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace a DCP checkpoint already in DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     p.set_defaults(func=cmd_export)
 
     from .cli_plan import add_bench_args, add_model_args, add_simulate_args

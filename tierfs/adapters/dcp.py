@@ -72,7 +72,7 @@ import re
 import uuid
 import warnings
 from collections import ChainMap, defaultdict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -570,7 +570,8 @@ def _as_tensor(entry: Any, raw: Any) -> torch.Tensor:
 
 # -- export to a plain DCP directory -------------------------------------------------------------------
 def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | None = None, *,
-               tiers: list[str] | None = None, overwrite: bool = False, fsync: bool = True) -> Metadata:
+               tiers: list[str] | None = None, overwrite: bool = False, fsync: bool = True,
+               progress: Callable[[int], None] | None = None) -> Metadata:
     """Write step ``step`` (default: the newest) of ``store`` as a plain DCP checkpoint in ``directory``.
 
     The result is what ``FileSystemWriter(directory)`` (``thread_count=1``, no extensions) would have
@@ -585,7 +586,8 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     crc32c verified), from any rank's shard, so this runs in one process (e.g. rank 0 alone, or a tool
     after the job). ``.metadata`` is written last, through a temporary file and a rename, so a directory
     with a ``.metadata`` is complete. An existing ``.metadata`` in ``directory`` is an error unless
-    ``overwrite=True``. Returns the ``Metadata`` written.
+    ``overwrite=True``. ``progress(nbytes)`` is called as each item is written (a progress bar). Returns
+    the ``Metadata`` written.
     """
     import pickle  # DCP's own metadata format; tierfs writes it for DCP but never reads pickle
 
@@ -636,6 +638,8 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
                     length = f.tell() - offset
                     for idx in wanted[name]:
                         storage[idx] = _StorageInfo(rel, offset, length)
+                    if progress is not None:
+                        progress(entry.length if entry.kind == "array" else length)
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
