@@ -215,7 +215,7 @@ class _FakeGroup:
         self.node_ranks = tuple(range(world))
         self._sent, self._channel, self._forks = sent, channel, 0
 
-    def fork(self) -> "_FakeGroup":
+    def fork(self, backend=None, nice: int = 0) -> "_FakeGroup":
         self._forks += 1
         return _FakeGroup(self.rank, self.world_size, self._sent, self._forks)
 
