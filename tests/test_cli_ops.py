@@ -295,8 +295,10 @@ def test_bench_measures_ram_and_s3_and_plan_reads_it(s3_url, tmp_path, capsys):
     assert ram["blocking_s"] == pytest.approx(7e9 * 12 / 4 / (data["ram"]["save_gbps"] * 1e9))
 
 
-def test_bench_peer_transfer_under_torchrun(tmp_path):
-    """Two processes with the environment torchrun gives them (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_bench_peer_transfer_under_torchrun(tmp_path, nodes):
+    """Two processes with the environment torchrun gives them (RANK, WORLD_SIZE, MASTER_ADDR/PORT): on one
+    node a gloo exchange, on two nodes (each its own) a real peer-tier replication."""
     import socket
 
     with socket.socket() as sock:
@@ -306,7 +308,7 @@ def test_bench_peer_transfer_under_torchrun(tmp_path):
     procs = []
     for rank in range(2):
         env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+               "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank % nodes)}
         procs.append(subprocess.Popen([sys.executable, "-m", "tierfs.cli", "bench", "--size", "2MiB", "--repeats",
                                        "1", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))
@@ -320,6 +322,7 @@ def test_bench_peer_transfer_under_torchrun(tmp_path):
                 p.kill()
     data = json.loads(out.read_text())
     assert data["peer"]["world_size"] == 2 and data["peer"]["gbps"] > 0
+    assert ("PeerTier" in data["peer"]["method"]) == (nodes == 2)
     assert not any("peer transfer skipped" in n for n in data["notes"])
 
 

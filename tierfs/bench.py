@@ -7,15 +7,17 @@
 - Object tier: ``ObjectTier.write_files`` / ``read_files`` of the state cut into 16 MiB files (what the
   store's copies do, without the background throttle) under ``<url>/tierfs-bench-<random>``, removed
   afterwards.
-- Peers: under torchrun, ranks ``2i`` and ``2i+1`` exchange a buffer with torch.distributed (gloo)
-  send/recv; without torchrun this is skipped with a note.
+- Peers: under torchrun with ranks on several nodes, a ``PeerTier(replicas=1)`` replication through a
+  ``TieredStore`` (unthrottled, from the RAM commit until every copy is verified); with every rank on one
+  node, ranks ``2i`` and ``2i+1`` exchange a buffer with torch.distributed (gloo) send/recv instead;
+  without torchrun this is skipped with a note.
 
 Figures are medians over the repeats, in GB/s (1e9 bytes/s), per process; the JSON file is::
 
     {"format": "tierfs-bench", "version": 1, "size_bytes": ..., "repeats": ...,
      "ram": {"save_gbps": ..., "commit_gbps": ..., "restore_gbps": ...},
      "object": {"url": ..., "write_gbps": ..., "read_gbps": ...} or null,
-     "peer": {"world_size": ..., "gbps": ...} or null,
+     "peer": {"world_size": ..., "gbps": ..., "method": ...} or null,
      "notes": [...]}
 """
 
@@ -190,6 +192,12 @@ def bench_peer(nbytes: int, repeats: int = 3, tick: Progress | None = None) -> d
         dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        from .dist import env_node_rank
+
+        nodes: list[int] = [0] * world
+        dist.all_gather_object(nodes, env_node_rank(rank))
+        if len(set(nodes)) > 1:
+            return _bench_replication(nbytes, repeats, tick)
         buf = torch.zeros(max(1, nbytes), dtype=torch.uint8)
         peer = rank ^ 1
         times: list[float] = []
@@ -210,10 +218,56 @@ def bench_peer(nbytes: int, repeats: int = 3, tick: Progress | None = None) -> d
         every: list[list[float]] = [[] for _ in range(world)]
         dist.all_gather_object(every, mine)
         rates = [r for rs in every for r in rs]
-        return {"world_size": world, "gbps": statistics.median(rates)}
+        return {"world_size": world, "gbps": statistics.median(rates), "method": "gloo send/recv, rank pairs"}
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def _bench_replication(nbytes: int, repeats: int, tick: Progress | None) -> dict[str, Any]:
+    """Median GB/s of this job's ``PeerTier`` replication of ``nbytes`` per rank (every rank's median)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from .policies import LatestN
+    from .store import TieredStore
+    from .tiers import MemoryTier, PeerTier
+
+    seconds: dict[int, float] = {}
+
+    class Timing(logging.Handler):  # the store's own measure: commit -> every copy verified
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("step %d replicated to peers"):
+                seconds[record.args[0]] = record.args[2]  # type: ignore[index]
+
+    handler = Timing()
+    logger = logging.getLogger("tierfs")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="tierfs-bench-peer-", dir=base)
+    state = _state(nbytes, seed=dist.get_rank())
+    total = sum(a.nbytes for a in state.values())
+    try:
+        with TieredStore([MemoryTier(root, keep=LatestN(1)), PeerTier(replicas=1)],
+                         background_bandwidth=None) as store:
+            for step in range(2 + repeats):  # two warm-up steps: replica buffers get mapped, then reused
+                store.save(step, state)
+                store.wait_until_finished()
+                if tick:
+                    tick("peer replication")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        shutil.rmtree(root, ignore_errors=True)
+    mine = [total / seconds[s] / 1e9 for s in range(2, 2 + repeats) if seconds.get(s)]
+    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    rates = [r for rs in every for r in rs]
+    return {"world_size": dist.get_world_size(), "gbps": statistics.median(rates),
+            "method": "tierfs PeerTier replication (replicas=1), per rank"}
 
 
 def run(*, size: int, repeats: int = 3, ram_dir: str | None = None, object_url: str | None = None,
