@@ -127,6 +127,9 @@ def main() -> None:
             restore(mgr, model, opt, target, rank, out)
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
+    # torch 2.13's gloo teardown at interpreter exit aborts now and then ("terminate called without an
+    # active exception", about 1 run in 25 here) after everything above has finished: skip it
+    os._exit(0)
 
 
 if __name__ == "__main__":
