@@ -124,7 +124,7 @@ def test_two_neighbours_lost_with_two_replicas_restore_from_peers_spread_over_ho
 def test_a_corrupted_replica_is_detected_and_another_peer_serves(saved_r2, tmp_path):
     shm = fresh_copy(saved_r2, tmp_path)
     wipe(shm, 1)
-    bad = shm / "node2" / "peers" / "rank_00002" / step_dirname(2) / "rank_00001.0000.bin"
+    bad = shm / "node2" / "peers" / "rank_00002" / step_dirname(2) / "rank_00001.0001.bin"
     data = bytearray(bad.read_bytes())
     data[12345] ^= 0x40
     bad.write_bytes(bytes(data))
@@ -161,11 +161,14 @@ def test_three_nodes_work(tmp_path):
 
 
 def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path):
-    outs = job(2, tmp_path / "shm", "-", "tight", 1, "1")  # save and wait_until_finished raise nothing
+    # rank 1's budget holds its own steps and step 1's small replica, not step 2's
+    outs = job(2, tmp_path / "shm", "-", "tight", 1, "2")  # save and wait_until_finished raise nothing
     for o in outs:
-        assert o["steps"] == {"1": ["ram"]}  # committed in RAM, not counted as replicated
-        assert o["held"] == {}  # rank 0 dropped the copy it did receive: no half-replicated step
-    assert list((tmp_path / "shm" / "node1" / "peers" / "rank_00001").iterdir()) == []
+        assert o["steps"] == {"1": ["ram", "peer"], "2": ["ram"]}  # step 2 committed in RAM, not replicated
+        assert o["held"] == {"1": [1 - o["rank"]]}  # rank 0 dropped step 2's copy it did receive
+        assert any("step 2 is not replicated" in w and "rank 0 -> 1" in w and "CapacityError" in w
+                   for w in o["warnings"]), o["warnings"]
+    assert [p.name for p in (tmp_path / "shm" / "node1" / "peers" / "rank_00001").iterdir()] == [step_dirname(1)]
 
 
 def test_a_peer_tier_needs_several_nodes(tmp_path):

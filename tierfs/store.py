@@ -117,8 +117,8 @@ class TieredStore:
         self.tiers = tiers
         self.group = group if group is not None else default_group()
         # one group per thread role, so collectives of different threads never interleave
-        self._commit_group = self.group.fork(nice=BACKGROUND_NICE)
-        self._copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:]}
+        self._commit_group = self.group.fork()  # a blocking save waits for the commit: full priority
+        self._copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:] if not t.is_peer}
         for t in peers:
             t.bind(tiers[0], self.group)
         self.threads = threads
@@ -687,10 +687,12 @@ class TieredStore:
         for s in order:
             got, mismatch = self._restore_step(s, usable, have, holders, sink, out, zero_copy, wanted, skipped)
             if self.group.world_size > 1:
-                views = self.group.all_gather([got is not None, str(mismatch or "")])
+                kind = "mismatch" if isinstance(mismatch, StateMismatchError) else "error"
+                views = self.group.all_gather([got is not None, [kind, str(mismatch)] if mismatch else None])
                 bad = [(r, m) for r, (_, m) in enumerate(views) if m]
                 if bad and mismatch is None:
-                    mismatch = StateMismatchError(f"rank {bad[0][0]}: {bad[0][1]}")
+                    r, (kind, why) = bad[0]
+                    mismatch = (StateMismatchError if kind == "mismatch" else TierfsError)(f"rank {r}: {why}")
                 if got is not None and not all(ok for ok, _ in views):  # all go back together
                     skipped.append((got[0].tier, s, "another rank could not restore this step"))
                     got = None
@@ -726,14 +728,15 @@ class TieredStore:
         got, mismatch = None, None
         try:
             got = self._restore_local(s, usable[:cut], have, sink, out, zero_copy, wanted, skipped)
-        except StateMismatchError as e:
+        except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
             mismatch = e
         if cut < len(usable):
-            got = self._restore_from_peers(s, usable[cut], holders, got, mismatch, sink, out, wanted, skipped)
+            got, mismatch = self._restore_from_peers(s, usable[cut], holders, got, mismatch, sink, out, wanted,
+                                                     skipped)
         if got is None and mismatch is None:
             try:
                 got = self._restore_local(s, usable[cut + 1:], have, sink, out, zero_copy, wanted, skipped)
-            except StateMismatchError as e:
+            except Exception as e:  # noqa: BLE001 - as above
                 mismatch = e
         return got, mismatch
 
@@ -758,7 +761,7 @@ class TieredStore:
 
     def _restore_from_peers(self, s, peer, holders, got, mismatch, sink, out, wanted, skipped):
         """Ranks still without their shard get it from a peer that keeps a copy; every rank takes part
-        (holders send). Holders that fail are dropped and the next one tried."""
+        (holders send). Holders that fail are dropped and the next one tried. Returns ``(got, error)``."""
         needs = self.group.all_gather(got is None and mismatch is None)
         tried: set[tuple[int, int]] = set()
         while True:
@@ -766,9 +769,13 @@ class TieredStore:
                        for r, need in enumerate(needs) if need}
             assign = plan_fetch({r: hs for r, hs in options.items() if hs})
             if not assign:
-                return got
+                return got, mismatch
             t0 = time.perf_counter()
-            res = peer.fetch(s, assign)
+            self._pin(peer, s)  # retention must not delete what a holder is sending
+            try:
+                res = peer.fetch(s, assign)
+            finally:
+                self._unpin(peer, s)
             ok = True
             if isinstance(res, tuple):
                 manifest, mbytes, marker, files = res
@@ -778,15 +785,20 @@ class TieredStore:
                     info = self._restored(s, peer.name, shard, time.perf_counter() - t0, skipped, wanted)
                     info.peer = assign[self.group.rank]
                     got = (info, shard)
-                except (TierfsError, ValueError, KeyError) as e:  # StateMismatchError included
+                except (TierfsError, ValueError, KeyError) as e:
+                    if isinstance(e, StateMismatchError):  # the target is wrong, not the copy: stop here
+                        mismatch = e
                     res = f"{type(e).__name__}: {e}"
+                    out.clear()
+                except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
+                    mismatch, res = e, f"{type(e).__name__}: {e}"
                     out.clear()
             if isinstance(res, str):
                 ok = False
                 why = f"from rank {assign[self.group.rank]}: {res}"
                 log.warning("tier %s step %d: the copy %s is unusable, trying another source", peer.name, s, why)
                 skipped.append((peer.name, s, why))
-            for r, good in enumerate(self.group.all_gather(ok)):
+            for r, good in enumerate(self.group.all_gather(ok or mismatch is not None)):
                 if r in assign:
                     tried.add((r, assign[r]))
                     if good:
@@ -812,7 +824,7 @@ class TieredStore:
                 fast.write_staged(s)
                 fast.write_file(s, manifest_filename(self.group.rank), shard.mbytes)
                 wrote = True
-            except (TierfsError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
                 fast.discard_staged(s)
                 log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, fast.name, e)
         wrote_by = self.group.all_gather(wrote)

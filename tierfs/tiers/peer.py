@@ -176,7 +176,9 @@ class PeerTier(Tier):
             self.save_policy = ram.save_policy
         self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
         # replication runs in a background worker: its transfer threads give way to training too
-        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE), "main": group.fork(self.backend)}
+        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE),
+                        "main": group if self.backend == getattr(group, "_backend", self.backend) else
+                        group.fork(self.backend)}
 
     @property
     def local(self) -> MemoryTier:
@@ -261,22 +263,37 @@ class PeerTier(Tier):
             m, mbytes, _ = _check_header(h, step, src)
             bufs = self.local.stage(step, m.files)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
-            return bufs
+            return {n: bufs[n] for n in m.files}  # in the order the sender sends them
 
         errors = _transfer(g, sends, incoming, accept, pace)
-        failed = [(s, me, why) for s, why in errors.items() if why]
-        failed = [tuple(f) for part in g.all_gather(failed) for f in part]
+        self.local.discard_staged(step)  # the bytes are in the mapped files already
+        for s in incoming:  # manifests now; the marker only once every copy of the job is in place
+            if errors[s] is None:
+                try:
+                    self.local.write_file(step, manifest_filename(s), received[s])
+                except (TierfsError, OSError) as e:
+                    errors[s] = f"{type(e).__name__}: {e}"
+        failed = self._agree_pairs(g, errors)
+        wrote_marker = False
+        if not failed:  # second round: a receiver whose marker fails undoes the step everywhere
+            why = None
+            if incoming:
+                try:
+                    self.local.write_marker(step, marker)
+                    wrote_marker = True
+                except (TierfsError, OSError) as e:
+                    why = f"marker: {type(e).__name__}: {e}"
+            failed = self._agree_pairs(g, {incoming[0]: why} if incoming else {})
         if failed:
-            self.local.discard_staged(step)
             for s in incoming:
-                self.local.release(step, s, marker=False)
-            return failed  # type: ignore[return-value]
-        self.local.write_staged(step)  # the bytes are in the mapped files already
-        for s in incoming:
-            self.local.write_file(step, manifest_filename(s), received[s])
-        if incoming:
-            self.local.write_marker(step, marker)
-        return []
+                self.local.release(step, s, marker=wrote_marker)
+        return failed
+
+    @staticmethod
+    def _agree_pairs(g: Any, errors: Mapping[int, str | None]) -> list[tuple[int, int, str]]:
+        """Every rank's failed incoming copies, ``(source, receiver, reason)``, the same on every rank."""
+        mine = [(s, g.rank, why) for s, why in errors.items() if why]
+        return [tuple(f) for part in g.all_gather(mine) for f in part]  # type: ignore[misc]
 
     def fetch(self, step: int, assign: Mapping[int, int], role: str = "main"
               ) -> tuple[Manifest, bytes, bytes, dict[str, np.ndarray]] | str | None:
@@ -338,6 +355,8 @@ def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes
     announced = {validate_filename(n): size for n, size in h["files"]}
     if m.step != step or m.rank != rank or announced != m.files or list(announced) != list(m.files):
         raise FormatError(f"a peer's files for rank {rank} step {step} do not match the manifest")
+    if not all(n.startswith(f"rank_{rank:05d}.") for n in announced) or not 0 <= rank < marker.world_size:
+        raise FormatError(f"a peer's files for rank {rank} step {step} are named for another rank")
     return m, mbytes, marker_bytes
 
 
@@ -350,8 +369,10 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
     size_in = [(s, np.zeros(8, dtype=np.uint8)) for s in incoming]
     g.exchange(size_out, size_in)
     lengths = [int(b.view(np.int64)[0]) for _, b in size_in]
-    if any(not 0 < n <= _MAX_HEADER for n in lengths):
-        raise TierfsError(f"a peer announced a header of {max(lengths)} bytes; the job's tierfs versions differ?")
+    bad = [s for s, n in zip(incoming, lengths) if not 0 < n <= _MAX_HEADER]
+    if bad:  # the bytes must still be taken off the wire for the exchange to stay in step
+        raise TierfsError(f"rank {bad[0]} announced a header of {lengths[incoming.index(bad[0])]} bytes; do all "
+                          "ranks run the same tierfs version?")
     head_in = [(s, np.empty(n, dtype=np.uint8)) for s, n in zip(incoming, lengths)]
     g.exchange([(t, np.frombuffer(h, dtype=np.uint8)) for t, h, _ in sends], head_in)
     errors: dict[int, str | None] = {}
