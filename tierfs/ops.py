@@ -88,7 +88,7 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
     StepNotFoundError, StepExistsError, ChecksumError, FormatError, OSError
         Nothing is committed on ``dst`` unless every byte verified and every file was written.
     """
-    from .store import _verify
+    from ._copy import verify as _verify
 
     mbytes, marker, manifests = step_manifests(src, step)
     there = dst.list_steps().get(step)

@@ -1095,5 +1095,3 @@ def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
         raise TypeError(f"{what} must be JSON-serialisable ({e}); convert values to numbers or strings") from None
     return d
 
-
-_verify = _copy.verify  # the CLI's name for it
