@@ -201,6 +201,11 @@ class TieredStore:
                 out.setdefault(s, []).append(t.name)
         return dict(sorted(out.items()))
 
+    def has_step(self, step: int) -> bool:
+        """Whether ``step`` is being saved or is committed on some tier, as this process knows (no listing)."""
+        with self._lock:
+            return step in self._in_flight or any(step in s for s in self._index.values())
+
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
             if t.name == name:

@@ -195,8 +195,7 @@ class CheckpointManager:
         return bool(writer.saved)
 
     def _exists(self, step: int) -> bool:
-        with self.store._lock:  # noqa: SLF001 - the manager is the store's own adapter
-            return step in self.store._in_flight or any(step in s for s in self.store._index.values())
+        return self.store.has_step(step)
 
     def _replaces(self, step: int) -> bool:
         return self._restored is not None and step > self._restored
