@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import ChecksumError, FormatError, TierfsError, TierUnavailableError
 from .format import Manifest, crc32c, manifest_filename
+from .ops import batches
 from .tiers.base import Tier
 
 PROG = "tierfs"
@@ -316,23 +317,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 # -- verify -----------------------------------------------------------------------------------------
 
-#: files read and checked at once: bounds memory and keeps an object tier's downloads concurrent
-_BATCH_BYTES = 256 << 20
-_BATCH_FILES = 8
-
-
-def _batches(files: dict[str, int]) -> list[list[str]]:
-    out: list[list[str]] = [[]]
-    size = 0
-    for name, n in files.items():
-        if out[-1] and (size + n > _BATCH_BYTES or len(out[-1]) >= _BATCH_FILES):
-            out.append([])
-            size = 0
-        out[-1].append(name)
-        size += n
-    return [b for b in out if b]
-
-
 def verify_step(tier: Tier, step: int, threads: int | None = None,
                 progress: Callable[[int], None] | None = None) -> tuple[int, int]:
     """Check every checksum of ``step`` on ``tier``, for every rank the marker lists.
@@ -362,7 +346,7 @@ def verify_step(tier: Tier, step: int, threads: int | None = None,
                                   f"{manifest.world_size}")
             checked += len(mbytes)
             # One shard batch at a time, each checked by the store's own verifier on a sub-manifest.
-            for names in _batches(manifest.files):
+            for names in batches(manifest.files):
                 part = Manifest(step, rank, manifest.world_size,
                                 [e for e in manifest.entries if e.kind == "array" and e.file in names],
                                 {n: manifest.files[n] for n in names}, manifest.block_size)

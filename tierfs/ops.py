@@ -20,12 +20,13 @@ from .format import MARKER, Manifest, Marker, crc32c, manifest_filename, step_di
 from .tiers.base import Tier
 from .tiers.memory import process_alive
 
-#: bytes read and written at once while copying: bounds memory, keeps object transfers concurrent
+#: bytes read at once while copying or checking a step: bounds memory, keeps object transfers concurrent
 BATCH_BYTES = 256 << 20
 BATCH_FILES = 8
 
 
-def _batches(files: dict[str, int]) -> list[list[str]]:
+def batches(files: dict[str, int]) -> list[list[str]]:
+    """A shard's files in groups of at most BATCH_BYTES / BATCH_FILES, in order."""
     out: list[list[str]] = [[]]
     size = 0
     for name, n in files.items():
@@ -100,7 +101,7 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
     total = 0
     expected: dict[str, int] = {}
     for name, raw, m in manifests:
-        for names in _batches(m.files):
+        for names in batches(m.files):
             part = Manifest(step, m.rank, m.world_size,
                             [e for e in m.entries if e.kind == "array" and e.file in names],
                             {n: m.files[n] for n in names}, m.block_size)

@@ -867,10 +867,7 @@ class TieredStore:
         try:
             marker = bytes(tier.read_file(step, MARKER))
             manifest, mbytes = self._checked_manifest(tier, step, self.group.rank, with_bytes=True)
-            if wanted is not None:
-                missing = wanted - {e.name for e in manifest.entries}
-                if missing:
-                    raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
+            _check_wanted(manifest, wanted)  # before reading: a wrong target costs no download
             shard = _Shard(manifest, mbytes, marker, tier.read_files(step, list(manifest.files)))
             self._fill(tier, step, shard, sink, out, zero_copy, wanted)
             return shard
@@ -885,10 +882,7 @@ class TieredStore:
             _copy.verify(manifest, shard.files, self.threads)
             return
         raw = _copy.shard_views(manifest, shard.files)
-        if wanted is not None:
-            missing = wanted - {e.name for e in manifest.entries}
-            if missing:
-                raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
+        _check_wanted(manifest, wanted)
         jobs, finish = [], []
         for e in manifest.entries:
             if wanted is not None and e.name not in wanted:
@@ -1059,6 +1053,13 @@ def _agree(group, mine: Any, failure: BaseException | None, what: str) -> list[A
         bad = [r for r, (ok, _) in enumerate(results) if not ok]
         raise TierfsError(f"{what}: rank(s) {bad} failed (see their logs); not committed")
     return [m for _, m in results]
+
+
+def _check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
+    """A target state with entries the checkpoint lacks is the caller's mistake, not a damaged copy."""
+    missing = wanted - {e.name for e in manifest.entries} if wanted is not None else set()
+    if missing:
+        raise StateMismatchError(f"target state has entries the checkpoint lacks: {sorted(missing)[:5]}")
 
 
 def _check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -> None:

@@ -259,11 +259,11 @@ class PeerTier(Tier):
         incoming = [s for s, t in pairs if t == me]
         received: dict[int, bytes] = {}
 
-        def accept(src: int, h: dict) -> dict[str, np.ndarray]:
+        def accept(src: int, h: dict) -> tuple[Manifest, dict[str, np.ndarray]]:
             m, mbytes, _ = _check_header(h, step, src)
             bufs = self.local.stage(step, m.files)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
-            return {n: bufs[n] for n in m.files}  # in the order the sender sends them
+            return m, {n: bufs[n] for n in m.files}  # in the order the sender sends them
 
         errors = _transfer(g, sends, incoming, accept, pace)
         self.local.discard_staged(step)  # the bytes are in the mapped files already
@@ -319,11 +319,11 @@ class PeerTier(Tier):
                 sends.append((q, _header(step, q, b"", b"", {}, error=f"{type(e).__name__}: {e}"), {}))
         got: dict[str, Any] = {}
 
-        def accept(src: int, h: dict) -> dict[str, np.ndarray]:
+        def accept(src: int, h: dict) -> tuple[Manifest, dict[str, np.ndarray]]:
             m, mbytes, marker = _check_header(h, step, me)
             got.update(manifest=m, mbytes=mbytes, marker=marker,
                        files={n: np.empty(size, dtype=np.uint8) for n, size in m.files.items()})
-            return got["files"]
+            return m, got["files"]
 
         incoming = [h for q, h in assign.items() if q == me]
         errors = _transfer(g, sends, incoming, accept, None)
@@ -361,7 +361,7 @@ def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes
 
 
 def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
-              accept: Callable[[int, dict], dict[str, np.ndarray]],
+              accept: Callable[[int, dict], tuple[Manifest, dict[str, np.ndarray]]],
               pace: Callable[[int], None] | None) -> dict[int, str | None]:
     """One round of shard moves between ranks: headers, accept/refuse, then the files, every block
     checked as it lands. ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
@@ -381,8 +381,7 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
     for s, raw in head_in:
         try:
             h = json.loads(bytes(raw))
-            bufs[s] = accept(s, h)
-            manifests[s] = Manifest.from_bytes(h["manifest"].encode("latin-1"))
+            manifests[s], bufs[s] = accept(s, h)
             errors[s] = None
         except (TierfsError, OSError, ValueError, KeyError, TypeError) as e:
             errors[s] = f"{type(e).__name__}: {e}"
