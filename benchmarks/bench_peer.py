@@ -9,7 +9,8 @@ rank and receives the previous one's, so each link carries one shard each way at
 - a plain TCP socket copy of the same bytes in the same pattern (one sender and one receiver thread per
   rank, ``sendall`` / ``recv_into`` a preallocated buffer), and raw gloo ``isend``/``irecv`` of tensors;
 - tierfs replication, unthrottled: from the RAM commit until every receiver has verified its copy and
-  the step counts as replicated (the store's own timing, from its log);
+  the step counts as replicated (the store's own timing, from its log). The three run in interleaved
+  rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine;
 - a training-like loop (1-thread 512x512 matmuls in every rank, saving every ``--interval`` seconds of
   work with ``blocking=False``): without checkpoints, with RAM-only saves, with RAM + peers at the
   default throttle and unthrottled, each after three warm-up saves (steady state: RAM buffers and replica
@@ -141,25 +142,28 @@ def worker(args: argparse.Namespace) -> None:
     scratch = Scratch(f"bench-peer-{rank}-")
     results: dict[str, list[float]] = {}
     try:
-        say(f"{world} ranks, {args.size_mib} MiB per rank: plain socket and gloo copies")
+        say(f"{world} ranks, {args.size_mib} MiB per rank: plain socket copy, gloo, tierfs replication")
         buf_out = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8)
         buf_in = np.zeros(nbytes, np.uint8)  # pages faulted in before any timing
         t_out, t_in = torch.from_numpy(buf_out), torch.from_numpy(buf_in)
-        socket_copy(dist, buf_out, buf_in)  # warm-up
-        gloo_copy(dist, t_out, t_in)
-        results["socket"], results["gloo"] = [], []
-        for _ in range(args.repeats):  # interleaved: both see the same minute of a shared machine
-            results["socket"].append(socket_copy(dist, buf_out, buf_in))
-            results["gloo"].append(gloo_copy(dist, t_out, t_in))
-        del buf_out, buf_in, t_out, t_in
-
-        say("tierfs replication, unthrottled")
+        results["socket"], results["gloo"], results["tierfs"] = [], [], []
         ram = MemoryTier(scratch.fresh("ram"), keep=LatestN(2))
         with TieredStore([ram, PeerTier(replicas=1)], background_bandwidth=None) as store:
-            for step in range(2 + args.repeats):  # two warm-up steps: buffers mapped, then reused
+            for step in range(2):  # warm-up: replica buffers mapped, then reused
                 store.save(step, state)
                 store.wait_until_finished()
-            results["tierfs"] = [handler.seconds[s] for s in range(2, 2 + args.repeats)]
+            socket_copy(dist, buf_out, buf_in)
+            gloo_copy(dist, t_out, t_in)
+            # interleaved rounds: all three see the same moment of a shared machine
+            for step in range(2, 2 + args.repeats):
+                results["socket"].append(socket_copy(dist, buf_out, buf_in))
+                results["gloo"].append(gloo_copy(dist, t_out, t_in))
+                dist.barrier()
+                store.save(step, state)
+                store.wait_until_finished()
+                results["tierfs"].append(handler.seconds[step])
+        del buf_out, buf_in, t_out, t_in
+        scratch.remove("ram")
 
         chunk = max(1, int(args.chunk_ms / 1e3 / max(matmul(20) / 20, 1e-6)))
         every = max(1, int(args.interval * 1e3 / args.chunk_ms))

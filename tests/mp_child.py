@@ -1,6 +1,7 @@
 """One rank of a multi-process job (gloo on localhost), each its own node with its own RAM directory.
 
-    mp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save-sync | save-async | restore)
+    mp_child.py SHM_ROOT OBJ_DIR MODE   (MODE: save-sync | save-async | restore | fail-rank1 |
+                                         shared-node | one-step)
 Prints one JSON line with what it saw.
 """
 
@@ -39,6 +40,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - reported to the test
                 out[f"blocking={blocking}"] = type(e).__name__
         out["steps"] = store.tiers[0].list_steps()
+        store.close()
+        print(json.dumps(out), flush=True)
+        return
+    if mode == "one-step":  # step 10 of every rank, for the CLI to read
+        store.save(10, {"w": np.full(3000, float(rank), np.float32), "other": np.arange(10)})
         store.close()
         print(json.dumps(out), flush=True)
         return

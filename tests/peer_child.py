@@ -1,9 +1,9 @@
 """One rank of a job with a peer tier (gloo on localhost, each process its own node, RAM in SHM/node<N>).
 
-    peer_child.py SHM OBJ MODE REPLICAS [STEPS]
+    peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS] [STEPS]
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
-replicated). Prints one JSON line with what it saw.
+replicated), priorities (the CPU priority of the store's threads). Prints one JSON line with what it saw.
 """
 
 import json
@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
+import tierfs.tiers.peer as peer_module
 from tierfs import TieredStore
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
@@ -32,14 +33,17 @@ def target_for(rank: int) -> dict:
 
 
 def main() -> None:
-    shm, obj, mode, replicas = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    peer_module.CHUNK = 300_000  # several messages per shard file, checksum blocks straddling them
+    shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    replicas, _, connections = sys.argv[4].partition(":")
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     budget = 2_200_000 if mode == "tight" and rank == 1 else None  # step 1 (small) fits twice, step 2 once
     ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
-    peer = PeerTier(replicas=replicas)
+    peer = PeerTier(replicas=int(replicas), connections=int(connections or 2))
     tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
+    before = set(os.listdir("/proc/self/task"))
     store = TieredStore(tiers, file_size=1 << 20, block_size=256 << 10)
     out = {"rank": rank, "targets": peer.targets[rank], "warnings": []}
     handler = logging.Handler()
@@ -62,6 +66,12 @@ def main() -> None:
         dist.barrier()
         out["steps"] = {str(k): v for k, v in store.steps().items()}
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
+    elif mode == "priorities":  # CPU priority of the threads the store started, after a replicated save
+        store.save(1, state_for(rank, 1))
+        store.wait_until_finished()
+        out["threads"] = [[open(f"/proc/self/task/{t}/comm").read().strip(), os.getpriority(os.PRIO_PROCESS, int(t))]
+                          for t in sorted(set(os.listdir("/proc/self/task")) - before)]
+        out["steps"] = {str(k): v for k, v in store.steps().items()}
     elif mode == "localize":  # bring every shard into RAM, then read RAM alone
         info = store.localize()
         out.update(step=info.step, ranks=info.ranks, ram=store.tiers[0].committed_steps())

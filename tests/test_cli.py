@@ -11,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gloo_job
 from tierfs import TieredStore
 from tierfs.cli import main
 from tierfs.format import MARKER, manifest_filename, step_dirname
 from tierfs.policies import FixedIntervalPolicy, PreserveAll
 from tierfs.tiers import MemoryTier, ObjectTier
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 
 def state(step: int) -> dict:
@@ -205,38 +207,10 @@ def test_verify_missing_or_partial_step(shm_dir, capsys):
     assert (Path(shm_dir) / step_dirname(3)).exists()
 
 
-class _FakeGroup:
-    """Two ranks of one job on one node, saved one after the other: all_gather answers from what each rank
-    sent on the same channel (each fork is a channel, as each real fork is a process group)."""
-
-    def __init__(self, rank: int, world: int, sent: dict, channel: int = 0) -> None:
-        self.rank = self.local_rank = rank
-        self.world_size = world
-        self.node_ranks = tuple(range(world))
-        self._sent, self._channel, self._forks = sent, channel, 0
-
-    def fork(self, backend=None, nice: int = 0) -> "_FakeGroup":
-        self._forks += 1
-        return _FakeGroup(self.rank, self.world_size, self._sent, self._forks)
-
-    def all_gather(self, obj):
-        box = self._sent.setdefault(self._channel, {})
-        box[self.rank] = obj
-        return [box.get(r, obj) for r in range(self.world_size)]
-
-    def barrier(self) -> None:
-        pass
-
-
-def test_verify_checks_every_rank(shm_dir, capsys):
-    sent: dict = {}
-    # rank 0's store first: its start-up would remove rank 1's not yet committed files
-    rank0 = TieredStore([MemoryTier(shm_dir)], group=_FakeGroup(0, 2, sent))
-    rank1 = TieredStore([MemoryTier(shm_dir)], group=_FakeGroup(1, 2, sent))
-    rank1.save(10, {"w": np.full(3000, 1.0, np.float32), "other": np.arange(10)})
-    rank0.save(10, {"w": np.full(3000, 0.0, np.float32), "other": np.arange(10)})
-    rank1.close()
-    rank0.close()
+def test_verify_checks_every_rank(shm_dir, tmp_path, capsys):
+    # a real job: two gloo processes on one node, both ranks' shards in one RAM directory
+    gloo_job.run_job(2, HERE / "mp_child.py", shm_dir, str(tmp_path / "obj"), "one-step", same_node=True)
+    shm_dir = os.path.join(shm_dir, "node0")
 
     code, out, err = run(capsys, "ls", shm_dir)
     assert code == 0, err

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import gloo_job
+from tierfs._worker import BACKGROUND_NICE
 from tierfs.errors import TierfsError
 from tierfs.format import step_dirname
+from tierfs.tiers import PeerTier
 from tierfs.tiers.peer import plan_fetch, replica_targets
 
 HERE = Path(__file__).parent
@@ -45,6 +47,13 @@ def test_too_few_nodes_is_a_clear_error():
         replica_targets([0, 1], 2)
 
 
+@pytest.mark.parametrize("kw, needle", [({"replicas": 0}, "replicas"), ({"connections": 0}, "connections"),
+                                        ({"strategy": "star"}, "strategy")])
+def test_bad_peer_tier_arguments_are_clear_errors(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        PeerTier(**kw)
+
+
 def test_fetch_plan_spreads_the_load_over_holders():
     assert plan_fetch({1: [3], 2: [3, 0]}) == {1: 3, 2: 0}
     assert plan_fetch({0: [2, 3], 1: [2, 3]}) == {0: 2, 1: 3}
@@ -52,7 +61,7 @@ def test_fetch_plan_spreads_the_load_over_holders():
 
 
 # -- real jobs ----------------------------------------------------------------------------------
-def job(world: int, shm: Path, obj: Path | str, mode: str, replicas: int, *extra: str) -> list[dict]:
+def job(world: int, shm: Path, obj: Path | str, mode: str, replicas: int | str, *extra: str) -> list[dict]:
     return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, str(replicas), *extra)
 
 
@@ -151,11 +160,11 @@ def test_a_rank_killed_while_replicating_restores_the_newest_fully_replicated_st
     assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "peer", "ram", "ram"]
 
 
-def test_three_nodes_work(tmp_path):
-    outs = job(3, tmp_path / "shm", "-", "save", 1, "2")
+def test_three_nodes_work(tmp_path):  # and transfers on one connection per pair, or three
+    outs = job(3, tmp_path / "shm", "-", "save", "1:1", "2")
     assert [o["held"] for o in outs] == [{"2": [2]}, {"2": [0]}, {"2": [1]}]
     wipe(tmp_path / "shm", 0)
-    outs = job(3, tmp_path / "shm", "-", "restore", 1)
+    outs = job(3, tmp_path / "shm", "-", "restore", "1:3")
     assert all(o["exact"] and o["step"] == 2 for o in outs)
     assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("peer", 1), ("ram", None), ("ram", None)]
 
@@ -179,6 +188,20 @@ def test_a_peer_tier_needs_several_nodes(tmp_path):
         TieredStore([MemoryTier(tmp_path / "ram"), PeerTier()])
     with pytest.raises(ValueError, match="after the RAM tier"):
         TieredStore([PeerTier(), MemoryTier(tmp_path / "ram")])
+
+
+def test_replication_gives_way_to_training(tmp_path):
+    """The worker that replicates and the I/O threads of its groups (gloo's loops, one per connection, which
+    do the kernel copies) run at background priority; the groups of commits and restores do not."""
+    outs = job(2, tmp_path / "shm", "-", "priorities", 1)
+    for o in outs:
+        assert o["steps"]["1"] == ["ram", "peer"]
+        loops = sorted(nice for name, nice in o["threads"] if name == "gloo_tcp_loop")
+        # store + commit group, the peer tier's restore group (2 connections): full priority; its copy
+        # group (2 connections): nice 10
+        assert loops == [0, 0, 0, 0, BACKGROUND_NICE, BACKGROUND_NICE], o["threads"]
+        workers = [nice for name, nice in o["threads"] if not name.startswith(("gloo", "pt_"))]
+        assert BACKGROUND_NICE in workers and set(workers) <= {0, BACKGROUND_NICE}  # the replicating worker
 
 
 def test_localize_brings_a_lost_shard_back_into_ram(saved_r1, tmp_path):

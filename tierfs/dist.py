@@ -39,7 +39,7 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
-    def fork(self, backend: str | None = None, nice: int = 0) -> "SingleProcess":
+    def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1) -> "SingleProcess":
         return self
 
 
@@ -56,6 +56,7 @@ class TorchGroup:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._pg = dist.new_group(backend=backend)
+        self._lanes = [self._pg]
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
@@ -64,18 +65,22 @@ class TorchGroup:
         self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
 
-    def fork(self, backend: str | None = None, nice: int = 0) -> "TorchGroup":
+    def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1) -> "TorchGroup":
         """The same ranks over a new group, for use by another thread (collective).
 
         With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
         kernel copies of every transfer) run at that lower CPU priority, like tierfs's background workers,
-        so bulk transfers give way to training.
+        so bulk transfers give way to training. With ``lanes`` > 1 the twin is that many groups and
+        ``exchange`` deals the buffers between two ranks out over them in turn: gloo moves a group's bytes
+        on one connection per pair of ranks and one I/O thread, so on one lane a rank's sends and receives
+        take turns.
         """
         twin = object.__new__(TorchGroup)
         twin.__dict__.update(self.__dict__)
         twin._backend = backend or self._backend
         before = _tasks() if nice else set()
-        twin._pg = self._dist.new_group(backend=twin._backend)
+        twin._lanes = [self._dist.new_group(backend=twin._backend) for _ in range(max(1, int(lanes)))]
+        twin._pg = twin._lanes[0]
         for tid in (_tasks() - before) if nice else ():
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -93,15 +98,20 @@ class TorchGroup:
         """
         import torch
 
+        def lane(peer: int, counts: dict[int, int]) -> Any:  # the k-th buffer of a pair: lane k % lanes
+            k = counts[peer] = counts.get(peer, -1) + 1
+            return self._lanes[k % len(self._lanes)]
+
         with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
             warnings.simplefilter("ignore", UserWarning)
-            works = [self._dist.irecv(torch.from_numpy(buf), src, group=self._pg, tag=tag)
+            got: dict[int, int] = {}
+            works = [self._dist.irecv(torch.from_numpy(buf), src, group=lane(src, got), tag=tag)
                      for src, buf in recvs]
-            sent = []
+            sent, put = [], {}
             for dst, buf in sends:
                 if pace is not None:
                     pace(buf.nbytes)
-                sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=self._pg, tag=tag))
+                sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
         for i, w in enumerate(works):
             w.wait()
             if on_received is not None:
