@@ -13,9 +13,11 @@ rank and receives the previous one's, so each link carries one shard each way at
   rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine;
 - a training-like loop (1-thread 512x512 matmuls in every rank, saving every ``--interval`` seconds of
   work with ``blocking=False``): without checkpoints, with RAM-only saves, with RAM + peers at the
-  default throttle and unthrottled, each after three warm-up saves (steady state: RAM buffers and replica
-  buffers are mapped and reused, as in a long job). The slowdown excludes the time inside ``save`` (the stall, see
-  bench_async.py); "replica lands" is the time from ``save`` until that step is replicated.
+  default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
+  each; every store is opened and warmed up with three saves first (steady state: RAM buffers and
+  replica buffers are mapped and reused, as in a long job). The slowdown excludes the time inside
+  ``save`` (the stall, see bench_async.py); "replica lands" is the time from ``save`` until that step is
+  replicated.
 
 Results are medians over ranks and repeats; rank 0 prints the tables (stdout) and progress (stderr).
 """
@@ -107,14 +109,15 @@ def matmul(n: int) -> float:
 
 def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int, handler: Replicated
                ) -> tuple[float, list[float]]:
-    """``iters`` chunks of matmuls, a save every ``every`` chunks; returns (time outside save, landings)."""
+    """``iters`` chunks of matmuls, a save at the start of every ``every`` chunks (so the background work
+    of every save overlaps training); returns (time outside save, landings)."""
     busy, saved = 0.0, {}
     for i in range(iters):
-        busy += matmul(chunk)
-        if store is not None and (i + 1) % every == 0:
+        if store is not None and i % every == 0:
             step = first_step + i
             saved[step] = time.perf_counter()
             store.save(step, state, blocking=False)
+        busy += matmul(chunk)
     if store is not None:
         store.wait_until_finished()
     return busy, [handler.at[s] - t for s, t in saved.items() if s in handler.at]
@@ -168,24 +171,35 @@ def worker(args: argparse.Namespace) -> None:
         chunk = max(1, int(args.chunk_ms / 1e3 / max(matmul(20) / 20, 1e-6)))
         every = max(1, int(args.interval * 1e3 / args.chunk_ms))
         iters = every * args.saves
-        say(f"training loop: {iters} chunks of {chunk} matmuls, a save every {every} chunks")
-        dist.barrier()
-        results["loop: no checkpoints"] = [train_loop(None, state, iters, chunk, every, 0, handler)[0]]
-        variants = [("RAM only", [], None), ("RAM + peers, default throttle", [PeerTier(1)], "default"),
+        say(f"training loop: {args.rounds} rounds of {iters} chunks of {chunk} matmuls per variant, a save every "
+            f"{every} chunks")
+        variants = [("no checkpoints", None, None), ("RAM only", [], None),
+                    ("RAM + peers, default throttle", [PeerTier(1)], "default"),
                     ("RAM + peers, unthrottled", [PeerTier(1)], None)]
-        for n, (label, extra, bw) in enumerate(variants):
-            ram = MemoryTier(scratch.fresh(f"loop{n}"), keep=LatestN(2))
-            kw = {} if bw == "default" else {"background_bandwidth": None}
-            with TieredStore([ram, *extra], **kw) as store:
+        stores = {}
+        try:
+            for n, (label, extra, bw) in enumerate(variants):
+                if extra is None:
+                    continue
+                kw = {} if bw == "default" else {"background_bandwidth": None}
+                store = stores[label] = TieredStore([MemoryTier(scratch.fresh(f"loop{n}"), keep=LatestN(2)), *extra],
+                                                    **kw)
                 for step in range(3):  # warm-up outside the timed loop: steady state reuses mapped buffers
                     store.save(step, state)
                     store.wait_until_finished()
-                dist.barrier()
-                busy, lands = train_loop(store, state, iters, chunk, every, 100 * (n + 1), handler)
-            results[f"loop: {label}"] = [busy]
-            if extra:
-                results[f"lands: {label}"] = lands
-            scratch.remove(f"loop{n}")
+            # interleaved rounds, as above: each variant runs a while in every round, so a slow minute of
+            # the machine falls on all of them
+            for rnd in range(args.rounds):
+                for label, extra, _ in variants:
+                    dist.barrier()
+                    busy, lands = train_loop(stores.get(label), state, iters, chunk, every, 100 + rnd * iters,
+                                             handler)
+                    results.setdefault(f"loop: {label}", []).append(busy)
+                    if extra:
+                        results.setdefault(f"lands: {label}", []).extend(lands)
+        finally:
+            for store in stores.values():
+                store.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
     finally:
@@ -200,7 +214,7 @@ def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]
     print(f"## Peer replication, {world} ranks x {args.size_mib} MiB, ring, replicas=1\n")
     print(f"- machine: {machine_note()}")
     print(f"- command: `.venv/bin/python benchmarks/bench_peer.py --size-mib {args.size_mib} --repeats "
-          f"{args.repeats} --world {world} --interval {args.interval} --saves {args.saves}`\n")
+          f"{args.repeats} --world {world} --interval {args.interval} --saves {args.saves} --rounds {args.rounds}`\n")
     rows = [Result("plain TCP socket copy (ring, both directions)", nbytes, every["socket"]),
             Result("gloo isend/irecv of tensors", nbytes, every["gloo"]),
             Result("tierfs replication, unthrottled (commit -> verified)", nbytes, every["tierfs"])]
@@ -229,7 +243,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--interval", type=float, default=8.0, help="seconds of training between saves")
-    ap.add_argument("--saves", type=int, default=4, help="saves per training-loop variant")
+    ap.add_argument("--saves", type=int, default=2, help="saves per training-loop variant and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the training-loop variants")
     ap.add_argument("--chunk-ms", type=float, default=50.0)
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
