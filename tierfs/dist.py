@@ -102,6 +102,16 @@ class TorchGroup:
             k = counts[peer] = counts.get(peer, -1) + 1
             return self._lanes[k % len(self._lanes)]
 
+        landed = 0
+
+        def take(wait: bool) -> None:  # hand over the receives that have landed, in order
+            nonlocal landed
+            while landed < len(works) and (wait or works[landed].is_completed()):
+                works[landed].wait()
+                if on_received is not None:
+                    on_received(landed)
+                landed += 1
+
         with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
             warnings.simplefilter("ignore", UserWarning)
             got: dict[int, int] = {}
@@ -111,11 +121,9 @@ class TorchGroup:
             for dst, buf in sends:
                 if pace is not None:
                     pace(buf.nbytes)
+                    take(wait=False)  # paced: check what landed meanwhile, while it is still in cache
                 sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
-        for i, w in enumerate(works):
-            w.wait()
-            if on_received is not None:
-                on_received(i)
+        take(wait=True)
         for w in sent:
             w.wait()
 
