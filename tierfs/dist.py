@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -93,8 +94,12 @@ class TorchGroup:
                  on_received: Callable[[int], None] | None = None, tag: int = 0) -> None:
         """Send and receive contiguous uint8 buffers point to point: ``sends`` are ``(to rank, buffer)``,
         ``recvs`` ``(from rank, buffer)``; buffers between two ranks pair up in order, and the sizes must
-        match on both sides. ``pace(nbytes)`` is called before each send (a throttle);
-        ``on_received(i)`` as soon as ``recvs[i]`` has landed, in order, while later ones still move.
+        match on both sides. ``pace(nbytes)`` is called before each send (a throttle). ``on_received(i)``
+        is called on a thread of its own as soon as ``recvs[i]`` has landed, in order, while this thread
+        goes on sending and later buffers still move.
+
+        Every send is posted and every transfer waited for even when a receive or ``on_received`` fails,
+        so the other ranks are never left waiting for bytes; the first failure is raised after.
         """
         import torch
 
@@ -102,30 +107,39 @@ class TorchGroup:
             k = counts[peer] = counts.get(peer, -1) + 1
             return self._lanes[k % len(self._lanes)]
 
-        landed = 0
+        failures: list[BaseException] = []
 
-        def take(wait: bool) -> None:  # hand over the receives that have landed, in order
-            nonlocal landed
-            while landed < len(works) and (wait or works[landed].is_completed()):
-                works[landed].wait()
-                if on_received is not None:
-                    on_received(landed)
-                landed += 1
+        def receive() -> None:
+            for i, w in enumerate(works):
+                try:
+                    w.wait()
+                    if on_received is not None and not failures:
+                        on_received(i)
+                except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
+                    failures.append(e)
 
         with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
             warnings.simplefilter("ignore", UserWarning)
             got: dict[int, int] = {}
             works = [self._dist.irecv(torch.from_numpy(buf), src, group=lane(src, got), tag=tag)
                      for src, buf in recvs]
+            receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
+            receiver.start()  # inherits this thread's CPU priority
             sent, put = [], {}
-            for dst, buf in sends:
-                if pace is not None:
-                    pace(buf.nbytes)
-                    take(wait=False)  # paced: check what landed meanwhile, while it is still in cache
-                sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
-        take(wait=True)
-        for w in sent:
-            w.wait()
+            try:
+                for dst, buf in sends:
+                    if pace is not None:
+                        pace(buf.nbytes)
+                    sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
+            finally:
+                receiver.join()
+                for w in sent:
+                    try:
+                        w.wait()
+                    except BaseException as e:  # noqa: BLE001
+                        failures.append(e)
+        if failures:
+            raise failures[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
         import torch

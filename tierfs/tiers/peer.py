@@ -175,6 +175,10 @@ class PeerTier(Tier):
             raise TierfsError("PeerTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
         nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
+        connections = group.all_gather(self.connections)  # each is a group every rank must create
+        if len(set(connections)) > 1:
+            raise TierfsError(f"ranks disagree on PeerTier(connections=...): {connections}; give every rank "
+                              "the same value")
         self.targets = replica_targets(nodes, self.replicas, self.strategy)
         self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
         self.rank = group.rank
