@@ -107,11 +107,26 @@ def matmul(n: int) -> float:
     return time.perf_counter() - t0
 
 
+def background_cpu() -> float:
+    """CPU seconds used so far by this process's threads other than the calling one (Linux)."""
+    me, hz, total = threading.get_native_id(), os.sysconf("SC_CLK_TCK"), 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        if int(tid) != me:
+            total += (int(fields[11]) + int(fields[12])) / hz  # utime + stime
+    return total
+
+
 def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int, handler: Replicated
-               ) -> tuple[float, list[float]]:
+               ) -> tuple[float, list[float], float]:
     """``iters`` chunks of matmuls, a save at the start of every ``every`` chunks (so the background work
-    of every save overlaps training); returns (time outside save, landings)."""
-    busy, saved = 0.0, {}
+    of every save overlaps training); returns (time outside save, landings, CPU seconds of the other
+    threads: the store's background work)."""
+    busy, saved, cpu0 = 0.0, {}, background_cpu()
     for i in range(iters):
         if store is not None and i % every == 0:
             step = first_step + i
@@ -120,7 +135,7 @@ def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int
         busy += matmul(chunk)
     if store is not None:
         store.wait_until_finished()
-    return busy, [handler.at[s] - t for s, t in saved.items() if s in handler.at]
+    return busy, [handler.at[s] - t for s, t in saved.items() if s in handler.at], background_cpu() - cpu0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -195,9 +210,10 @@ def worker(args: argparse.Namespace) -> None:
             for rnd in range(args.rounds):
                 for label, extra, _ in variants:
                     dist.barrier()
-                    busy, lands = train_loop(stores.get(label), state, iters, chunk, every, 100 + rnd * iters,
-                                             handler)
+                    busy, lands, cpu = train_loop(stores.get(label), state, iters, chunk, every,
+                                                  100 + rnd * iters, handler)
                     results.setdefault(f"loop: {label}", []).append(busy)
+                    results.setdefault(f"cpu: {label}", []).append(cpu / args.saves)
                     if extra:
                         results.setdefault(f"lands: {label}", []).extend(lands)
         finally:
@@ -230,15 +246,18 @@ def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]
         return statistics.median(a / b for r in gathered for a, b in zip(r[key], r[ref])) - 1
 
     print("### Training-like loop (1-thread matmuls in every rank; time outside save)\n")
-    print("| variant | median s | vs no checkpoints | vs RAM only | replica lands (median / max s) |")
-    print("|---|---|---|---|---|")
+    print("| variant | median s | vs no checkpoints | vs RAM only | replica lands (median / max s) | "
+          "background CPU per save (s) |")
+    print("|---|---|---|---|---|---|")
     for key in [k for k in every if k.startswith("loop: ")]:
         label = key[len("loop: "):]
         lands = every.get(f"lands: {label}")
         land = f"{statistics.median(lands):.2f} / {max(lands):.2f}" if lands else "-"
         print(f"| {label} | {statistics.median(every[key]):.2f} | {paired(key, 'loop: no checkpoints') * 100:+.1f}% | "
-              f"{paired(key, 'loop: RAM only') * 100:+.1f}% | {land} |")
-    print("\n- slowdowns: medians, over ranks and rounds, of a variant's time over the other's in the same round")
+              f"{paired(key, 'loop: RAM only') * 100:+.1f}% | {land} | "
+              f"{statistics.median(every[f'cpu: {label}']):.2f} |")
+    print("\n- slowdowns: medians, over ranks and rounds, of a variant's time over the other's in the same round;"
+          " background CPU: per rank, of every thread but the training one, from /proc/self/task")
     ratio = statistics.median(every["socket"]) / statistics.median(every["tierfs"])
     print(f"- save interval: {args.interval:.1f} s of training asked, {base / args.saves:.1f} s measured (loop "
           f"without checkpoints / saves per round); replication unthrottled = {ratio:.2f}x the socket copy "
