@@ -23,7 +23,6 @@ Figures are medians over the repeats, in GB/s (1e9 bytes/s), per process; the JS
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -37,6 +36,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import FormatError
+from .format import read_json
 
 FORMAT = "tierfs-bench"
 VERSION = 1
@@ -304,12 +304,8 @@ def steps_for(repeats: int, object_url: str | None) -> int:
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """Read a ``tierfs bench`` JSON file; FormatError if it is not one."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FormatError(f"bench file {path} does not exist; write one with 'tierfs bench --out {path}'") from None
-    except ValueError as e:
-        raise FormatError(f"bench file {path}: not valid JSON ({e})") from None
+    data = read_json(path, f"bench file {path}",
+                     missing=f"bench file {path} does not exist; write one with 'tierfs bench --out {path}'")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise FormatError(f"bench file {path} was not written by 'tierfs bench'")
     if data.get("version") != VERSION:

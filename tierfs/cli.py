@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import ChecksumError, FormatError, TierfsError, TierUnavailableError
-from .format import Manifest, crc32c, manifest_filename
+from .format import Manifest, crc32c, manifest_filename, read_json
 from .ops import batches
 from .tiers.base import Tier
 
@@ -123,10 +123,7 @@ def tiers_from_config(path: Path) -> list[Tier]:
     """The tiers a JSON config file describes (see the module docstring for the format)."""
     from .tiers import MemoryTier, ObjectTier
 
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as e:
-        raise FormatError(f"config {path}: not valid JSON ({e})") from None
+    cfg = read_json(path, f"config {path}")
     specs = cfg.get("tiers") if isinstance(cfg, dict) else None
     if not isinstance(specs, list) or not specs:
         raise FormatError(f'config {path}: expected {{"tiers": [{{"kind": "memory", ...}}, ...]}} '
@@ -653,6 +650,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # -- entry point ------------------------------------------------------------------------------------
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-j", "--threads", type=int, metavar="N", help="checksum threads (default: up to 4)")
+
+
+def _add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET",
                    help="a tier directory (e.g. /dev/shm/tierfs/JOB), an fsspec URL (s3://bucket/run, "
@@ -688,8 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     p.add_argument("--step", type=int, metavar="N",
                    help="the step to check (default: each tier's newest committed step)")
-    p.add_argument("-j", "--threads", type=int, metavar="N", help="checksum threads (default: up to 4)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    _add_threads(p)
+    _add_no_progress(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("cp", help="copy a step between tiers, or out to a directory or URL", description=(
@@ -711,8 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-O", dest="dst_option", action="append", metavar="KEY=VALUE",
                    help="one storage option for a URL destination (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a copy of the step already at DEST")
-    p.add_argument("-j", "--threads", type=int, metavar="N", help="checksum threads (default: up to 4)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    _add_threads(p)
+    _add_no_progress(p)
     p.set_defaults(func=cmd_cp)
 
     p = sub.add_parser("gc", help="apply retention now; remove stale partial steps", description=(
@@ -741,7 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp", action="store_true", help="the format: a PyTorch DCP directory (required)")
     p.add_argument("--step", type=int, metavar="N", help="the step (default: the newest)")
     p.add_argument("--overwrite", action="store_true", help="replace a DCP checkpoint already in DIR")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    _add_no_progress(p)
     p.set_defaults(func=cmd_export)
 
     from .cli_plan import add_bench_args, add_model_args, add_simulate_args

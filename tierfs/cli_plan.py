@@ -77,28 +77,26 @@ def parse_fraction(text: str) -> float:
     return v
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return v
+def _int_at_least(low: int):
+    """An argparse type: a whole number no smaller than ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
+        return v
+
+    return parse
+
+
+_positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
 
 
 def _count_int(text: str) -> int:
     return int(round(parse_count(text)))
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
 
 
 # -- shared arguments -------------------------------------------------------------------------------
@@ -207,18 +205,12 @@ def intervals_from_config(path: str, step_time: float | None) -> dict[str, float
     ``{"every_n_steps": N}`` is N x ``step_time``; ``{"every_n_seconds": S}`` is S. A tier without a
     ``save`` spec is left to the planner; any other spec is an error (the planner models fixed intervals).
     """
-    from pathlib import Path
-
     from .errors import FormatError
+    from .format import read_json
     from .policies import ContinuousCheckpointingPolicy, FixedIntervalPolicy
     from .policies.spec import save_policy
 
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FormatError(f"config file {path} does not exist") from None
-    except ValueError as e:
-        raise FormatError(f"config {path}: not valid JSON ({e})") from None
+    cfg = read_json(path, f"config {path}", missing=f"config file {path} does not exist")
     out: dict[str, float] = {}
     for i, spec in enumerate(cfg.get("tiers", []) if isinstance(cfg, dict) else []):
         if not isinstance(spec, dict) or spec.get("save") is None:

@@ -39,6 +39,21 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+def read_json(path, label: str, missing: str | None = None) -> Any:
+    """A JSON file's content; FormatError ``"<label>: not valid JSON"`` if it is not JSON, and
+    FormatError ``missing`` (when given) if it does not exist."""
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        raise FormatError(missing) from None
+    except ValueError as e:
+        raise FormatError(f"{label}: not valid JSON ({e})") from None
+
+
 def step_dirname(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step >= 10**12:
         raise FormatError(f"step must be an int in [0, 1e12), got {step!r}")

@@ -92,21 +92,20 @@ def keep_policy(spec: Any) -> PreservationPolicy:
     """A :class:`PreservationPolicy` from a keep spec (see the module docstring)."""
     if spec == "all":
         return PreserveAll()
-    if not isinstance(spec, dict) or not spec:
-        raise ValueError(f'a keep spec is an object such as {{"latest": 3}} or "all", got {spec!r}')
-    unknown = sorted(set(spec) - set(_KEEP))
-    if unknown:
-        raise ValueError(f"unknown keep keys {unknown}; use {sorted(_KEEP)}")
-    policies = [_KEEP[k](v) for k, v in spec.items()]
-    return policies[0] if len(policies) == 1 else AnyPreservationPolicy(policies)
+    return _combined(spec, _KEEP, "keep", '{"latest": 3} or "all"', AnyPreservationPolicy)
 
 
 def save_policy(spec: Any) -> SavePolicy:
     """A :class:`SavePolicy` from a save spec (see the module docstring)."""
+    return _combined(spec, _SAVE, "save", '{"every_n_steps": 10}', AnySavePolicy)
+
+
+def _combined(spec: Any, table: dict, kind: str, example: str, any_of: Any) -> Any:
+    """One policy per key of ``spec``, built by ``table``; several are combined with ``any_of``."""
     if not isinstance(spec, dict) or not spec:
-        raise ValueError(f'a save spec is an object such as {{"every_n_steps": 10}}, got {spec!r}')
-    unknown = sorted(set(spec) - set(_SAVE))
+        raise ValueError(f"a {kind} spec is an object such as {example}, got {spec!r}")
+    unknown = sorted(set(spec) - set(table))
     if unknown:
-        raise ValueError(f"unknown save keys {unknown}; use {sorted(_SAVE)}")
-    policies = [_SAVE[k](v) for k, v in spec.items()]
-    return policies[0] if len(policies) == 1 else AnySavePolicy(policies)
+        raise ValueError(f"unknown {kind} keys {unknown}; use {sorted(table)}")
+    policies = [table[k](v) for k, v in spec.items()]
+    return policies[0] if len(policies) == 1 else any_of(policies)
