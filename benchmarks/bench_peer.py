@@ -11,9 +11,11 @@ rank and receives the previous one's, so each link carries one shard each way at
 - tierfs replication, unthrottled: from the RAM commit until every receiver has verified its copy and
   the step counts as replicated (the store's own timing, from its log). The three run in interleaved
   rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine;
-- a training-like loop (1-thread 512x512 matmuls in every rank, saving every ``--interval`` seconds of
-  work with ``blocking=False``): without checkpoints, with RAM-only saves, with RAM + peers at the
-  default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
+- a training-like loop (1-thread 512x512 matmuls into preallocated tensors in every rank, so both cores
+  are busy; a save every ``--interval`` seconds of work with ``blocking=False``): without checkpoints,
+  with RAM-only saves, with RAM-only saves each followed by a plain socket copy of the shard's bytes on
+  background threads (the floor of any replication over TCP: no checks, no throttle), and with RAM +
+  peers at the default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
   each; every store is opened and warmed up with three saves first (steady state: RAM buffers and
   replica buffers are mapped and reused, as in a long job). The slowdown excludes the time inside
   ``save`` (the stall, see bench_async.py); "replica lands" is the time from ``save`` until that step is
@@ -36,6 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import GB, MiB, Result, Scratch, log, machine_note, table  # noqa: E402
+
+from tierfs._worker import BACKGROUND_NICE  # noqa: E402
 
 
 # -- inside each rank -------------------------------------------------------------------------------
@@ -98,43 +102,91 @@ def gloo_copy(dist, t_out, t_in) -> float:
 
 
 def matmul(n: int) -> float:
+    """``n`` 1-thread 512x512 matmuls into preallocated tensors: like a training step, the loop allocates
+    nothing, so its own time is compute, not page faults (``a = (a @ b) * 0.001`` spent about 12% of it
+    in the kernel, and a varying share: most of the noise between rounds)."""
     import torch
 
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a, b, c = torch.randn(512, 512), torch.randn(512, 512), torch.empty(512, 512)
     t0 = time.perf_counter()
     for _ in range(n):
-        a = (a @ b) * 0.001
+        torch.mm(a, b, out=c)
+        c.mul_(0.001)
+        a, c = c, a
     return time.perf_counter() - t0
 
 
 def background_cpu() -> float:
-    """CPU seconds used so far by this process's threads other than the calling one (Linux)."""
-    me, hz, total = threading.get_native_id(), os.sysconf("SC_CLK_TCK"), 0.0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        if int(tid) != me:
-            total += (int(fields[11]) + int(fields[12])) / hz  # utime + stime
-    return total
+    """CPU seconds used so far by this process, but for the calling thread (Linux): every other thread,
+    including those that have ended (the store starts a receiving thread per transfer)."""
+    import resource
+
+    everyone, me = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
+    return everyone.ru_utime + everyone.ru_stime - me.ru_utime - me.ru_stime
 
 
-def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int, handler: Replicated
-               ) -> tuple[float, list[float], float]:
+class SocketRing:
+    """The floor of any TCP replication: after a RAM-only save, a plain socket copy of a shard's bytes to
+    the next rank and from the previous one, on two background threads at the store's CPU priority,
+    unthrottled and unchecked. Connections and buffers are set up once, like the store's."""
+
+    def __init__(self, dist, buf_out, buf_in) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        srv = socket.create_server(("127.0.0.1", 0))
+        ports = [None] * world
+        dist.all_gather_object(ports, srv.getsockname()[1])
+        self.out = socket.create_connection(("127.0.0.1", ports[(rank + 1) % world]))
+        self.conn, _ = srv.accept()
+        srv.close()
+        self.buf_out, self.buf_in = buf_out, buf_in
+        self.threads: list[threading.Thread] = []
+
+    def _send(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        self.out.sendall(memoryview(self.buf_out))
+
+    def _recv(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        mv, got = memoryview(self.buf_in), 0
+        while got < len(mv):
+            n = self.conn.recv_into(mv[got:], min(len(mv) - got, 4 << 20))
+            if not n:
+                raise ConnectionError("peer closed")
+            got += n
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._send), threading.Thread(target=self._recv)]
+        for t in self.threads:
+            t.start()
+
+    def wait(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    def close(self) -> None:
+        self.out.close()
+        self.conn.close()
+
+
+def train_loop(store, state, iters: int, chunk: int, every: int, first_step: int, handler: Replicated,
+               ring: SocketRing | None = None) -> tuple[float, list[float], float]:
     """``iters`` chunks of matmuls, a save at the start of every ``every`` chunks (so the background work
-    of every save overlaps training); returns (time outside save, landings, CPU seconds of the other
-    threads: the store's background work)."""
+    of every save overlaps training), followed by a socket copy with ``ring``; returns (time outside save,
+    landings, CPU seconds of the other threads: the store's background work)."""
     busy, saved, cpu0 = 0.0, {}, background_cpu()
     for i in range(iters):
         if store is not None and i % every == 0:
             step = first_step + i
             saved[step] = time.perf_counter()
             store.save(step, state, blocking=False)
+            if ring is not None:
+                ring.wait()
+                ring.start()
         busy += matmul(chunk)
     if store is not None:
         store.wait_until_finished()
+    if ring is not None:
+        ring.wait()
     return busy, [handler.at[s] - t for s, t in saved.items() if s in handler.at], background_cpu() - cpu0
 
 
@@ -180,18 +232,20 @@ def worker(args: argparse.Namespace) -> None:
                 store.save(step, state)
                 store.wait_until_finished()
                 results["tierfs"].append(handler.seconds[step])
-        del buf_out, buf_in, t_out, t_in
+        del t_out, t_in
         scratch.remove("ram")
 
         every = max(1, int(args.interval * 1e3 / args.chunk_ms))
         iters = every * args.saves
         variants = [("no checkpoints", None, None), ("RAM only", [], None),
+                    ("RAM + plain socket copy (floor)", "RAM only", None),
                     ("RAM + peers, default throttle", [PeerTier(1)], "default"),
                     ("RAM + peers, unthrottled", [PeerTier(1)], None)]
         stores = {}
+        ring = SocketRing(dist, buf_out, buf_in)  # the throughput phase's buffers, already faulted in
         try:
             for n, (label, extra, bw) in enumerate(variants):
-                if extra is None:
+                if extra is None or isinstance(extra, str):  # none, or another variant's store
                     continue
                 kw = {} if bw == "default" else {"background_bandwidth": None}
                 store = stores[label] = TieredStore([MemoryTier(scratch.fresh(f"loop{n}"), keep=LatestN(2)), *extra],
@@ -208,17 +262,20 @@ def worker(args: argparse.Namespace) -> None:
             # interleaved rounds, as above: each variant runs a while in every round, so a slow minute of
             # the machine falls on all of them
             for rnd in range(args.rounds):
-                for label, extra, _ in variants:
+                for n, (label, extra, _) in enumerate(variants):
                     dist.barrier()
-                    busy, lands, cpu = train_loop(stores.get(label), state, iters, chunk, every,
-                                                  100 + rnd * iters, handler)
+                    store = stores.get(extra if isinstance(extra, str) else label)
+                    busy, lands, cpu = train_loop(store, state, iters, chunk, every,
+                                                  100 + (rnd * len(variants) + n) * iters, handler,
+                                                  ring if isinstance(extra, str) else None)
                     results.setdefault(f"loop: {label}", []).append(busy)
                     results.setdefault(f"cpu: {label}", []).append(cpu / args.saves)
-                    if extra:
+                    if extra and not isinstance(extra, str):
                         results.setdefault(f"lands: {label}", []).extend(lands)
         finally:
             for store in stores.values():
                 store.close()
+            ring.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
     finally:
@@ -257,7 +314,7 @@ def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]
               f"{paired(key, 'loop: RAM only') * 100:+.1f}% | {land} | "
               f"{statistics.median(every[f'cpu: {label}']):.2f} |")
     print("\n- slowdowns: medians, over ranks and rounds, of a variant's time over the other's in the same round;"
-          " background CPU: per rank, of every thread but the training one, from /proc/self/task")
+          " background CPU: per rank, of every thread but the training one, ended ones included (getrusage)")
     ratio = statistics.median(every["socket"]) / statistics.median(every["tierfs"])
     print(f"- save interval: {args.interval:.1f} s of training asked, {base / args.saves:.1f} s measured (loop "
           f"without checkpoints / saves per round); replication unthrottled = {ratio:.2f}x the socket copy "
