@@ -3,7 +3,8 @@
     peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS] [STEPS]
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
-replicated), priorities (the CPU priority of the store's threads). Prints one JSON line with what it saw.
+replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
+headers of at most 64 bytes, like a tierfs version that differs). Prints one JSON line with what it saw.
 """
 
 import json
@@ -54,7 +55,17 @@ def main() -> None:
         active = {"step": 0}
         store._throttle.consume = lambda n: (os.kill(os.getpid(), signal.SIGKILL) if active["step"] == 2
                                              else consume(n))
-    if mode in ("save", "tight", "die-replicating"):
+    if mode == "mismatch":
+        if rank == 1:
+            peer_module._MAX_HEADER = 64  # noqa: SLF001 - headers of rank 0 (and its own) are out of range
+        replicate, out["failed"] = peer.replicate, []
+
+        def spy(*args, **kw):  # what replicate() says failed, as every rank agreed
+            failed = replicate(*args, **kw)
+            out["failed"].extend(failed)
+            return failed
+        peer.replicate = spy
+    if mode in ("save", "tight", "die-replicating", "mismatch"):
         for step in range(1, steps + 1):
             if mode == "die-replicating":
                 store.wait_until_finished()

@@ -344,9 +344,13 @@ class PeerTier(Tier):
 
 def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
             error: str | None = None) -> bytes:
-    return json.dumps({"step": step, "rank": rank, "manifest": manifest.decode("latin-1"),
-                       "marker": marker.decode("latin-1"), "error": error,
-                       "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}).encode()
+    h = json.dumps({"step": step, "rank": rank, "manifest": manifest.decode("latin-1"),
+                    "marker": marker.decode("latin-1"), "error": error,
+                    "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}).encode()
+    if len(h) > _MAX_HEADER:  # the receiver would refuse it: say why instead
+        why = f"its manifest is {len(h)} bytes, over {_MAX_HEADER}"
+        h = json.dumps({"step": step, "rank": rank, "manifest": "", "marker": "", "error": why, "files": []}).encode()
+    return h
 
 
 def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
@@ -372,19 +376,20 @@ def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes
 def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
               accept: Callable[[int, dict], tuple[Manifest, dict[str, np.ndarray]]],
               pace: Callable[[int], None] | None) -> dict[int, str | None]:
-    """One round of shard moves between ranks: headers, accept/refuse, then the files, every block
-    checked as it lands. ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    """One round of shard moves between ranks: header sizes (one out of range is refused before it is
+    sent), headers, accept/refuse, then the files, every block checked as it lands. ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
     size_out = [(t, np.array([len(h)], dtype=np.int64).view(np.uint8)) for t, h, _ in sends]
     size_in = [(s, np.zeros(8, dtype=np.uint8)) for s in incoming]
     g.exchange(size_out, size_in)
-    lengths = [int(b.view(np.int64)[0]) for _, b in size_in]
-    bad = [s for s, n in zip(incoming, lengths) if not 0 < n <= _MAX_HEADER]
-    if bad:  # the bytes must still be taken off the wire for the exchange to stay in step
-        raise TierfsError(f"rank {bad[0]} announced a header of {lengths[incoming.index(bad[0])]} bytes; do all "
-                          "ranks run the same tierfs version?")
-    head_in = [(s, np.empty(n, dtype=np.uint8)) for s, n in zip(incoming, lengths)]
-    g.exchange([(t, np.frombuffer(h, dtype=np.uint8)) for t, h, _ in sends], head_in)
-    errors: dict[int, str | None] = {}
+    lengths = {s: int(b.view(np.int64)[0]) for s, b in size_in}
+    errors: dict[int, str | None] = {  # refused before they are sent, so that no sender waits on them
+        s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
+        for s, n in lengths.items() if not 0 < n <= _MAX_HEADER}
+    go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
+    g.exchange([(s, np.array([s not in errors], dtype=np.uint8)) for s in incoming], go_in)
+    head_in = [(s, np.empty(lengths[s], dtype=np.uint8)) for s in incoming if s not in errors]
+    g.exchange([(t, np.frombuffer(h, dtype=np.uint8)) for (t, h, _), (_, go) in zip(sends, go_in) if go[0]],
+               head_in)
     bufs: dict[int, dict[str, np.ndarray]] = {}
     manifests: dict[int, Manifest] = {}
     for s, raw in head_in:
