@@ -13,9 +13,9 @@ rank and receives the previous one's, so each link carries one shard each way at
   rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine;
 - a training-like loop (1-thread 512x512 matmuls into preallocated tensors in every rank, so both cores
   are busy; a save every ``--interval`` seconds of work with ``blocking=False``): without checkpoints,
-  with RAM-only saves, with RAM-only saves each followed by a plain socket copy of the shard's bytes on
-  background threads (the floor of any replication over TCP: no checks, no throttle), and with RAM +
-  peers at the default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
+  with RAM-only saves, with RAM-only saves each followed by a plain socket copy of as many bytes (from
+  memory, started as ``save`` returns) on background threads (the floor of any replication over TCP: no
+  checks, no throttle), and with RAM + peers at the default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
   each; every store is opened and warmed up with three saves first (steady state: RAM buffers and
   replica buffers are mapped and reused, as in a long job). The slowdown excludes the time inside
   ``save`` (the stall, see bench_async.py); "replica lands" is the time from ``save`` until that step is
@@ -126,8 +126,8 @@ def background_cpu() -> float:
 
 
 class SocketRing:
-    """The floor of any TCP replication: after a RAM-only save, a plain socket copy of a shard's bytes to
-    the next rank and from the previous one, on two background threads at the store's CPU priority,
+    """The floor of any TCP replication: after a RAM-only save, a plain socket copy of as many bytes as a
+    shard (a buffer in memory) to the next rank and from the previous one, on two background threads at the store's CPU priority,
     unthrottled and unchecked. Connections and buffers are set up once, like the store's."""
 
     def __init__(self, dist, buf_out, buf_in) -> None:

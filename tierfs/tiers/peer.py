@@ -348,7 +348,7 @@ def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping
                     "marker": marker.decode("latin-1"), "error": error,
                     "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}).encode()
     if len(h) > _MAX_HEADER:  # the receiver would refuse it: say why instead
-        why = f"its manifest is {len(h)} bytes, over {_MAX_HEADER}"
+        why = f"its header is {len(h)} bytes, over {_MAX_HEADER}" + (f" ({error})" if error else "")
         h = json.dumps({"step": step, "rank": rank, "manifest": "", "marker": "", "error": why, "files": []}).encode()
     return h
 
