@@ -15,11 +15,11 @@ rank and receives the previous one's, so each link carries one shard each way at
   are busy; a save every ``--interval`` seconds of work with ``blocking=False``): without checkpoints,
   with RAM-only saves, with RAM-only saves each followed by a plain socket copy of as many bytes (from
   memory, started as ``save`` returns) on background threads (the floor of any replication over TCP: no
-  checks, no throttle), and with RAM + peers at the default throttle and unthrottled. The variants take turns in ``--rounds`` rounds of ``--saves`` saves
-  each; every store is opened and warmed up with three saves first (steady state: RAM buffers and
-  replica buffers are mapped and reused, as in a long job). The slowdown excludes the time inside
-  ``save`` (the stall, see bench_async.py); "replica lands" is the time from ``save`` until that step is
-  replicated.
+  checks, no throttle), and with RAM + peers at the default throttle and unthrottled. The variants take
+  turns in ``--rounds`` rounds of ``--saves`` saves each; every store is opened and warmed up with three
+  saves first (steady state: RAM buffers and replica buffers are mapped and reused, as in a long job).
+  The slowdown excludes the time inside ``save`` (the stall, see bench_async.py); "replica lands" is the
+  time from ``save`` until that step is replicated.
 
 Results are medians over ranks and repeats; rank 0 prints the tables (stdout) and progress (stderr).
 """
@@ -127,8 +127,9 @@ def background_cpu() -> float:
 
 class SocketRing:
     """The floor of any TCP replication: after a RAM-only save, a plain socket copy of as many bytes as a
-    shard (a buffer in memory) to the next rank and from the previous one, on two background threads at the store's CPU priority,
-    unthrottled and unchecked. Connections and buffers are set up once, like the store's."""
+    shard (a buffer in memory) to the next rank and from the previous one, on two background threads at
+    the store's CPU priority, unthrottled and unchecked. Connections and buffers are set up once, like the
+    store's."""
 
     def __init__(self, dist, buf_out, buf_in) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()

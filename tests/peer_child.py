@@ -4,7 +4,7 @@
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
-headers of at most 64 bytes, like a tierfs version that differs). Prints one JSON line with what it saw.
+headers of at most 64 bytes, as if its limit differed). Prints one JSON line with what it saw.
 """
 
 import json

@@ -377,7 +377,8 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
               accept: Callable[[int, dict], tuple[Manifest, dict[str, np.ndarray]]],
               pace: Callable[[int], None] | None) -> dict[int, str | None]:
     """One round of shard moves between ranks: header sizes (one out of range is refused before it is
-    sent), headers, accept/refuse, then the files, every block checked as it lands. ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    sent), headers, accept/refuse, then the files, every block checked as it lands. ``sends`` are
+    ``(to rank, header, files)``; returns ``{source: error or None}``."""
     size_out = [(t, np.array([len(h)], dtype=np.int64).view(np.uint8)) for t, h, _ in sends]
     size_in = [(s, np.zeros(8, dtype=np.uint8)) for s in incoming]
     g.exchange(size_out, size_in)
