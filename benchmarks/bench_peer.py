@@ -16,7 +16,7 @@ rank and receives the previous one's, so each link carries one shard each way at
   with RAM-only saves, with RAM-only saves each followed by a plain socket copy of as many bytes (from
   memory, started as ``save`` returns) on background threads (the floor of any replication over TCP: no
   checks, no throttle), and with RAM + peers at the default throttle and unthrottled. The variants take
-  turns in ``--rounds`` rounds of ``--saves`` saves each; every store is opened and warmed up with three
+  turns in ``--rounds`` rounds of ``--saves`` saves each, in an order that rotates by one every round; every store is opened and warmed up with three
   saves first (steady state: RAM buffers and replica buffers are mapped and reused, as in a long job).
   The slowdown excludes the time inside ``save`` (the stall, see bench_async.py); "replica lands" is the
   time from ``save`` until that step is replicated.
@@ -261,14 +261,15 @@ def worker(args: argparse.Namespace) -> None:
             say(f"training loop: {args.rounds} rounds of {iters} chunks of {chunk} matmuls per variant, a save "
                 f"every {every} chunks")
             # interleaved rounds, as above: each variant runs a while in every round, so a slow minute of
-            # the machine falls on all of them
+            # the machine falls on all of them; the order rotates, so none always follows the same one
+            turns = 0
             for rnd in range(args.rounds):
-                for n, (label, extra, _) in enumerate(variants):
+                for label, extra, _ in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                     dist.barrier()
                     store = stores.get(extra if isinstance(extra, str) else label)
-                    busy, lands, cpu = train_loop(store, state, iters, chunk, every,
-                                                  100 + (rnd * len(variants) + n) * iters, handler,
+                    busy, lands, cpu = train_loop(store, state, iters, chunk, every, 100 + turns * iters, handler,
                                                   ring if isinstance(extra, str) else None)
+                    turns += 1
                     results.setdefault(f"loop: {label}", []).append(busy)
                     results.setdefault(f"cpu: {label}", []).append(cpu / args.saves)
                     if extra and not isinstance(extra, str):
