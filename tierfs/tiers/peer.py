@@ -344,13 +344,13 @@ class PeerTier(Tier):
 
 def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
             error: str | None = None) -> bytes:
-    h = json.dumps({"step": step, "rank": rank, "manifest": manifest.decode("latin-1"),
-                    "marker": marker.decode("latin-1"), "error": error,
-                    "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}).encode()
-    if len(h) > _MAX_HEADER:  # the receiver would refuse it: say why instead
-        why = f"its header is {len(h)} bytes, over {_MAX_HEADER}" + (f" ({error})" if error else "")
-        h = json.dumps({"step": step, "rank": rank, "manifest": "", "marker": "", "error": why, "files": []}).encode()
-    return h
+    h = {"step": step, "rank": rank, "manifest": manifest.decode("latin-1"), "marker": marker.decode("latin-1"),
+         "error": error, "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}
+    raw = json.dumps(h).encode()
+    if len(raw) > _MAX_HEADER:  # the receiver would refuse it: say why instead
+        why = f"its header is {len(raw)} bytes, over {_MAX_HEADER}" + (f" ({error})" if error else "")
+        raw = json.dumps(h | {"manifest": "", "marker": "", "files": [], "error": why}).encode()
+    return raw
 
 
 def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
