@@ -1,6 +1,6 @@
 """Copy bytes and compute or check crc32c block by block, on a few threads.
 
-numpy's copy and the crc32c package both release the GIL, so two threads use both cores. Each block is
+numpy's copy and fastcrc's crc32c both release the GIL, so two threads use both cores. Each block is
 checksummed right after it is copied, while it is still in cache.
 """
 
