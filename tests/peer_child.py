@@ -33,6 +33,17 @@ def target_for(rank: int) -> dict:
     return {"w": np.zeros(300_000 + 1000 * rank, np.float32), "b": np.zeros(5000 + rank, np.uint8), "step": -1}
 
 
+def threads(before: set[str]) -> list[list]:
+    """(name, nice) of the threads started since ``before``."""
+    return [[open(f"/proc/self/task/{t}/comm").read().strip(), os.getpriority(os.PRIO_PROCESS, int(t))]
+            for t in sorted(set(os.listdir("/proc/self/task")) - before)]
+
+
+def loops(before: set[str]) -> list[int]:
+    """The nice values of the store's gloo I/O threads (one per group)."""
+    return sorted(nice for name, nice in threads(before) if name == "gloo_tcp_loop")
+
+
 def main() -> None:
     peer_module.CHUNK = 300_000  # several messages per shard file, checksum blocks straddling them
     shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -80,8 +91,7 @@ def main() -> None:
     elif mode == "priorities":  # CPU priority of the threads the store started, after a replicated save
         store.save(1, state_for(rank, 1))
         store.wait_until_finished()
-        out["threads"] = [[open(f"/proc/self/task/{t}/comm").read().strip(), os.getpriority(os.PRIO_PROCESS, int(t))]
-                          for t in sorted(set(os.listdir("/proc/self/task")) - before)]
+        out["threads"] = threads(before)
         out["steps"] = {str(k): v for k, v in store.steps().items()}
     elif mode == "localize":  # bring every shard into RAM, then read RAM alone
         info = store.localize()
@@ -99,6 +109,7 @@ def main() -> None:
                    exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b"))
                    and target["step"] == info.step)
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
+        out["loops"] = loops(before)
     store.close()
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)

@@ -186,8 +186,16 @@ class PeerTier(Tier):
             self.save_policy = ram.save_policy
         self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
         # replication runs in a background worker: its transfer threads give way to training too
-        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
-                        "main": group.fork(self.backend, lanes=self.connections)}
+        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections)}
+        self._bound = group
+
+    def _group(self, role: str) -> Any:
+        """The groups of a thread role. Restores ("main") get theirs on first use only: every idle gloo
+        group's I/O threads cost about 1.5 ms of CPU per second, and most jobs never restore from a peer.
+        Creating them is collective, like the restore that needs them (it runs on every rank)."""
+        if role not in self._groups:
+            self._groups[role] = self._bound.fork(self.backend, lanes=self.connections)
+        return self._groups[role]
 
     @property
     def local(self) -> MemoryTier:
@@ -260,7 +268,7 @@ class PeerTier(Tier):
         rank; when there are none the receivers have committed their copies, otherwise they dropped what
         they received.
         """
-        g = self._groups[role]
+        g = self._group(role)
         me = g.rank
         pairs = [(s, t) for s in range(g.world_size) for t in self.targets[s]] if pairs is None else list(pairs)
         header = _header(step, me, manifest, marker, files, error=error)
@@ -313,7 +321,7 @@ class PeerTier(Tier):
         Returns, on a receiving rank, ``(manifest, manifest bytes, marker bytes, files)`` or the reason it
         failed; None on other ranks.
         """
-        g = self._groups[role]
+        g = self._group(role)
         me = g.rank
         sends = []
         for q, h in sorted(assign.items()):
