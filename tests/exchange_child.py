@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import torch.distributed as dist
 
-from tierfs.dist import TorchGroup
+from tierfs.dist import GATHER_WIDTH, TorchGroup
 
 
 def main() -> None:
@@ -38,7 +38,9 @@ def main() -> None:
         out["raised"] = str(e)
     want = [np.random.default_rng(10 * other + k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate(sizes)]
     out.update(exact=all(a.tobytes() == b.tobytes() for a, b in zip(in_bufs, want)), seen=seen, paced=paced,
-               off_thread=threading.get_ident() not in threads, after=g.all_gather(me))
+               off_thread=threading.get_ident() not in threads, after=g.all_gather(me),
+               # JSON of any length: one rank's over the first collective's width takes a second round
+               gathered=[g.all_gather(x) for x in ("é" * GATHER_WIDTH if me else [me], {"r": me}, "x" * me)])
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 

@@ -47,7 +47,10 @@ def loops(before: set[str]) -> list[int]:
 def main() -> None:
     peer_module.CHUNK = 300_000  # several messages per shard file, checksum blocks straddling them
     shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    replicas, _, connections = sys.argv[4].partition(":")
+    replicas, _, rest = sys.argv[4].partition(":")  # replicas[:connections[:first message bytes]]
+    connections, _, first = rest.partition(":")
+    if first:  # headers longer than this take the two extra rounds (the same on every rank)
+        peer_module._FIRST = int(first)
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()

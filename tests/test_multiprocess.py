@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import gloo_job
+from tierfs.dist import GATHER_WIDTH
 from tierfs.format import Marker, step_dirname
 
 HERE = Path(__file__).parent
@@ -63,9 +64,12 @@ def test_ranks_sharing_a_node_directory_reuse_their_buffers(shm_dir, tmp_path):
 
 def test_exchange_sends_everything_and_raises_after_a_failed_check():
     """Point-to-point exchange over two lanes: buffers of any size (empty too) arrive bit-exact and in order;
-    a failing check on one rank is raised there only once every byte has moved, and the group stays usable."""
+    a failing check on one rank is raised there only once every byte has moved, and the group stays usable
+    (all_gather of short and long JSON too)."""
     outs = gloo_job.run_job(2, HERE / "exchange_child.py")
     assert [o["raised"] for o in outs] == ["check failed", None]
     assert all(o["exact"] and o["after"] == [0, 1] and o["off_thread"] for o in outs)
     assert outs[0]["seen"] == [0, 1] and outs[1]["seen"] == [0, 1, 2, 3, 4]  # no checks after a failure
     assert all(o["paced"] == [1000, 0, 300_000, 7, 65_536] for o in outs)
+    want = [[[0], "é" * GATHER_WIDTH], [{"r": 0}, {"r": 1}], ["", "x"]]
+    assert all(o["gathered"] == want for o in outs)

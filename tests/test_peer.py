@@ -163,11 +163,12 @@ def test_a_rank_killed_while_replicating_restores_the_newest_fully_replicated_st
     assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "peer", "ram", "ram"]
 
 
-def test_three_nodes_work(tmp_path):  # and transfers on one connection per pair, or three
-    outs = job(3, tmp_path / "shm", "-", "save", "1:1", "2")
+@pytest.mark.parametrize("first", ["", ":1024"])  # headers in the first message, or longer than it
+def test_three_nodes_work(tmp_path, first):  # and transfers on one connection per pair, or three
+    outs = job(3, tmp_path / "shm", "-", "save", "1:1" + first, "2")
     assert [o["held"] for o in outs] == [{"2": [2]}, {"2": [0]}, {"2": [1]}]
     wipe(tmp_path / "shm", 0)
-    outs = job(3, tmp_path / "shm", "-", "restore", "1:3")
+    outs = job(3, tmp_path / "shm", "-", "restore", "1:3" + first)
     assert all(o["exact"] and o["step"] == 2 for o in outs)
     assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("peer", 1), ("ram", None), ("ram", None)]
 
@@ -183,12 +184,13 @@ def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path)
     assert [p.name for p in (tmp_path / "shm" / "node1" / "peers" / "rank_00001").iterdir()] == [step_dirname(1)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_header_a_receiver_refuses_fails_the_copy_without_a_hang(tmp_path, world):
-    """A receiver that cannot take a peer's header (a rank whose header limit differs) says so before it is
-    sent: the job goes on at once (no wait for gloo's timeout), the step stays in RAM, no half copy is
-    kept. With three ranks the third pair's copy arrives whole and is dropped too."""
-    outs = job(world, tmp_path / "shm", "-", "mismatch", 1, "1")
+@pytest.mark.parametrize("world,first", [(2, ""), (3, ""), (3, ":1024")])
+def test_a_header_a_receiver_refuses_fails_the_copy_without_a_hang(tmp_path, world, first):
+    """A receiver that cannot take a peer's header (a rank whose header limit differs) says so before any
+    more of it is sent: the job goes on at once (no wait for gloo's timeout), the step stays in RAM, no
+    half copy is kept. With three ranks the third pair's copy arrives whole and is dropped too. With a
+    1 KiB first message the headers (a few KiB) are long: the rest of the refused one is never sent."""
+    outs = job(world, tmp_path / "shm", "-", "mismatch", "1:2" + first, "1")
     for o in outs:
         assert o["steps"] == {"1": ["ram"]}
         assert o["held"] == {}

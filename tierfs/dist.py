@@ -24,6 +24,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 
+#: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) collective
+GATHER_WIDTH = 1024 - 8
+
+
 class SingleProcess:
     """A job of one process."""
 
@@ -123,8 +127,10 @@ class TorchGroup:
             got: dict[int, int] = {}
             works = [self._dist.irecv(torch.from_numpy(buf), src, group=lane(src, got), tag=tag)
                      for src, buf in recvs]
-            receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
-            receiver.start()  # inherits this thread's CPU priority
+            receiver = None
+            if on_received is not None:  # else this thread waits for the receives once its sends are out
+                receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
+                receiver.start()  # inherits this thread's CPU priority
             sent, put = [], {}
             try:
                 for dst, buf in sends:
@@ -132,7 +138,7 @@ class TorchGroup:
                         pace(buf.nbytes)
                     sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
             finally:
-                receiver.join()
+                receiver.join() if receiver is not None else receive()
                 for w in sent:
                     try:
                         w.wait()
@@ -142,18 +148,25 @@ class TorchGroup:
             raise failures[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON), in rank order. One collective when every rank's JSON fits in
+        ``GATHER_WIDTH`` bytes (the store's agreements usually do); else a second one, of the longest, follows."""
         import torch
 
         data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-        n = torch.tensor([data.size], dtype=torch.int64)
-        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
-        self._dist.all_gather(sizes, n, group=self._pg)
-        width = int(max(s.item() for s in sizes))
-        buf = torch.zeros(width, dtype=torch.uint8)
-        buf[: data.size] = torch.from_numpy(data.copy())
-        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._dist.all_gather(outs, buf, group=self._pg)
-        return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
+        first = np.zeros(8 + GATHER_WIDTH, dtype=np.uint8)
+        first[:8].view(np.int64)[0] = data.size
+        if data.size <= GATHER_WIDTH:
+            first[8:8 + data.size] = data
+        outs = [torch.empty(first.size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._dist.all_gather(outs, torch.from_numpy(first), group=self._pg)
+        sizes = [int(o.numpy()[:8].view(np.int64)[0]) for o in outs]
+        if max(sizes) <= GATHER_WIDTH:
+            return [json.loads(bytes(o.numpy()[8:8 + n])) for o, n in zip(outs, sizes)]
+        full = np.zeros(max(sizes), dtype=np.uint8)  # every rank saw the same sizes: all take this round
+        full[:data.size] = data
+        outs = [torch.empty(full.size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._dist.all_gather(outs, torch.from_numpy(full), group=self._pg)
+        return [json.loads(bytes(o.numpy()[:n])) for o, n in zip(outs, sizes)]
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._pg)

@@ -38,6 +38,9 @@ Strategy = Union[str, StrategyFn]
 
 _MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
 _MAX_HEADER = 1 << 30
+#: bytes of a transfer's first message: a header's length and the header itself when it fits (a shard of
+#: a few hundred tensors), so most transfers need one round before the files instead of three
+_FIRST = 64 << 10
 #: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
 #: large enough that per-message costs stay small (2-16 MiB measure alike on loopback; 8 is in the middle)
 CHUNK = 8 << 20
@@ -384,26 +387,34 @@ def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes
 def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
               accept: Callable[[int, dict], tuple[Manifest, dict[str, np.ndarray]]],
               pace: Callable[[int], None] | None) -> dict[int, str | None]:
-    """One round of shard moves between ranks: header sizes (one out of range is refused before it is
-    sent), headers, accept/refuse, then the files, every block checked as it lands. ``sends`` are
-    ``(to rank, header, files)``; returns ``{source: error or None}``."""
-    size_out = [(t, np.array([len(h)], dtype=np.int64).view(np.uint8)) for t, h, _ in sends]
-    size_in = [(s, np.zeros(8, dtype=np.uint8)) for s in incoming]
-    g.exchange(size_out, size_in)
-    lengths = {s: int(b.view(np.int64)[0]) for s, b in size_in}
-    errors: dict[int, str | None] = {  # refused before they are sent, so that no sender waits on them
+    """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
+    as it lands. A header goes in a first message of ``_FIRST`` bytes with its length; the rest of a longer
+    one follows only once its receiver agreed to its length (one out of range is refused before it is
+    sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    room = _FIRST - 8
+    first_in = [(s, np.zeros(_FIRST, dtype=np.uint8)) for s in incoming]
+    g.exchange([(t, _first_message(h)) for t, h, _ in sends], first_in)
+    lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
+    errors: dict[int, str | None] = {
         s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
         for s, n in lengths.items() if not 0 < n <= _MAX_HEADER}
-    go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
-    g.exchange([(s, np.array([s not in errors], dtype=np.uint8)) for s in incoming], go_in)
-    head_in = [(s, np.empty(lengths[s], dtype=np.uint8)) for s in incoming if s not in errors]
-    g.exchange([(t, np.frombuffer(h, dtype=np.uint8)) for (t, h, _), (_, go) in zip(sends, go_in) if go[0]],
-               head_in)
+    long_out = [(t, h) for t, h, _ in sends if len(h) > room]
+    long_in = [s for s in incoming if lengths[s] > room]
+    rest_in: dict[int, np.ndarray] = {}
+    if long_out or long_in:  # only the pairs with a long header take these two rounds
+        go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _ in long_out]
+        g.exchange([(s, np.array([s not in errors], dtype=np.uint8)) for s in long_in], go_in)
+        rest_in = {s: np.empty(lengths[s] - room, dtype=np.uint8) for s in long_in if s not in errors}
+        g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
+                    if go[0]], list(rest_in.items()))
     bufs: dict[int, dict[str, np.ndarray]] = {}
     manifests: dict[int, Manifest] = {}
-    for s, raw in head_in:
+    for s, first in first_in:
+        if errors.get(s):
+            continue
         try:
-            h = json.loads(bytes(raw))
+            raw = first[8:8 + min(lengths[s], room)].tobytes() + (rest_in[s].tobytes() if s in rest_in else b"")
+            h = json.loads(raw)
             manifests[s], bufs[s] = accept(s, h)
             errors[s] = None
         except (TierfsError, OSError, ValueError, KeyError, TypeError) as e:
@@ -434,6 +445,15 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
             except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
     return errors
+
+
+def _first_message(header: bytes) -> np.ndarray:
+    """A header's length (int64) and as much of it as fits in ``_FIRST`` bytes."""
+    out = np.zeros(_FIRST, dtype=np.uint8)
+    out[:8].view(np.int64)[0] = len(header)
+    part = header[:_FIRST - 8]
+    out[8:8 + len(part)] = np.frombuffer(part, dtype=np.uint8)
+    return out
 
 
 def _chunks(buf: np.ndarray) -> list[np.ndarray]:
