@@ -10,14 +10,17 @@ rank and receives the previous one's, so each link carries one shard each way at
   rank, ``sendall`` / ``recv_into`` a preallocated buffer), and raw gloo ``isend``/``irecv`` of tensors;
 - tierfs replication, unthrottled: from the RAM commit until every receiver has verified its copy and
   the step counts as replicated (the store's own timing, from its log). The three run in interleaved
-  rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine;
+  rounds (socket, gloo, tierfs, socket, ...), so each sees the same moment of a shared machine. The CPU
+  of each (every thread of the process) is measured too; replication's as a save with peers minus a
+  RAM-only save of the same state in the same round;
 - a training-like loop (1-thread 512x512 matmuls into preallocated tensors in every rank, so both cores
   are busy; a save every ``--interval`` seconds of work with ``blocking=False``): without checkpoints,
   with RAM-only saves, with RAM-only saves each followed by a plain socket copy of as many bytes (from
   memory, started as ``save`` returns) on background threads (the floor of any replication over TCP: no
   checks, no throttle), and with RAM + peers at the default throttle and unthrottled. The variants take
-  turns in ``--rounds`` rounds of ``--saves`` saves each, in an order that rotates by one every round; every store is opened and warmed up with three
-  saves first (steady state: RAM buffers and replica buffers are mapped and reused, as in a long job).
+  turns in ``--rounds`` rounds of ``--saves`` saves each, in an order that rotates by one every round;
+  every store is opened and warmed up with three saves first (steady state: RAM buffers and replica
+  buffers are mapped and reused, as in a long job).
   The slowdown excludes the time inside ``save`` (the stall, see bench_async.py); "replica lands" is the
   time from ``save`` until that step is replicated.
 
@@ -114,6 +117,14 @@ def matmul(n: int) -> float:
         c.mul_(0.001)
         a, c = c, a
     return time.perf_counter() - t0
+
+
+def process_cpu() -> float:
+    """CPU seconds used so far by every thread of this process."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def background_cpu() -> float:
@@ -217,24 +228,36 @@ def worker(args: argparse.Namespace) -> None:
         buf_out = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8)
         buf_in = np.zeros(nbytes, np.uint8)  # pages faulted in before any timing
         t_out, t_in = torch.from_numpy(buf_out), torch.from_numpy(buf_in)
-        results["socket"], results["gloo"], results["tierfs"] = [], [], []
+        for key in ("socket", "gloo", "tierfs", "cpu socket", "cpu gloo", "cpu tierfs"):
+            results[key] = []
         ram = MemoryTier(scratch.fresh("ram"), keep=LatestN(2))
-        with TieredStore([ram, PeerTier(replicas=1)], background_bandwidth=None) as store:
+        with TieredStore([ram, PeerTier(replicas=1)], background_bandwidth=None) as store, \
+                TieredStore([MemoryTier(scratch.fresh("solo"), keep=LatestN(2))]) as solo:
             for step in range(2):  # warm-up: replica buffers mapped, then reused
-                store.save(step, state)
-                store.wait_until_finished()
+                for st in (store, solo):
+                    st.save(step, state)
+                    st.wait_until_finished()
             socket_copy(dist, buf_out, buf_in)
             gloo_copy(dist, t_out, t_in)
             # interleaved rounds: all three see the same moment of a shared machine
             for step in range(2, 2 + args.repeats):
-                results["socket"].append(socket_copy(dist, buf_out, buf_in))
-                results["gloo"].append(gloo_copy(dist, t_out, t_in))
-                dist.barrier()
-                store.save(step, state)
-                store.wait_until_finished()
+                for key, copy in (("socket", lambda: socket_copy(dist, buf_out, buf_in)),
+                                  ("gloo", lambda: gloo_copy(dist, t_out, t_in))):
+                    cpu0 = process_cpu()
+                    results[key].append(copy())
+                    results[f"cpu {key}"].append(process_cpu() - cpu0)
+                spent = []  # CPU of a save: with peers, then RAM only; replication's is the difference
+                for st in (store, solo):
+                    dist.barrier()
+                    cpu0 = process_cpu()
+                    st.save(step, state)
+                    st.wait_until_finished()
+                    spent.append(process_cpu() - cpu0)
                 results["tierfs"].append(handler.seconds[step])
+                results["cpu tierfs"].append(spent[0] - spent[1])
         del t_out, t_in
         scratch.remove("ram")
+        scratch.remove("solo")
 
         every = max(1, int(args.interval * 1e3 / args.chunk_ms))
         iters = every * args.saves
@@ -296,8 +319,12 @@ def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]
     rows = [Result("plain TCP socket copy (ring, both directions)", nbytes, every["socket"]),
             Result("gloo isend/irecv of tensors", nbytes, every["gloo"]),
             Result("tierfs replication, unthrottled (commit -> verified)", nbytes, every["tierfs"])]
+    cpu = {k: statistics.median(every[f"cpu {k}"]) for k in ("socket", "gloo", "tierfs")}
     print(table("Throughput per rank (each rank sends and receives one shard)", rows, floor=rows[0],
-                ratio_label="x socket"))
+                ratio_label="x socket", extra={
+                    "CPU per rank and transfer (every thread, medians)": f"socket {cpu['socket']:.3f} s, gloo "
+                    f"{cpu['gloo']:.3f} s, tierfs replication {cpu['tierfs']:.3f} s (a save with peers minus a "
+                    "RAM-only save, in the same round)"}))
     base = statistics.median(every["loop: no checkpoints"])
 
     def paired(key: str, ref: str) -> float:

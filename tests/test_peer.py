@@ -186,10 +186,10 @@ def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path)
 
 @pytest.mark.parametrize("world,first", [(2, ""), (3, ""), (3, ":1024")])
 def test_a_header_a_receiver_refuses_fails_the_copy_without_a_hang(tmp_path, world, first):
-    """A receiver that cannot take a peer's header (a rank whose header limit differs) says so before any
-    more of it is sent: the job goes on at once (no wait for gloo's timeout), the step stays in RAM, no
-    half copy is kept. With three ranks the third pair's copy arrives whole and is dropped too. With a
-    1 KiB first message the headers (a few KiB) are long: the rest of the refused one is never sent."""
+    """A receiver that cannot take a peer's header (a rank whose header limit differs) says so from its
+    length, in the first message: the job goes on at once (no wait for gloo's timeout), the step stays in
+    RAM, no half copy is kept. With three ranks the third pair's copy arrives whole and is dropped too.
+    With a 1 KiB first message the headers (a few KiB) are long: the rest of the refused one is never sent."""
     outs = job(world, tmp_path / "shm", "-", "mismatch", "1:2" + first, "1")
     for o in outs:
         assert o["steps"] == {"1": ["ram"]}
@@ -219,7 +219,7 @@ def test_replication_gives_way_to_training(tmp_path):
         assert o["steps"]["1"] == ["ram", "peer"]
         loops = sorted(nice for name, nice in o["threads"] if name == "gloo_tcp_loop")
         # store + commit group: full priority; the peer tier's copy group (2 connections): nice 10. Its
-        # restore groups come only when a restore needs a peer (each idle group costs CPU)
+        # restore groups come only when a restore fetches from or re-seeds peers (each idle group costs CPU)
         assert loops == [0, 0, BACKGROUND_NICE, BACKGROUND_NICE], o["threads"]
         workers = [nice for name, nice in o["threads"] if not name.startswith(("gloo", "pt_"))]
         assert BACKGROUND_NICE in workers and set(workers) <= {0, BACKGROUND_NICE}  # the replicating worker

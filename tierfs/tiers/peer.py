@@ -38,8 +38,9 @@ Strategy = Union[str, StrategyFn]
 
 _MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
 _MAX_HEADER = 1 << 30
-#: bytes of a transfer's first message: a header's length and the header itself when it fits (a shard of
-#: a few hundred tensors), so most transfers need one round before the files instead of three
+#: bytes of a transfer's first message: a header's length and the header itself when it fits (the header
+#: holds the shard's manifest, about 250 bytes per tensor, and the marker, about 40 bytes per rank of the
+#: job), so such transfers need one round before the files instead of three
 _FIRST = 64 << 10
 #: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
 #: large enough that per-message costs stay small (2-16 MiB measure alike on loopback; 8 is in the middle)
@@ -193,9 +194,12 @@ class PeerTier(Tier):
         self._bound = group
 
     def _group(self, role: str) -> Any:
-        """The groups of a thread role. Restores ("main") get theirs on first use only: every idle gloo
-        group's I/O threads cost about 1.5 ms of CPU per second, and most jobs never restore from a peer.
-        Creating them is collective, like the restore that needs them (it runs on every rank)."""
+        """The groups of a thread role: "copy" (the replicating worker) or "main" (restores). A restore's
+        are made when one first fetches from or re-seeds peers: every idle gloo group's I/O threads cost
+        about 1.5 ms of CPU per second, and most jobs never need them. Making them is collective, like the
+        restore (on every rank, on the thread that restores; only that thread ever makes them)."""
+        if role not in ("copy", "main"):
+            raise ValueError(f"unknown role {role!r}: 'copy' or 'main'")
         if role not in self._groups:
             self._groups[role] = self._bound.fork(self.backend, lanes=self.connections)
         return self._groups[role]
@@ -402,9 +406,14 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
     long_in = [s for s in incoming if lengths[s] > room]
     rest_in: dict[int, np.ndarray] = {}
     if long_out or long_in:  # only the pairs with a long header take these two rounds
+        for s in long_in:
+            if s not in errors:
+                try:  # before saying yes: a sender told to go must find its receive posted
+                    rest_in[s] = np.empty(lengths[s] - room, dtype=np.uint8)
+                except MemoryError:
+                    errors[s] = f"MemoryError: no memory for the {lengths[s]}-byte header of rank {s}"
         go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _ in long_out]
-        g.exchange([(s, np.array([s not in errors], dtype=np.uint8)) for s in long_in], go_in)
-        rest_in = {s: np.empty(lengths[s] - room, dtype=np.uint8) for s in long_in if s not in errors}
+        g.exchange([(s, np.array([s in rest_in], dtype=np.uint8)) for s in long_in], go_in)
         g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
                     if go[0]], list(rest_in.items()))
     bufs: dict[int, dict[str, np.ndarray]] = {}
@@ -417,7 +426,7 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
             h = json.loads(raw)
             manifests[s], bufs[s] = accept(s, h)
             errors[s] = None
-        except (TierfsError, OSError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - between rounds: the sender hears of it in the next one
             errors[s] = f"{type(e).__name__}: {e}"
     ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
     ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
