@@ -393,8 +393,8 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
               pace: Callable[[int], None] | None) -> dict[int, str | None]:
     """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
     as it lands. A header goes in a first message of ``_FIRST`` bytes with its length; the rest of a longer
-    one follows only once its receiver agreed to its length (one out of range is refused before it is
-    sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    one follows only once its receiver agreed to its length (one out of range is refused before the rest
+    is sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
     room = _FIRST - 8
     first_in = [(s, np.zeros(_FIRST, dtype=np.uint8)) for s in incoming]
     g.exchange([(t, _first_message(h)) for t, h, _ in sends], first_in)
