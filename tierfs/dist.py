@@ -138,7 +138,10 @@ class TorchGroup:
                         pace(buf.nbytes)
                     sent.append(self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag))
             finally:
-                receiver.join() if receiver is not None else receive()
+                if receiver is not None:
+                    receiver.join()
+                else:
+                    receive()
                 for w in sent:
                     try:
                         w.wait()
