@@ -26,23 +26,21 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import GiB, MiB, Scratch, flat_state, like, log, machine_note, same  # noqa: E402
+from _common import GiB, MiB, Scratch, flat_state, like, log, machine_note, same, state_bytes  # noqa: E402
 
 
 def libraries() -> dict[str, types.SimpleNamespace]:
     """``name -> namespace with iscsi(data, value)``, like the fastcrc.crc32 module tierfs uses."""
-    makers = {
-        "crc32c package": lambda m: m.crc32c,
-        "google-crc32c": lambda m: (lambda data, value=0: m.extend(value, data)),
-        "awscrt": lambda m: m.crc32c,
-        "fastcrc (tierfs)": lambda m: m.iscsi,
-    }
-    modules = {"crc32c package": "crc32c", "google-crc32c": "google_crc32c", "awscrt": "awscrt.checksums",
-               "fastcrc (tierfs)": "fastcrc.crc32"}
+    known = [  # name, module, its crc32c as f(data, value)
+        ("crc32c package", "crc32c", lambda m: m.crc32c),
+        ("google-crc32c", "google_crc32c", lambda m: (lambda data, value=0: m.extend(value, data))),
+        ("awscrt", "awscrt.checksums", lambda m: m.crc32c),
+        ("fastcrc (tierfs)", "fastcrc.crc32", lambda m: m.iscsi),
+    ]
     out = {}
-    for name, mod in modules.items():
+    for name, mod, crc_of in known:
         try:
-            fn = makers[name](importlib.import_module(mod))
+            fn = crc_of(importlib.import_module(mod))
         except ImportError:
             log(f"{name}: not installed, skipped")
             continue
@@ -70,7 +68,7 @@ def main() -> int:
     hot = buf[: 4 * MiB]
     state = flat_state(max(1, int(args.size_gib * GiB) // (64 * MiB)), 64 * MiB)
     back = like(state)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    nbytes = state_bytes(state)
     times: dict[tuple[str, str], list[float]] = {}
     original = fmt._crc32
     scratch = Scratch("bench-crc-")

@@ -132,8 +132,8 @@ def background_cpu() -> float:
     including those that have ended (the store starts a receiving thread per transfer)."""
     import resource
 
-    everyone, me = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
-    return everyone.ru_utime + everyone.ru_stime - me.ru_utime - me.ru_stime
+    me = resource.getrusage(resource.RUSAGE_THREAD)
+    return process_cpu() - me.ru_utime - me.ru_stime
 
 
 class SocketRing:

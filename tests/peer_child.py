@@ -1,6 +1,6 @@
 """One rank of a job with a peer tier (gloo on localhost, each process its own node, RAM in SHM/node<N>).
 
-    peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS] [STEPS]
+    peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS[:FIRST]] [STEPS]   (FIRST: bytes of a transfer's first message)
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
