@@ -1,0 +1,91 @@
+"""The background bandwidth throttle, on a simulated clock (its sleeps advance the clock, nothing waits)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierfs._worker import THROTTLE_BURST, Throttle
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now, self.slept = 1000.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def throttle(rate, burst):
+    clock = Clock()
+    return Throttle(rate, burst, clock=clock, sleep=clock.sleep), clock
+
+
+def test_bursts_pass_then_the_caller_waits_until_back_on_the_rate():
+    t, clock = throttle(100.0, 250)
+    t.consume(100)
+    t.consume(100)
+    assert clock.slept == []  # 200 bytes ahead of the rate: within the burst
+    t.consume(100)
+    assert clock.slept == [pytest.approx(3.0)]  # 300 bytes are due 3 s after the start: wait it all out
+    t.consume(100)
+    t.consume(100)
+    assert clock.slept == [pytest.approx(3.0)]  # a new burst
+    t.consume(100)
+    assert clock.slept == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+def test_zero_burst_waits_for_every_message():
+    t, clock = throttle(100.0, 0)
+    for _ in range(3):
+        t.consume(50)
+    assert clock.slept == [pytest.approx(0.5)] * 3
+
+
+def test_idle_time_is_not_banked_beyond_the_burst():
+    t, clock = throttle(100.0, 100)
+    clock.now += 3600  # an hour idle
+    t.consume(100)
+    assert clock.slept == []
+    t.consume(100)
+    assert clock.slept == [pytest.approx(2.0)]
+
+
+@pytest.mark.parametrize("burst", [0, 1000, THROTTLE_BURST])
+def test_never_ahead_of_rate_times_elapsed_plus_burst(burst):
+    rng = random.Random(burst)
+    rate = 1e6
+    t, clock = throttle(rate, burst)
+    start, passed = clock.now, 0
+    for _ in range(2000):
+        if rng.random() < 0.05:
+            clock.now += rng.random() * 2  # idle between saves
+            start, passed = clock.now, 0  # the bound holds from any busy period's start
+        n = rng.choice([1, 4096, 1 << 20, 8 << 20])
+        t.consume(n)
+        passed += n
+        assert passed <= rate * (clock.now - start) + burst + 1e-6 * rate
+    # a long busy stream averages the rate: it cannot finish sooner than its bytes beyond the burst allow
+    t, clock = throttle(rate, burst)
+    start = clock.now
+    for _ in range(100):
+        t.consume(1 << 20)
+    assert clock.now - start >= ((100 << 20) - burst) / rate - 1e-9
+
+
+def test_no_rate_never_waits():
+    t, clock = throttle(None, 0)
+    for _ in range(10):
+        t.consume(1 << 30)
+    assert clock.slept == []
+
+
+@pytest.mark.parametrize("rate, burst", [(0, 1), (-5.0, 1), (1.0, -1)])
+def test_bad_settings_are_refused(rate, burst):
+    with pytest.raises(ValueError, match="throttle burst|background bandwidth"):
+        Throttle(rate, burst)
