@@ -66,12 +66,15 @@ THROTTLE_BURST = 64 << 20
 class Throttle:
     """Caps background bandwidth (bytes per second) so training keeps its memory bandwidth and cores.
 
-    Bytes go out in bursts: up to ``burst`` bytes ahead of the allowed rate pass at once; past that the
-    caller waits until it is back on the rate, so by any moment ``t`` seconds after the first byte at most
-    ``rate * t + burst`` bytes have passed. Waiting in few long gaps instead of one per message costs less
-    CPU: every message released into an idle connection wakes gloo's I/O threads on both sides afresh
-    (8 MiB messages paced one by one at 256 MB/s took 0.27 CPU-s per 512 MiB each way here, in bursts of
-    64 MiB 0.21, unpaced 0.19).
+    Bytes go out in bursts: callers pass at once while what they booked is at most ``burst`` bytes ahead
+    of the rate; the booking that would go past it pauses every caller until all bytes booked before it
+    are due, then passes (so one message larger than ``burst`` waits only for what came before it). From
+    the start of a busy period (idle time is not banked), at most ``rate * t + max(burst, largest
+    message)`` bytes pass in ``t`` seconds. Threads sharing a throttle pause and resume together, so each
+    keeps its turn in every burst.
+
+    Waiting in few long gaps instead of one per message costs less CPU: every message released into an
+    idle connection wakes gloo's I/O threads on both sides afresh (see benchmarks/bench_pacing.py).
     """
 
     def __init__(self, rate: float | None, burst: int = THROTTLE_BURST, *,
@@ -82,16 +85,22 @@ class Throttle:
             raise ValueError(f"throttle burst must be >= 0 bytes, got {burst!r}")
         self.rate, self.burst = rate, burst
         self._clock, self._sleep = clock, sleep
-        self._next = clock()  # when the bytes accounted so far are due at ``rate``
+        self._due = clock()  # when every byte booked so far is due at ``rate``
+        self._resume = self._due  # no caller passes before this (a pause)
         self._lock = threading.Lock()
 
     def consume(self, nbytes: int) -> None:
-        """Account for ``nbytes`` about to move; past the burst, wait until they are due."""
+        """Book ``nbytes`` about to move; wait first during a pause, or if they would go past the burst."""
         if self.rate is None:
             return
         with self._lock:
             now = self._clock()
-            self._next = max(now, self._next) + nbytes / self.rate
-            ahead = self._next - now
-        if ahead > self.burst / self.rate:
-            self._sleep(ahead)
+            start = max(now, self._resume)
+            ahead = max(self._due - start, 0.0)
+            if ahead > 0 and ahead + nbytes / self.rate > self.burst / self.rate:
+                start = self._resume = start + ahead  # past the burst: everyone waits until back on the rate
+                ahead = 0.0
+            self._due = start + ahead + nbytes / self.rate
+        delay = start - self._clock()  # measured again: a preempted thread does not oversleep
+        if delay > 0:
+            self._sleep(delay)

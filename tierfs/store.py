@@ -94,9 +94,9 @@ class TieredStore:
         At that bound, ``"wait"`` until the oldest finishes, or ``"skip"`` the slow tiers for the new step
         (the first tier always takes it).
     background_bandwidth:
-        Bytes per second that copies to slower tiers may move, checksum checks included (default 256 MB/s;
-        None: no cap), so training keeps its cores and memory bandwidth. The commit to the first tier is
-        never capped. Background threads also run at a lower CPU priority.
+        Bytes per second that copies to slower tiers may move on average, checksum checks included
+        (default 256 MB/s; None: no cap), in bursts of up to 64 MiB, so training keeps its cores and memory
+        bandwidth. The commit to the first tier is never capped. Background threads also run at a lower CPU priority.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, group: SingleProcess | TorchGroup | None = None,

@@ -81,7 +81,8 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         ``"background"`` (default): upload each file as soon as it is written. ``"manual"``: upload only
         in ``flush()`` (nothing competes with training until then).
     drain_bandwidth:
-        Bytes per second the uploads may move (default 256 MB/s; None: no cap).
+        Bytes per second the uploads may move on average (default 256 MB/s; None: no cap), in bursts of
+        up to 64 MiB or one file.
     drain_concurrency:
         Files uploaded at once (default 4).
     retries:
