@@ -26,6 +26,30 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def launch_ranks(script: str, argv: list[str], world: int) -> int:
+    """Run ``script --worker argv...`` as ``world`` ranks of a gloo job on 127.0.0.1, each its own node
+    (``TIERFS_NODE_RANK``); returns the worst exit code. A rank that fails would leave the others
+    waiting in a collective, so they are stopped."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, script, "--worker", *argv], env=os.environ | {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(r)}) for r in range(world)]
+    codes: dict[int, int] = {}
+    while len(codes) < len(procs):
+        pid, status = os.wait()
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid]:
+            for p in procs:
+                if p.pid not in codes:
+                    p.kill()
+    return max(abs(c) for c in codes.values())
+
+
 def machine_note() -> str:
     mem = ""
     try:

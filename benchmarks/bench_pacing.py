@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MiB, log, machine_note  # noqa: E402
+from _common import MiB, launch_ranks, log, machine_note  # noqa: E402
 
 RATE = 256e6  # the store's default background_bandwidth
 
@@ -126,23 +124,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]],
-                              env=os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                                "RANK": str(r), "WORLD_SIZE": "2", "TIERFS_NODE_RANK": str(r)})
-             for r in range(2)]
-    codes: dict[int, int] = {}
-    while len(codes) < len(procs):  # a rank that fails would leave the other waiting in gloo: stop it
-        pid, status = os.wait()
-        codes[pid] = os.waitstatus_to_exitcode(status)
-        if codes[pid]:
-            for p in procs:
-                if p.pid not in codes:
-                    p.kill()
-    return max(abs(c) for c in codes.values())
-
+    return launch_ranks(__file__, sys.argv[1:], 2)
 
 if __name__ == "__main__":
     raise SystemExit(main())

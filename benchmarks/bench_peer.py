@@ -34,13 +34,12 @@ import logging
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import GB, MiB, Result, Scratch, log, machine_note, table  # noqa: E402
+from _common import GB, MiB, Result, Scratch, launch_ranks, log, machine_note, table  # noqa: E402
 
 from tierfs._worker import BACKGROUND_NICE  # noqa: E402
 
@@ -365,17 +364,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(args.world):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                            "WORLD_SIZE": str(args.world), "LOCAL_RANK": "0", "TIERFS_NODE_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env))
-    codes = [p.wait() for p in procs]
-    return max(abs(c) for c in codes)
-
+    return launch_ranks(__file__, sys.argv[1:], args.world)
 
 if __name__ == "__main__":
     raise SystemExit(main())
