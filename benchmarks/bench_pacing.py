@@ -126,5 +126,6 @@ def main() -> int:
         return 0
     return launch_ranks(__file__, sys.argv[1:], 2)
 
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -366,5 +366,6 @@ def main() -> int:
         return 0
     return launch_ranks(__file__, sys.argv[1:], args.world)
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
