@@ -9,7 +9,6 @@ size). Prints one JSON line: rank, whether the loaded state is bit-exact, which 
 rank, and what was skipped.
 """
 
-import json
 import os
 import sys
 import warnings
@@ -21,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from tierfs import TieredStore
 from tierfs.adapters.dcp import TieredReader, TieredWriter
 from tierfs.tiers import MemoryTier, ObjectTier
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 
@@ -74,8 +75,7 @@ def main() -> None:
     out.update(exact=same(want, got), sources={str(k): v for k, v in reader.sources.items()},
                skipped=len(reader.skipped), step=reader._resolved_step)
     store.close()
-    dist.destroy_process_group()
-    print(json.dumps(out), flush=True)
+    finish(out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ restored step, whether model and optimizer equal a from-scratch run to that step
 in this rank's RAM after the restore, and the replicas it keeps.
 """
 
-import json
 import os
 import sys
 import warnings
@@ -19,6 +18,8 @@ import torch.distributed as dist
 from tierfs import CheckpointManager
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, PeerTier
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 
@@ -68,8 +69,7 @@ def main() -> None:
                    tier=mgr.last_restore_info.tier, skipped=[list(x) for x in mgr.last_restore_info.skipped],
                    ram=ram.committed_steps(), held={str(k): v for k, v in peer.holdings().items()})
     mgr.close()
-    dist.destroy_process_group()
-    print(json.dumps(out), flush=True)
+    finish(out)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ Rank 0's ``on_received`` fails on the second buffer: rank 0 must still send ever
 rank 1 must get every byte, and the group must stay in step. Prints one JSON line.
 """
 
-import json
 import threading
 
 import numpy as np
 import torch.distributed as dist
 
 from tierfs.dist import GATHER_WIDTH, TorchGroup
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
 
 
 def main() -> None:
@@ -41,8 +42,7 @@ def main() -> None:
                off_thread=threading.get_ident() not in threads, after=g.all_gather(me),
                # JSON of any length: one rank's over the first collective's width takes a second round
                gathered=[g.all_gather(x) for x in ("é" * GATHER_WIDTH if me else [me], {"r": me}, "x" * me)])
-    print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    finish(out)
 
 
 if __name__ == "__main__":

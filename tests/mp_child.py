@@ -5,7 +5,6 @@
 Prints one JSON line with what it saw.
 """
 
-import json
 import os
 import sys
 
@@ -15,6 +14,8 @@ import torch.distributed as dist
 from tierfs import TieredStore
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.tiers import MemoryTier, ObjectTier
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
 
 
 def state_for(rank: int, step: int) -> dict:
@@ -41,13 +42,11 @@ def main() -> None:
                 out[f"blocking={blocking}"] = type(e).__name__
         out["steps"] = store.tiers[0].list_steps()
         store.close()
-        print(json.dumps(out), flush=True)
-        return
+        finish(out)
     if mode == "one-step":  # step 10 of every rank, for the CLI to read
         store.save(10, {"w": np.full(3000, float(rank), np.float32), "other": np.arange(10)})
         store.close()
-        print(json.dumps(out), flush=True)
-        return
+        finish(out)
     if mode == "shared-node":  # every rank's buffers are reused although only one rank owns the directory
         created = []
         new_buf = ram._new_buf
@@ -74,8 +73,7 @@ def main() -> None:
     info = store.restore_into(target, tiers=["file"])
     out.update(obj_step=info.step, obj_exact=target["w"].tobytes() == state_for(rank, info.step)["w"].tobytes())
     store.close()
-    dist.destroy_process_group()
-    print(json.dumps(out), flush=True)
+    finish(out)
 
 
 if __name__ == "__main__":

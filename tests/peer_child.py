@@ -7,7 +7,6 @@ replicated), priorities (the CPU priority of the store's threads), mismatch (sav
 headers of at most 64 bytes, as if its limit differed). Prints one JSON line with what it saw.
 """
 
-import json
 import logging
 import os
 import signal
@@ -20,6 +19,8 @@ import tierfs.tiers.peer as peer_module
 from tierfs import TieredStore
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
 
 
 def state_for(rank: int, step: int, n: int = 300_000) -> dict:
@@ -114,8 +115,7 @@ def main() -> None:
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
         out["loops"] = loops(before)
     store.close()
-    dist.destroy_process_group()
-    print(json.dumps(out), flush=True)
+    finish(out)
 
 
 if __name__ == "__main__":
