@@ -97,7 +97,7 @@ class Throttle:
             now = self._clock()
             start = max(now, self._resume)
             ahead = max(self._due - start, 0.0)
-            if ahead > 0 and ahead + nbytes / self.rate > self.burst / self.rate:
+            if ahead > 0 and ahead * self.rate + nbytes > self.burst:
                 start = self._resume = start + ahead  # past the burst: everyone waits until back on the rate
                 ahead = 0.0
             self._due = start + ahead + nbytes / self.rate

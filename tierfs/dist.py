@@ -28,6 +28,16 @@ import numpy as np
 GATHER_WIDTH = 1024 - 8
 
 
+def framed(data: bytes, width: int) -> np.ndarray:
+    """``width`` bytes: ``len(data)`` as an int64, then as much of ``data`` as fits (read the length with
+    ``buf[:8].view(np.int64)[0]``)."""
+    out = np.zeros(width, dtype=np.uint8)
+    out[:8].view(np.int64)[0] = len(data)
+    part = np.frombuffer(data, dtype=np.uint8)[:width - 8]
+    out[8:8 + part.size] = part
+    return out
+
+
 class SingleProcess:
     """A job of one process."""
 
@@ -155,18 +165,15 @@ class TorchGroup:
         ``GATHER_WIDTH`` bytes (the store's agreements usually do); else a second one, of the longest, follows."""
         import torch
 
-        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-        first = np.zeros(8 + GATHER_WIDTH, dtype=np.uint8)
-        first[:8].view(np.int64)[0] = data.size
-        if data.size <= GATHER_WIDTH:
-            first[8:8 + data.size] = data
+        data = json.dumps(obj).encode()
+        first = framed(data, 8 + GATHER_WIDTH)
         outs = [torch.empty(first.size, dtype=torch.uint8) for _ in range(self.world_size)]
         self._dist.all_gather(outs, torch.from_numpy(first), group=self._pg)
         sizes = [int(o.numpy()[:8].view(np.int64)[0]) for o in outs]
         if max(sizes) <= GATHER_WIDTH:
             return [json.loads(bytes(o.numpy()[8:8 + n])) for o, n in zip(outs, sizes)]
         full = np.zeros(max(sizes), dtype=np.uint8)  # every rank saw the same sizes: all take this round
-        full[:data.size] = data
+        full[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         outs = [torch.empty(full.size, dtype=torch.uint8) for _ in range(self.world_size)]
         self._dist.all_gather(outs, torch.from_numpy(full), group=self._pg)
         return [json.loads(bytes(o.numpy()[:n])) for o, n in zip(outs, sizes)]

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _copy
 from .._worker import BACKGROUND_NICE
+from ..dist import framed
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, Marker, blocks, crc32c, manifest_filename, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
@@ -397,7 +398,7 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
     is sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
     room = _FIRST - 8
     first_in = [(s, np.zeros(_FIRST, dtype=np.uint8)) for s in incoming]
-    g.exchange([(t, _first_message(h)) for t, h, _ in sends], first_in)
+    g.exchange([(t, framed(h, _FIRST)) for t, h, _ in sends], first_in)
     lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
     errors: dict[int, str | None] = {
         s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
@@ -454,15 +455,6 @@ def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inc
             except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
     return errors
-
-
-def _first_message(header: bytes) -> np.ndarray:
-    """A header's length (int64) and as much of it as fits in ``_FIRST`` bytes."""
-    out = np.zeros(_FIRST, dtype=np.uint8)
-    out[:8].view(np.int64)[0] = len(header)
-    part = header[:_FIRST - 8]
-    out[8:8 + len(part)] = np.frombuffer(part, dtype=np.uint8)
-    return out
 
 
 def _chunks(buf: np.ndarray) -> list[np.ndarray]:
