@@ -8,10 +8,11 @@ import sys
 
 import numpy as np
 
-from tierfs import TieredStore, _copy
+from tierfs import TieredStore
+from tierfs.format import MARKER, step_dirname
 from tierfs.policies import FixedIntervalPolicy, LatestN
+from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier
-from tierfs.tiers import memory as memory_mod
 
 
 def state_for(step: int) -> dict:
@@ -32,14 +33,13 @@ def die() -> None:
 def arm(point: str) -> None:
     """Make the next save die at ``point``."""
     if point == "copy":  # halfway through copying the state into the RAM buffers
-        real, calls = _copy.crc32c, [0]
+        calls = [0]
 
-        def crc(data, value=0):
+        def block(name, nbytes):
             calls[0] += 1
             if calls[0] == 4:
                 die()
-            return real(data, value)
-        _copy.crc32c = crc
+        hooks.add("block", block)
     elif point == "manifest":  # shards written, manifest not yet
         real_wf = MemoryTier.write_file
 
@@ -51,13 +51,7 @@ def arm(point: str) -> None:
     elif point == "marker":  # manifest written, marker not yet
         MemoryTier.write_marker = lambda self, step, data: die()
     elif point == "marker-rename":  # marker's temporary file written, not yet renamed
-        real_rename = os.rename
-
-        def rename(src, dst):
-            if str(dst).endswith("COMMITTED"):
-                die()
-            return real_rename(src, dst)
-        memory_mod.os.rename = rename
+        hooks.add("rename", lambda path: die() if str(path).endswith(MARKER) else None)
     elif point == "upload":  # RAM committed; the background upload has sent one shard file
         real_owf, sent = ObjectTier.write_file, [0]
 
@@ -72,7 +66,7 @@ def arm(point: str) -> None:
     elif point == "retention":  # deleting an old RAM step: marker gone, files not yet
 
         def delete(self, step):
-            (self._dir(step) / "COMMITTED").unlink()
+            (self.path / step_dirname(step) / MARKER).unlink()
             die()
         MemoryTier.delete_step = delete
     else:

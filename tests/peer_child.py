@@ -15,10 +15,11 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-import tierfs.tiers.peer as peer_module
 from tierfs import TieredStore
 from tierfs.policies import LatestN
+from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
+from tierfs.tiers.peer import Wire
 
 from _child import finish  # tests/ is the script's directory, first on sys.path
 
@@ -46,18 +47,20 @@ def loops(before: set[str]) -> list[int]:
 
 
 def main() -> None:
-    peer_module.CHUNK = 300_000  # several messages per shard file, checksum blocks straddling them
     shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     replicas, _, rest = sys.argv[4].partition(":")  # replicas[:connections[:first message bytes]]
     connections, _, first = rest.partition(":")
+    wire = {"chunk": 300_000}  # several messages per shard file, checksum blocks straddling them
     if first:  # headers longer than this take the two extra rounds (the same on every rank)
-        peer_module._FIRST = int(first)
+        wire["first"] = int(first)
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     budget = 2_200_000 if mode == "tight" and rank == 1 else None  # step 1 (small) fits twice, step 2 once
     ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
-    peer = PeerTier(replicas=int(replicas), connections=int(connections or 2))
+    if mode == "mismatch" and rank == 1:
+        wire["max_header"] = 64  # headers of rank 0 (and its own) are out of range
+    peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
     tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
     before = set(os.listdir("/proc/self/task"))
     store = TieredStore(tiers, file_size=1 << 20, block_size=256 << 10)
@@ -65,14 +68,10 @@ def main() -> None:
     handler = logging.Handler()
     handler.emit = lambda r: out["warnings"].append(r.getMessage()) if r.levelno >= logging.WARNING else None
     logging.getLogger("tierfs").addHandler(handler)
-    if mode == "die-replicating" and rank == 1:
-        consume = store._throttle.consume  # noqa: SLF001 - the kill point: rank 1 sending step 2's bytes
-        active = {"step": 0}
-        store._throttle.consume = lambda n: (os.kill(os.getpid(), signal.SIGKILL) if active["step"] == 2
-                                             else consume(n))
+    if mode == "die-replicating" and rank == 1:  # the kill point: rank 1 sending step 2's bytes to its peer
+        hooks.add("transfer", lambda step, tier, nbytes: os.kill(os.getpid(), signal.SIGKILL)
+                  if step == 2 and tier == "peer" else None)
     if mode == "mismatch":
-        if rank == 1:
-            peer_module._MAX_HEADER = 64  # noqa: SLF001 - headers of rank 0 (and its own) are out of range
         replicate, out["failed"] = peer.replicate, []
 
         def spy(*args, **kw):  # what replicate() says failed, as every rank agreed
@@ -84,8 +83,6 @@ def main() -> None:
         for step in range(1, steps + 1):
             if mode == "die-replicating":
                 store.wait_until_finished()
-                if rank == 1:
-                    active["step"] = step
             small = mode == "tight" and step == 1
             store.save(step, state_for(rank, step, 100_000 if small else 300_000), blocking=False)
         store.wait_until_finished()

@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import _hooks
 from .errors import ChecksumError, FormatError
 from .format import Manifest, blocks, crc32c
 
@@ -64,6 +65,7 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
             if failed:
                 return
             job = jobs[j]
+            _hooks.at("block", name=job.name, nbytes=e - s)
             if pace is not None:
                 pace(e - s)
             src = job.src[s:e]

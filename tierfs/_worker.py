@@ -13,6 +13,19 @@ log = logging.getLogger("tierfs")
 
 #: CPU priority (nice) of background work: tierfs's worker threads and the transfer threads of its groups
 BACKGROUND_NICE = 10
+#: bytes/s that background copies (to slower tiers, to peers, the fsspec drain's uploads) may move on
+#: average: keeps a training loop within a few percent on a 2-core machine (see docs/benchmarks.md)
+#: while a 2 GiB shard still reaches the slow tier in about 18 s (its checksum check and upload both count)
+DEFAULT_BACKGROUND_BANDWIDTH = 256e6
+
+
+def lower_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Run the calling thread at CPU priority ``nice`` (Linux: a thread's priority is its own, so
+    training threads keep theirs); a no-op where the platform does not allow it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 class Worker:
@@ -42,10 +55,7 @@ class Worker:
 
     def _run(self) -> None:
         if self._nice:
-            try:  # Linux: a thread's priority is its own; training threads keep theirs
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except (AttributeError, OSError):
-                pass
+            lower_priority(self._nice)
         while True:
             fn = self._queue.get()
             try:

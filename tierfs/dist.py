@@ -19,9 +19,11 @@ import json
 import os
 import threading
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
+
+from . import errors as _errors
 
 
 #: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) collective
@@ -47,6 +49,9 @@ class SingleProcess:
     node_rank = 0
     nodes = (0,)
     node_ranks = (0,)
+
+    #: the torch.distributed process group of tierfs's collectives (None: no torch.distributed)
+    process_group: Any = None
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -181,6 +186,85 @@ class TorchGroup:
     def barrier(self) -> None:
         self._dist.barrier(group=self._pg)
 
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed process group of tierfs's collectives (e.g. for ``dcp.save``)."""
+        return self._pg
+
+
+def outcomes(group: "Group", mine: Any = None, failure: BaseException | None = None, *,
+             classify: Callable[[BaseException], type[_errors.TierfsError]] | None = None) -> list[list[Any]]:
+    """Every rank's outcome of a step, in rank order (collective): ``[None, mine]`` where the rank got
+    through it, ``[kind, reason]`` where it failed with ``failure`` (``kind``: the name of the error class
+    ``classify(failure)`` gives, TierfsError by default; ``reason``: ``"Type: message"``)."""
+    if failure is None:
+        payload: list[Any] = [None, mine]
+    else:
+        kind = (classify or (lambda e: _errors.TierfsError))(failure)
+        payload = [kind.__name__, f"{type(failure).__name__}: {failure}"]
+    return group.all_gather(payload) if group.world_size > 1 else [payload]
+
+
+def agree(group: "Group", mine: Any = None, failure: BaseException | None = None, what: str = "", *,
+          classify: Callable[[BaseException], type[_errors.TierfsError]] | None = None,
+          outcome: str = "") -> list[Any]:
+    """Every rank's ``mine``, in rank order, once every rank reached this point; if any rank failed, raise
+    on every rank (collective).
+
+    A rank that failed passes its exception as ``failure`` and raises it again here, after the others
+    heard of it; every other rank raises a :class:`~tierfs.errors.TierfsError` (or the class
+    ``classify(failure)`` names on the failing rank, e.g. StateMismatchError for a caller's mistake) that
+    names ``what``, the ranks that failed and the first one's reason, then ``outcome`` (e.g. "not
+    committed"). The exception's ``failed_ranks`` maps each failed rank to its reason.
+    """
+    views = outcomes(group, mine, failure, classify=classify)
+    if failure is not None:
+        raise failure
+    failed = {r: (kind, why) for r, (kind, why) in enumerate(views) if kind is not None}
+    if failed:
+        raise ranks_failed(what, failed, outcome)
+    return [v[1] for v in views]
+
+
+def ranks_failed(what: str, failed: dict[int, tuple[str, str]], outcome: str = "") -> _errors.TierfsError:
+    """The error a rank raises when other ranks failed: ``{rank: (kind, reason)}`` as :func:`outcomes`
+    gives them; of the class the first failed rank's kind names (a tierfs error class)."""
+    first = min(failed)
+    cls = getattr(_errors, failed[first][0], None)
+    if not (isinstance(cls, type) and issubclass(cls, _errors.TierfsError)):
+        cls = _errors.TierfsError
+    tail = f"; {outcome}" if outcome else ""
+    err = cls(f"{what}: rank(s) {sorted(failed)} failed (rank {first}: {failed[first][1]}){tail}")
+    err.failed_ranks = {r: why for r, (_, why) in failed.items()}  # type: ignore[attr-defined]
+    return err
+
+
+class agreement:
+    """``agree`` around a block: ``with agreement(group, "commit step 3") as vote: ...; vote.mine = x``.
+
+    On leaving the block every rank learns whether every rank got through it; a rank whose block raised
+    raises it again, the others raise as :func:`agree` does. ``vote.results`` holds every rank's ``mine``.
+    """
+
+    def __init__(self, group: "Group", what: str, *, outcome: str = "",
+                 classify: Callable[[BaseException], type[_errors.TierfsError]] | None = None) -> None:
+        self.group, self.what, self.outcome, self.classify = group, what, outcome, classify
+        self.mine: Any = None
+        self.results: list[Any] = []
+
+    def __enter__(self) -> "agreement":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            self.results = agree(self.group, self.mine, exc, self.what, classify=self.classify,
+                                 outcome=self.outcome)
+        except BaseException as e:
+            if e is exc:
+                return False  # the block's own exception goes on as it was
+            raise
+        return False
+
 
 def _tasks() -> set[int]:
     try:
@@ -196,6 +280,9 @@ def env_node_rank(rank: int) -> int:
             return int(os.environ[var])
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return rank // int(local) if local else 0
+
+
+Group = Union[SingleProcess, "TorchGroup"]
 
 
 def default_group() -> SingleProcess | TorchGroup:

@@ -133,6 +133,14 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(self.files.values())
 
+    def subset(self, files: Iterable[str]) -> "Manifest":
+        """The part of this manifest in the given shard files (their array entries), e.g. to check a
+        batch of files on its own."""
+        names = set(files)
+        return Manifest(self.step, self.rank, self.world_size,
+                        [e for e in self.entries if e.kind == "array" and e.file in names],
+                        {n: size for n, size in self.files.items() if n in names}, self.block_size)
+
     def to_bytes(self) -> bytes:
         d = asdict(self)
         d["format"] = "tierfs"

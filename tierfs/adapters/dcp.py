@@ -449,20 +449,16 @@ class TieredReader(StorageReader):
         return {e.name for e in manifest.entries}
 
     def _pick_step(self) -> int:
-        if self._share_metadata and self.tiers is None and any(t.is_peer for t in self.store.tiers):
+        if self._share_metadata and self.tiers is None and self.store.replicator is not None:
             # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
             self.localized = self.store.localize(self.step)
             return self.localized.step
         if self.step is not None:
             return self.step
-        steps = self.store.steps()
-        if self.tiers is not None:
-            steps = {s: ts for s, ts in steps.items() if set(ts) & set(self.tiers)}
-        every = self.store.group.all_gather(sorted(steps))  # every rank loads the same step
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        if not common:
+        step = self.store.latest_common_step(self.tiers)  # every rank loads the same step
+        if step is None:
             raise StepNotFoundError("nothing to load: no step is committed for every rank")
-        return max(common)
+        return step
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

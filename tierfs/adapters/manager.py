@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .. import state as st
+from ..dist import agree, outcomes, ranks_failed
 from ..errors import (ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError,
                       TierfsError)
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
@@ -173,16 +174,11 @@ class CheckpointManager:
         chosen = bool(self.store.should_save(step, force=force, preempted=preempted))
         if preempted and not force and not chosen:
             force, chosen = True, True  # no tier names a preemption policy: save everywhere
-        mine = [err is None, exists, chosen, force, preempted]
-        views = g.all_gather(mine) if g.world_size > 1 else [mine]
-        if err is not None:
-            raise err
-        bad = [r for r, v in enumerate(views) if not v[0]]
-        if bad:
-            raise TierfsError(f"step {step}: rank(s) {bad} failed before saving (see their errors: the state, or "
-                              "an earlier background failure); nothing saved")
-        exists = any(v[1] for v in views)
-        _, _, chosen, force, preempted = views[0]  # rank 0 decides, as the store does
+        # every rank must hear of a failure before DCP's collectives; rank 0 decides, as the store does
+        views = agree(g, [exists, chosen, force, preempted], err, f"step {step}", outcome="nothing saved (the "
+                      "state, or an earlier background failure)")
+        exists = any(v[0] for v in views)
+        _, chosen, force, preempted = views[0]
         if exists:
             if not self._replaces(step):
                 return False
@@ -191,7 +187,7 @@ class CheckpointManager:
             return False
         writer = TieredWriter(self.store, step, overwrite=exists, force=force, preempted=preempted,
                               metrics=metrics, blocking=not self.options.enable_async_checkpointing, extra=extra)
-        _run_dcp(dcp.save, tensors, storage_writer=writer, process_group=getattr(g, "_pg", None))
+        _run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
         return bool(writer.saved)
 
     def _exists(self, step: int) -> bool:
@@ -213,18 +209,15 @@ class CheckpointManager:
         """
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
-        g = self.store.group
-        if any(self.store.tier(n).is_peer for n in tiers):
+        rep = self.store.replicator
+        if rep is not None and rep.name in tiers:
             # collective: a rank whose RAM lacks its shard (a replaced node) gets it from a peer into RAM,
             # where DCP's reader (which reads tiers directly) and the store find it
             try:
                 self.store.localize(step, tiers=tiers)
             except (StepNotFoundError, RestoreError) as e:
                 log.warning("no step could be brought into RAM from peers (%s); restoring from the tiers", e)
-        have = self.store.steps()
-        mine = sorted(s for s, ts in have.items() if set(ts) & set(tiers))
-        every = g.all_gather(mine) if g.world_size > 1 else [mine]
-        common = sorted(set(every[0]).intersection(*map(set, every[1:])), reverse=True)
+        common = sorted(self.store.common_steps(tiers), reverse=True)
         if step is not None:
             if step not in common:
                 raise StepNotFoundError(f"step {step} is not committed on {tiers} for every rank; available: "
@@ -289,20 +282,18 @@ class CheckpointManager:
                 target = split.tensors
         except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
             err = e
-        mine = None if err is None else [_failure_kind(err), f"{type(err).__name__}: {err}"]
-        views = g.all_gather(mine) if g.world_size > 1 else [mine]
-        failed = {r: v for r, v in enumerate(views) if v is not None}
+        views = outcomes(g, None, err, classify=_failure_kind)
+        failed = {r: (kind, why) for r, (kind, why) in enumerate(views) if kind is not None}
         if failed:  # every rank takes the same way out: raise, or try an older step
-            if any(kind != "unusable" for kind, _ in failed.values()):
+            if any(kind != RestoreError.__name__ for kind, _ in failed.values()):
                 if err is not None:
                     raise err
-                kind, why = next(v for v in failed.values() if v[0] != "unusable")
-                cls = StateMismatchError if kind == "mismatch" else TierfsError
-                raise cls(f"step {step}: rank(s) {sorted(failed)} failed before loading ({why})")
+                raise ranks_failed(f"step {step}: loading", {r: v for r, v in failed.items()
+                                                            if v[0] != RestoreError.__name__})
             raise _Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
         assert saved is not None
         reader = TieredReader(self.store, step, tiers=tiers)
-        pg = getattr(g, "_pg", None)
+        pg = g.process_group
         if state is None:
             target = _target_from(_run_dcp(reader.read_metadata, unusable=True), saved)
         try:
@@ -620,11 +611,12 @@ def _local_bytes(x: Any) -> int:
     return 0
 
 
-def _failure_kind(e: BaseException) -> str:
-    """How a restore treats a rank's failure: ``mismatch`` and ``fatal`` are raised, ``unusable`` skips a step."""
+def _failure_kind(e: BaseException) -> type[TierfsError]:
+    """How a restore treats a rank's failure: a mismatch (StateMismatchError) and anything else that is
+    not about the copies (TierfsError) are raised; a RestoreError (no verified copy) skips to an older step."""
     if isinstance(e, StateMismatchError):
-        return "mismatch"
-    return "unusable" if isinstance(e, (TierfsError, OSError)) else "fatal"
+        return StateMismatchError
+    return RestoreError if isinstance(e, (TierfsError, OSError)) else TierfsError
 
 
 def _run_dcp(fn: Callable[..., Any], *args: Any, unusable: bool = False, **kwargs: Any) -> Any:

@@ -1,11 +1,18 @@
-"""The one interface every tier implements.
+"""The interfaces of tiers.
 
-A tier stores steps in the on-tier format (`tierfs.format`) and knows nothing of the store, of other
-tiers, or of when to save: policies decide that. Paths a tier takes are always ``(step, file name)``
-pairs; file names are validated so nothing outside the tier's root is ever touched.
+:class:`Tier` is what every tier that holds files implements (the RAM tier, the object tier, a third
+party's): it stores steps in the on-tier format (`tierfs.format`) and knows nothing of the store, of
+other tiers, or of when to save: policies decide that. Paths a tier takes are always ``(step, file
+name)`` pairs; file names are validated so nothing outside the tier's root is ever touched. Subclasses
+implement the abstract primitives; ``stage``/``write_staged`` (where save bytes land) and
+``write_files``/``read_files`` (bulk, may run concurrently) have defaults built on them.
+``tierfs.testing.TierTests`` is the suite every tier passes.
 
-Subclasses implement the abstract primitives. ``stage``/``write_staged`` (where save bytes land),
-``write_files``/``read_files`` (bulk, may run concurrently) have defaults built on the primitives.
+:class:`Replicator` is the other role a tier can have: it keeps copies of *other* ranks' shards, moved
+between ranks in exchanges every rank joins (the peer tier). The store holds at most one, after the RAM
+tier, and saves to it with ``replicate`` and restores from it with ``fetch``.
+
+:class:`Holder` is what the store's bookkeeping, listing and retention use of both.
 """
 
 from __future__ import annotations
@@ -13,13 +20,16 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from ..errors import CapacityError
-from ..format import MARKER, Marker, validate_filename
+from ..format import MARKER, Manifest, Marker, validate_filename
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
+
+#: ``pace(nbytes)``: called before bytes move (a bandwidth throttle)
+Pace = Callable[[int], None]
 
 log = logging.getLogger("tierfs")
 
@@ -69,20 +79,14 @@ class Tier(ABC):
         return False
 
     @property
-    def is_durable(self) -> bool:
-        """True when the tier survives the loss of the node (object storage)."""
-        return False
-
-    @property
-    def is_peer(self) -> bool:
-        """True when the tier keeps *other* ranks' shards, moved between ranks by exchanges that every rank
-        joins (the store saves to it with ``replicate`` and restores from it with ``fetch``)."""
-        return False
-
-    @property
     def zero_copy(self) -> bool:
         """True when ``read_file`` returns a view of the stored bytes rather than a copy."""
         return False
+
+    @property
+    def location(self) -> str:
+        """Where the tier keeps its steps, for people (a directory or a URL)."""
+        return self.name
 
     @abstractmethod
     def capacity(self) -> Capacity: ...
@@ -90,6 +94,11 @@ class Tier(ABC):
     # -- primitives ---------------------------------------------------------------------------------
     def open(self) -> None:
         """Check the tier is reachable and create its root; raise TierUnavailableError if not."""
+
+    def check_readable(self) -> None:
+        """Raise TierUnavailableError unless the tier can be read; create and change nothing (for tools
+        that only look, such as ``tierfs ls``). Default: ``open()``."""
+        self.open()
 
     def close(self) -> None:
         """Release mappings, connections and threads."""
@@ -110,9 +119,6 @@ class Tier(ABC):
         """The whole file as a 1-D uint8 array (a view where ``zero_copy``) or bytes."""
 
     @abstractmethod
-    def read_range(self, step: int, name: str, start: int, end: int) -> bytes: ...
-
-    @abstractmethod
     def write_marker(self, step: int, data: bytes) -> None:
         """Write the commit marker; on local filesystems atomically (temporary name, then rename)."""
 
@@ -129,6 +135,19 @@ class Tier(ABC):
     # -- derived operations -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         return sorted(s for s, ok in self.list_steps().items() if ok)
+
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of a file (default: cut from ``read_file``)."""
+        return bytes(memoryview(self.read_file(step, name)).cast("B")[start:end])
+
+    def last_written(self, step: int) -> float | None:
+        """When the newest file of ``step`` was written (seconds since the epoch), or None if unknown."""
+        return None
+
+    def live_users(self) -> list[int]:
+        """Live processes other than this one that are using the tier's local files (a running job);
+        empty where the tier cannot tell."""
+        return []
 
     def read_marker(self, step: int) -> Marker:
         return Marker.from_bytes(bytes(self.read_file(step, MARKER)))
@@ -152,8 +171,7 @@ class Tier(ABC):
     def discard_staged(self, step: int) -> None:
         self._staged.pop(step, None)
 
-    def write_files(self, step: int, files: Mapping[str, object],
-                    pace: Callable[[int], None] | None = None) -> None:
+    def write_files(self, step: int, files: Mapping[str, object], pace: Pace | None = None) -> None:
         """Write several files; ``pace(nbytes)`` is called before each (a bandwidth throttle)."""
         for name, data in files.items():
             if pace is not None:
@@ -181,3 +199,104 @@ class Tier(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
+
+
+@runtime_checkable
+class Holder(Protocol):
+    """What the store's bookkeeping, listing and retention use of every tier, whatever its role."""
+
+    name: str
+    save_policy: SavePolicy
+    keep_policy: PreservationPolicy
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def list_steps(self) -> dict[int, bool]: ...
+
+    def committed_steps(self) -> list[int]: ...
+
+    def delete_step(self, step: int) -> None: ...
+
+
+#: a shard as ``fetch`` returns it to its receiver: manifest, manifest bytes, marker bytes, files
+Fetched = tuple[Manifest, bytes, bytes, dict[str, np.ndarray]]
+#: ``(source rank, receiving rank, reason)`` of a copy that failed
+FailedCopy = tuple[int, int, str]
+
+
+class Replicator(ABC):
+    """A tier that keeps copies of other ranks' shards, moved between ranks in exchanges every rank of the
+    job joins (collective). The store binds it when it opens, saves to it with :meth:`replicate` once a
+    step is committed in the first tier, lists what it holds with :meth:`holdings`, restores a rank's
+    lost shard with :meth:`fetch` and, after a restore, gives replaced ranks their copies back.
+
+    Its own storage (the copies it keeps) is listed, deleted and retained like a tier's (:class:`Holder`).
+    """
+
+    kind: str = "replicator"
+    #: for every rank, the ranks that keep copies of its shard (set by ``bind``)
+    targets: list[list[int]]
+
+    def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
+        self.name = name
+        self.save_policy: SavePolicy = save if save is not None else FixedIntervalPolicy(1)
+        self.keep_policy: PreservationPolicy = keep
+
+    @property
+    def location(self) -> str:
+        return self.name
+
+    @abstractmethod
+    def bind(self, first: Tier, group: Any) -> None:
+        """Keep copies beside ``first`` (the store's first tier) and exchange them among ``group``'s ranks
+        (collective, when the store opens)."""
+
+    @abstractmethod
+    def holdings(self) -> dict[int, list[int]]:
+        """``{step: [ranks whose shard this rank keeps]}`` for every committed step."""
+
+    @abstractmethod
+    def replicate(self, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any], *,
+                  pairs: Sequence[tuple[int, int]] | None = None, pace: Pace | None = None,
+                  role: str = "copy", error: str | None = None) -> list[FailedCopy]:
+        """Send this rank's shard of ``step`` to its targets and keep the shards sent to it (collective).
+
+        ``pairs`` are ``(source rank, receiving rank)``, the same on every rank (default: every rank to
+        each of its targets). A rank that cannot read its own shard passes ``error`` and still takes
+        part. ``role`` is the thread role ("copy": the store's background worker; "main": a restore).
+        Returns the failed pairs, the same on every rank; when there are none every copy is committed.
+        """
+
+    @abstractmethod
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main") -> Fetched | str | None:
+        """Move shards of ``step`` from holders to the ranks that lack them (collective); ``assign`` is
+        ``{rank: holder}``, the same on every rank. Returns, on a receiving rank, the shard (every block
+        checked as it landed) or the reason it failed; None on other ranks."""
+
+    # -- its own storage, as a tier's ---------------------------------------------------------------
+    def open(self) -> None:
+        """Create its storage (after ``bind``)."""
+
+    def close(self) -> None:
+        """Release its storage."""
+
+    @abstractmethod
+    def capacity(self) -> Capacity: ...
+
+    @abstractmethod
+    def list_steps(self) -> dict[int, bool]:
+        """Every step it keeps copies of, mapped to whether they are committed."""
+
+    def committed_steps(self) -> list[int]:
+        return sorted(s for s, ok in self.list_steps().items() if ok)
+
+    @abstractmethod
+    def delete_step(self, step: int) -> None:
+        """Drop every copy of ``step`` this rank keeps."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

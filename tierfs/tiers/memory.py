@@ -11,8 +11,6 @@ file) and copies straight into pages that are already there. New files are reser
 from __future__ import annotations
 
 import getpass
-import itertools
-import mmap
 import os
 import shutil
 import threading
@@ -21,13 +19,14 @@ from typing import Mapping
 
 import numpy as np
 
+from .._fileio import atomic_write, make_private_dir, process_alive
 from ..errors import CapacityError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
+from ._mapped import MappedFile, Pool, open_mapped
 from .base import Capacity, Tier
 
-MADV_POPULATE_READ = 22
-MADV_POPULATE_WRITE = 23
+__all__ = ["MemoryTier", "default_path"]
 
 
 def default_path() -> str:
@@ -35,38 +34,6 @@ def default_path() -> str:
     job = (os.environ.get("TIERFS_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
            or os.environ.get("SLURM_JOB_ID") or getpass.getuser())
     return f"/dev/shm/tierfs/{validate_filename(job)}"
-
-
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) with mode 0700; refuse a directory other users can enter."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise TierUnavailableError(f"{path} belongs to another user; use a directory of your own")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
-
-
-class _Buf:
-    """A mapped file: the mapping outlives renames of the file."""
-
-    __slots__ = ("path", "size", "mm", "writable", "exported")
-
-    def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool) -> None:
-        self.path, self.size, self.mm, self.writable, self.exported = path, size, mm, writable, False
-
-    def array(self) -> np.ndarray:
-        if self.mm is None:
-            return np.empty(0, dtype=np.uint8)
-        return np.frombuffer(self.mm, dtype=np.uint8)
-
-    def close(self) -> None:
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive; the mapping goes when it does
-                pass
-            self.mm = None
 
 
 class MemoryTier(Tier):
@@ -87,16 +54,13 @@ class MemoryTier(Tier):
 
     kind = "memory"
 
-    def __init__(self, path: str | os.PathLike | None = None, *, save: SavePolicy | None = None,
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, save: SavePolicy | None = None,
                  keep: PreservationPolicy | None = None, budget: int | None = None, name: str = "ram") -> None:
         super().__init__(name, save, keep if keep is not None else LatestN(2))
         self.path = Path(path if path is not None else default_path())
         self.budget = budget
-        self._bufs: dict[Path, _Buf] = {}  # every file this process has mapped, by current path
-        self._pool: list[_Buf] = []  # mapped files of deleted steps, ready for reuse
-        self._pool_dir = self.path / f".pool.{os.getpid()}"
-        self._ids = itertools.count()
-        self._pool_limit = 0  # bytes: the largest step staged so far
+        self._bufs: dict[Path, MappedFile] = {}  # every file this process has mapped, by current path
+        self._pool = Pool(self.path / f".pool.{os.getpid()}")  # mapped files of deleted steps, for reuse
         self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
         self._idle = threading.Event()  # cleared while prepare() builds spare buffers
         self._idle.set()
@@ -110,6 +74,10 @@ class MemoryTier(Tier):
     @property
     def zero_copy(self) -> bool:
         return True
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
 
     def capacity(self) -> Capacity:
         used = 0
@@ -126,6 +94,13 @@ class MemoryTier(Tier):
             free = None
         return Capacity(used=used, budget=self.budget, free=free)
 
+    def stats(self) -> dict[str, int]:
+        """This process's buffers: ``created`` (new files, pre-faulted), ``reused`` (taken from the pool),
+        ``pooled`` (kept for the next saves, and their ``pooled_bytes``) and ``mapped`` (files mapped)."""
+        with self._lock:
+            return {"created": self._pool.created, "reused": self._pool.reused, "pooled": len(self._pool.files),
+                    "pooled_bytes": self._pool.nbytes, "mapped": len(self._bufs)}
+
     # -- life cycle ---------------------------------------------------------------------------------
     def open(self) -> None:
         try:
@@ -137,14 +112,18 @@ class MemoryTier(Tier):
             if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
 
+    def check_readable(self) -> None:
+        if not self.path.is_dir():
+            raise TierUnavailableError(f"tier {self.name!r}: {self.path} is not a directory")
+        if not os.access(self.path, os.R_OK | os.X_OK):
+            raise TierUnavailableError(f"tier {self.name!r}: {self.path} is not readable")
+
     def close(self) -> None:
         for b in self._bufs.values():
             b.close()
-        for b in self._pool:
-            b.close()
         self._bufs.clear()
-        self._pool.clear()
-        shutil.rmtree(self._pool_dir, ignore_errors=True)
+        self._pool.close()
+        shutil.rmtree(self._pool.dir, ignore_errors=True)
 
     # -- listing ------------------------------------------------------------------------------------
     def _dir(self, step: int) -> Path:
@@ -169,6 +148,38 @@ class MemoryTier(Tier):
         d = self._dir(step)
         return {p.name: p.stat().st_size for p in d.iterdir() if p.is_file() and not p.name.startswith(".")}
 
+    def last_written(self, step: int) -> float | None:
+        d = self._dir(step)
+        times = []
+        for p in [d, *d.iterdir()] if d.is_dir() else []:
+            try:
+                times.append(p.stat().st_mtime)
+            except FileNotFoundError:
+                pass
+        return max(times) if times else None
+
+    def live_users(self) -> list[int]:
+        """Live processes (other than this one) using this directory: they map a file in it (Linux
+        ``/proc/<pid>/maps``) or own a buffer pool there (``.pool.<pid>``)."""
+        me = os.getpid()
+        pids: set[int] = set()
+        for d in self.path.glob(".pool.*"):
+            pid = d.name.rsplit(".", 1)[-1]
+            if pid.isdigit() and int(pid) != me and process_alive(int(pid)):
+                pids.add(int(pid))
+        root = str(self.path.resolve()) + "/"
+        for maps in Path("/proc").glob("[0-9]*/maps"):
+            pid = int(maps.parent.name)
+            if pid == me or pid in pids:
+                continue
+            try:
+                with open(maps, encoding="utf-8", errors="replace") as f:
+                    if any(root in line for line in f):
+                        pids.add(pid)
+            except OSError:  # gone, or not ours to read
+                continue
+        return sorted(pids)
+
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
@@ -183,46 +194,17 @@ class MemoryTier(Tier):
             validate_filename(n)
         self._last_staged = max(self._last_staged, step)
         self._recycle_own(step, sizes)
-        total = sum(sizes.values())
-        self._pool_limit = max(self._pool_limit, total)
-        # Match pooled buffers to files: exact sizes first, then the smallest larger one.
-        pool = sorted(self._pool, key=lambda b: b.size)
-        plan: dict[str, _Buf | None] = {}
-        for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
-            pick = next((b for b in pool if b.size == size), None) or next((b for b in pool if b.size > size), None)
-            if pick is not None:
-                pool.remove(pick)
-            plan[name] = pick
+        self._pool.limit = max(self._pool.limit, sum(sizes.values()))
+        plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
-        cap = self.capacity()
-        if cap.available is not None and new_bytes > cap.available:
-            # unmatched pooled buffers are reclaimable space: free them before giving up
-            for b in pool:
-                self._drop_pooled(b)
-            cap = self.capacity()
-            if cap.available is None or new_bytes > cap.available:
-                raise CapacityError(
-                    f"RAM tier {self.path}: step {step} needs {new_bytes / 1e6:.1f} MB more but only "
-                    f"{max(0, cap.available or 0) / 1e6:.1f} MB is left (budget "
-                    f"{'none' if self.budget is None else f'{self.budget / 1e6:.1f} MB'}, used "
-                    f"{cap.used / 1e6:.1f} MB); raise budget= or keep fewer steps (need about "
-                    f"(kept steps + 1) x step size)")
+        self._make_room(step, new_bytes, keep={id(b) for b in plan.values() if b is not None})
         d = self._dir(step)
         make_private_dir(d)
         out: dict[str, np.ndarray] = {}
         try:
             for name, b in plan.items():
                 path, size = d / name, sizes[name]
-                if b is None:
-                    b = self._new_buf(path, size)
-                else:
-                    self._pool.remove(b)
-                    os.rename(b.path, path)
-                    b.path = path
-                    if b.size != size:
-                        b.close()
-                        os.truncate(path, size)
-                        b = self._map(path, size, writable=True)
+                b = self._pool.new(path, size) if b is None else self._pool.take(b, path, size)
                 self._bufs[path] = b
                 out[name] = b.array()
         except OSError as e:
@@ -235,6 +217,23 @@ class MemoryTier(Tier):
             raise
         self._staged[step] = out
         return out
+
+    def _make_room(self, step: int, new_bytes: int, keep: set[int]) -> None:
+        """Raise CapacityError unless ``new_bytes`` more fit; pooled buffers not in ``keep`` (ids) are
+        reclaimable space and go first."""
+        cap = self.capacity()
+        if cap.available is None or new_bytes <= cap.available:
+            return
+        for b in [b for b in self._pool.files if id(b) not in keep]:
+            self._pool.drop(b)
+        cap = self.capacity()
+        if cap.available is None or new_bytes > cap.available:
+            raise CapacityError(
+                f"RAM tier {self.path}: step {step} needs {new_bytes / 1e6:.1f} MB more but only "
+                f"{max(0, cap.available or 0) / 1e6:.1f} MB is left (budget "
+                f"{'none' if self.budget is None else f'{self.budget / 1e6:.1f} MB'}, used "
+                f"{cap.used / 1e6:.1f} MB); raise budget= or keep fewer steps (need about "
+                f"(kept steps + 1) x step size)")
 
     def write_staged(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
@@ -249,29 +248,22 @@ class MemoryTier(Tier):
         with self._lock:
             if self._last_staged > step:  # the next save came first and built its own buffers
                 return
-            self._pool_limit = max(self._pool_limit, sum(sizes.values()))
-            have = sorted(b.size for b in self._pool)
-            missing = []
-            for size in sorted(sizes.values()):
-                if size in have:
-                    have.remove(size)
-                elif size:
-                    missing.append(size)
+            self._pool.limit = max(self._pool.limit, sum(sizes.values()))
+            missing = self._pool.missing(sizes)
             avail = self.capacity().available
             if not missing or (avail is not None and sum(missing) > avail):
                 return
-            self._pool_dir.mkdir(mode=0o700, exist_ok=True)
-            paths = [self._pool_dir / f"{next(self._ids)}.bin" for _ in missing]
+            paths = [self._pool.path() for _ in missing]
             self._idle.clear()
         try:
             for path, size in zip(paths, missing):  # the slow part, outside the lock
                 try:
-                    b = self._new_buf(path, size)
+                    b = self._pool.new(path, size)
                 except OSError:
                     path.unlink(missing_ok=True)
                     return
                 with self._lock:
-                    self._pool.append(b)
+                    self._pool.files.append(b)
         finally:
             self._idle.set()
 
@@ -282,52 +274,15 @@ class MemoryTier(Tier):
             for name in sizes:
                 p = d / name
                 if p.exists():
-                    b = self._bufs.pop(p, None)
-                    self._to_pool(p, b)
-
-    def _new_buf(self, path: Path, size: int) -> _Buf:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            if size:
-                os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS later
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                try:
-                    mm.madvise(MADV_POPULATE_WRITE)
-                except OSError:  # kernels before 5.14
-                    pass
-            else:
-                mm = None
-        finally:
-            os.close(fd)
-        return _Buf(path, size, mm, writable=True)
-
-    def _map(self, path: Path, size: int, writable: bool) -> _Buf:
-        if size == 0:
-            return _Buf(path, 0, None, writable)
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        try:
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        finally:
-            os.close(fd)
-        try:
-            mm.madvise(MADV_POPULATE_READ)
-        except OSError:
-            pass
-        return _Buf(path, size, mm, writable)
+                    self._pool.give(p, self._bufs.pop(p, None))
 
     def write_file(self, step: int, name: str, data) -> None:
         path = self._file(step, name)
         make_private_dir(path.parent)
         self._forget(path, unlink=False)
-        tmp = path.with_name(f".{name}.tmp")
-        mv = memoryview(data).cast("B")
         try:
-            with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
-                f.write(mv)
-            os.rename(tmp, path)
+            atomic_write(path, data)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             if e.errno == 28:
                 raise CapacityError(f"RAM tier {self.path}: out of space writing {name}") from None
             raise
@@ -342,12 +297,9 @@ class MemoryTier(Tier):
         b = self._bufs.get(path)
         if b is None:
             size = path.stat().st_size  # FileNotFoundError when missing
-            b = self._map(path, size, writable=False)
+            b = open_mapped(path, size, writable=False)
             self._bufs[path] = b
         return b.array()
-
-    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
-        return self.read_file(step, name)[start:end].tobytes()
 
     def export(self, step: int, name: str) -> np.ndarray:
         """A view handed to the user: its file is never reused for a later save."""
@@ -370,8 +322,8 @@ class MemoryTier(Tier):
             if not p.name.startswith(prefix):
                 continue
             b = self._bufs.pop(p, None)
-            if b is not None and b.writable and not b.exported and p.suffix == ".bin":
-                self._to_pool(p, b)
+            if b is not None and p.suffix == ".bin":
+                self._pool.give(p, b)
             else:
                 if b is not None:
                     b.close()
@@ -390,24 +342,6 @@ class MemoryTier(Tier):
         with self._lock:
             self._delete_step(step, prefix=f"rank_{rank:05d}.", marker=marker)
 
-    def _to_pool(self, path: Path, b: _Buf | None) -> None:
-        pooled = sum(x.size for x in self._pool)
-        if b is None or not b.writable or b.exported or pooled + b.size > self._pool_limit:
-            if b is not None:
-                b.close()
-            path.unlink(missing_ok=True)
-            return
-        self._pool_dir.mkdir(mode=0o700, exist_ok=True)
-        dst = self._pool_dir / f"{next(self._ids)}.bin"
-        os.rename(path, dst)
-        b.path = dst
-        self._pool.append(b)
-
-    def _drop_pooled(self, b: _Buf) -> None:
-        self._pool.remove(b)
-        b.close()
-        b.path.unlink(missing_ok=True)
-
     def _forget(self, path: Path, unlink: bool) -> None:
         b = self._bufs.pop(path, None)
         if b is not None:
@@ -417,14 +351,3 @@ class MemoryTier(Tier):
 
     def __repr__(self) -> str:
         return f"MemoryTier({str(self.path)!r})"
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (ours or another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -7,26 +7,25 @@ concurrent ranged reads into one buffer, so a restore moves exactly the step's b
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, TypeVar
 
 import fsspec
 import numpy as np
 
+from .._fileio import atomic_write, is_tmp_name, make_private_dir
+from .._retry import retry, short
 from ..errors import TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
-from .base import Capacity, Tier
+from .base import Capacity, Pace, Tier
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
-
-# Errors that retrying cannot fix.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
-              ValueError, TypeError)
+_LOCAL = ("file", "local")
 
 
 class ObjectTier(Tier):
@@ -75,8 +74,8 @@ class ObjectTier(Tier):
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
-    def is_durable(self) -> bool:
-        return self.protocol != "memory"
+    def location(self) -> str:
+        return self.url
 
     def capacity(self) -> Capacity:
         return Capacity(used=0, budget=None, free=None)
@@ -86,11 +85,8 @@ class ObjectTier(Tier):
         """Fail now, in one line, if the bucket is missing or the credentials are wrong."""
         bucket = self.root.split("/", 1)[0]
         try:
-            if self.protocol in ("file", "local"):
-                from .memory import make_private_dir
-                from pathlib import Path
-
-                make_private_dir(Path(self.root))
+            if self.protocol in _LOCAL:
+                make_private_dir(self.root)
             elif self.protocol not in ("memory",) and bucket:
                 # info(), not exists(): exists() turns a refused connection into "missing"
                 self.fs.info(bucket)  # the client has retried already; fail fast
@@ -99,12 +95,21 @@ class ObjectTier(Tier):
                 f"object tier {self.url}: bucket {bucket!r} does not exist; create it or fix the URL") from None
         except PermissionError as e:
             raise TierUnavailableError(
-                f"object tier {self.url}: access denied ({_short(e)}); check credentials in storage_options "
+                f"object tier {self.url}: access denied ({short(e)}); check credentials in storage_options "
                 "or the environment") from None
         except TierUnavailableError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to reach the store becomes one clear line
-            raise TierUnavailableError(f"object tier {self.url}: cannot reach the store ({_short(e)})") from None
+            raise TierUnavailableError(f"object tier {self.url}: cannot reach the store ({short(e)})") from None
+
+    def check_readable(self) -> None:
+        if self.protocol not in _LOCAL:
+            self.open()  # only probes the bucket
+            return
+        if not os.path.isdir(self.root):
+            raise TierUnavailableError(f"tier {self.name!r}: {self.root} is not a directory")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise TierUnavailableError(f"tier {self.name!r}: {self.root} is not readable")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -116,20 +121,8 @@ class ObjectTier(Tier):
         p = f"{self.root}/{step_dirname(step)}"
         return p if name is None else f"{p}/{validate_filename(name)}"
 
-    def _retry(self, fn: Callable[[], T], what: str = "") -> T:
-        for attempt in range(self.retries):
-            try:
-                return fn()
-            except _PERMANENT:
-                raise
-            except Exception as e:  # noqa: BLE001 - transient until proven otherwise
-                if attempt + 1 == self.retries:
-                    raise
-                delay = 0.2 * 2**attempt
-                log.warning("tier %s: %s failed (%s); retry %d/%d in %.1fs", self.name, what or "request",
-                            _short(e), attempt + 1, self.retries - 1, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+    def _retry(self, fn: Callable[[], T], what: str = "request") -> T:
+        return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
 
     def _map(self, fn: Callable[[Any], T], items: list) -> list[T]:
         if len(items) <= 1:
@@ -158,22 +151,34 @@ class ObjectTier(Tier):
         d = self._path(step)
         self.fs.invalidate_cache(d)
         infos = self._retry(lambda: self.fs.ls(d, detail=True), "list")
-        return {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
-                for i in infos if i.get("type") == "file"}
+        names = {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
+                 for i in infos if i.get("type") == "file"}
+        return {n: size for n, size in names.items() if not is_tmp_name(n)}
+
+    def last_written(self, step: int) -> float | None:
+        path = self._path(step)
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return None
+        times = [_mtime(e) for e in entries]
+        if not times or any(t is None for t in times):
+            return None  # the backend does not say: the age is unknown
+        return max(t for t in times if t is not None)
 
     # -- writing ------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data) -> None:
         path = self._path(step, name)
-        if self.protocol in ("file", "local"):  # straight from the buffer, no extra copy
+        if self.protocol in _LOCAL:  # straight from the buffer, no extra copy; durable like every local write
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            self._retry(lambda: _write_local(path, data), f"write {name}")
+            self._retry(lambda: atomic_write(path, data), f"write {name}")
             return
         payload = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
         kw = {"chunksize": self.part_size} if self.protocol in ("s3", "s3a") else {}  # multipart parts
         self._retry(lambda: self.fs.pipe_file(path, payload, **kw), f"upload {name}")
 
-    def write_files(self, step: int, files: Mapping[str, object],
-                    pace: Callable[[int], None] | None = None) -> None:
+    def write_files(self, step: int, files: Mapping[str, object], pace: Pace | None = None) -> None:
         def put(kv) -> None:
             if pace is not None:
                 pace(memoryview(kv[1]).nbytes)
@@ -237,13 +242,19 @@ class ObjectTier(Tier):
         return f"ObjectTier({self.url!r})"
 
 
-def _write_local(path: str, data) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
-        f.write(memoryview(data).cast("B"))
-    os.replace(tmp, path)
-
-
-def _short(e: BaseException) -> str:
-    s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return s[:200]
+def _mtime(info: dict[str, Any]) -> float | None:
+    """A file's modification time from an fsspec ``info``/``ls`` entry (keys differ per backend)."""
+    for key in ("mtime", "LastModified", "updated", "last_modified", "created"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, _dt.datetime):
+            return v.timestamp()
+        if isinstance(v, str):
+            try:
+                return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None

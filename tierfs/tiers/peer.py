@@ -18,34 +18,28 @@ On restore the store asks each rank what it ``holds``, picks a holder for every 
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from .. import _copy
+from .._fileio import make_private_dir
 from .._worker import BACKGROUND_NICE
-from ..dist import framed
-from ..errors import ChecksumError, FormatError, TierfsError
-from ..format import MARKER, Manifest, Marker, blocks, crc32c, manifest_filename, validate_filename
+from ..errors import TierfsError
+from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
-from .base import Capacity, Tier
-from .memory import MemoryTier, make_private_dir
+from . import _wire
+from ._wire import Wire
+from .base import Capacity, FailedCopy, Fetched, Pace, Replicator, Tier
+from .memory import MemoryTier
 
 #: ``strategy(rank, nodes, replicas) -> target ranks``; ``nodes[r]`` is the node number of rank ``r``
 StrategyFn = Callable[[int, Sequence[int], int], Sequence[int]]
 Strategy = Union[str, StrategyFn]
 
 _MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
-_MAX_HEADER = 1 << 30
-#: bytes of a transfer's first message: a header's length and the header itself when it fits (the header
-#: holds the shard's manifest, about 250 bytes per tensor, and the marker, about 40 bytes per rank of the
-#: job), so such transfers need one round before the files instead of three
-_FIRST = 64 << 10
-#: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
-#: large enough that per-message costs stay small (2-16 MiB measure alike on loopback; 8 is in the middle)
-CHUNK = 8 << 20
+
+__all__ = ["PeerTier", "Wire", "plan_fetch", "replica_targets"]
 
 
 def replica_targets(nodes: Sequence[int], replicas: int, strategy: Strategy = "ring") -> list[list[int]]:
@@ -115,7 +109,7 @@ def plan_fetch(wanted: Mapping[int, Sequence[int]], sizes: Mapping[int, int] | N
 class _Replicas(MemoryTier):
     """The directory of replicas this rank keeps; it shares the RAM tier's budget."""
 
-    def __init__(self, path, ram: MemoryTier, name: str) -> None:
+    def __init__(self, path: Any, ram: MemoryTier, name: str) -> None:
         super().__init__(path, name=name)
         self._ram = ram
 
@@ -123,7 +117,7 @@ class _Replicas(MemoryTier):
         return self._ram.capacity()  # counts this directory too: it lies inside the RAM tier's
 
 
-class PeerTier(Tier):
+class PeerTier(Replicator):
     """Copies of each rank's shard in the RAM of ``replicas`` ranks on other nodes.
 
     Place it after the RAM tier: ``TieredStore([MemoryTier(...), PeerTier(replicas=1), ObjectTier(url)])``.
@@ -149,13 +143,17 @@ class PeerTier(Tier):
         This process's node number, overriding ``TIERFS_NODE_RANK`` / torchrun's ``GROUP_RANK``.
     name:
         Label in listings (default ``"peer"``).
+    wire:
+        Message sizes of a transfer (:class:`Wire`, ``tierfs.tiers.peer.Wire``: bytes per message, of the first
+        message, the longest header accepted); the defaults suit every job, tests shrink them. The first
+        message's size must be the same on every rank.
     """
 
     kind = "peer"
 
     def __init__(self, replicas: int = 1, strategy: Strategy = "ring", *, save: SavePolicy | None = None,
                  keep: PreservationPolicy | None = None, backend: str = "gloo", connections: int = 2,
-                 node_rank: int | None = None, name: str = "peer") -> None:
+                 node_rank: int | None = None, name: str = "peer", wire: Wire | None = None) -> None:
         super().__init__(name, save, keep if keep is not None else LatestN(1))
         self._follow_ram = save is None
         if not isinstance(replicas, int) or replicas < 1:
@@ -165,31 +163,35 @@ class PeerTier(Tier):
         if not isinstance(connections, int) or connections < 1:
             raise ValueError(f"connections must be an int >= 1, got {connections!r}")
         self.replicas, self.strategy, self.backend, self.connections = replicas, strategy, backend, connections
+        self.wire = wire if wire is not None else Wire()
         self._node_rank = node_rank
         self._local: _Replicas | None = None
         self.targets: list[list[int]] = []
         self.sources: list[list[int]] = []
 
     # -- binding ------------------------------------------------------------------------------------
-    def bind(self, ram: Tier, group: Any) -> None:
-        """Keep replicas in ``ram``'s directory and exchange them among ``group``'s ranks (collective)."""
-        if not isinstance(ram, MemoryTier):
+    def bind(self, first: Tier, group: Any) -> None:
+        """Keep replicas in ``first``'s directory (the RAM tier) and exchange them among ``group``'s ranks
+        (collective)."""
+        if not isinstance(first, MemoryTier):
             raise TierfsError("PeerTier keeps replicas in the RAM tier: put a MemoryTier first, e.g. "
                               "TieredStore([MemoryTier(path), PeerTier(), ObjectTier(url)])")
         if group.world_size < 2:
             raise TierfsError("PeerTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
         nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
-        connections = group.all_gather(self.connections)  # each is a group every rank must create
-        if len(set(connections)) > 1:
-            raise TierfsError(f"ranks disagree on PeerTier(connections=...): {connections}; give every rank "
-                              "the same value")
+        # each connection is a group every rank must create; the first message's size must match
+        views = group.all_gather([self.connections, self.wire.first])
+        for k, what in enumerate(("connections", "wire first message size")):
+            if len({v[k] for v in views}) > 1:
+                raise TierfsError(f"ranks disagree on PeerTier {what}: {[v[k] for v in views]}; give every "
+                                  "rank the same value")
         self.targets = replica_targets(nodes, self.replicas, self.strategy)
         self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
         self.rank = group.rank
         if self._follow_ram:
-            self.save_policy = ram.save_policy
-        self._local = _Replicas(ram.path / "peers" / f"rank_{group.rank:05d}", ram, self.name)
+            self.save_policy = first.save_policy
+        self._local = _Replicas(first.path / "peers" / f"rank_{group.rank:05d}", first, self.name)
         # replication runs in a background worker: its transfer threads give way to training too
         self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections)}
         self._bound = group
@@ -207,23 +209,19 @@ class PeerTier(Tier):
 
     @property
     def local(self) -> MemoryTier:
+        """The replicas this rank keeps, as a RAM tier of their own (inside the RAM tier's directory)."""
         if self._local is None:
             raise TierfsError("PeerTier is used only through a TieredStore, which binds it to the RAM tier")
         return self._local
 
-    # -- capabilities -------------------------------------------------------------------------------
     @property
-    def is_local(self) -> bool:
-        return True
+    def location(self) -> str:
+        return self.local.location if self._local is not None else "(not bound)"
 
-    @property
-    def is_peer(self) -> bool:
-        return True
-
+    # -- the replicas this rank keeps ---------------------------------------------------------------
     def capacity(self) -> Capacity:
         return self.local.capacity()
 
-    # -- the primitives act on the replicas this rank keeps -----------------------------------------
     def open(self) -> None:
         make_private_dir(self.local.path.parent)
         self.local.open()
@@ -234,21 +232,6 @@ class PeerTier(Tier):
 
     def list_steps(self) -> dict[int, bool]:
         return self.local.list_steps()
-
-    def file_sizes(self, step: int) -> dict[str, int]:
-        return self.local.file_sizes(step)
-
-    def write_file(self, step: int, name: str, data) -> None:
-        self.local.write_file(step, name, data)
-
-    def read_file(self, step: int, name: str):
-        return self.local.read_file(step, name)
-
-    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
-        return self.local.read_range(step, name, start, end)
-
-    def write_marker(self, step: int, data: bytes) -> None:
-        self.local.write_marker(step, data)
 
     def delete_step(self, step: int) -> None:
         self.local.delete_step(step)
@@ -265,9 +248,9 @@ class PeerTier(Tier):
         return out
 
     # -- moving shards ------------------------------------------------------------------------------
-    def replicate(self, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any],
-                  pairs: Sequence[tuple[int, int]] | None = None, pace: Callable[[int], None] | None = None,
-                  role: str = "copy", error: str | None = None) -> list[tuple[int, int, str]]:
+    def replicate(self, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any], *,
+                  pairs: Sequence[tuple[int, int]] | None = None, pace: Pace | None = None,
+                  role: str = "copy", error: str | None = None) -> list[FailedCopy]:
         """Send this rank's shard of ``step`` to its targets and keep the shards sent to it (collective).
 
         ``pairs`` are ``(source rank, receiving rank)``, the same on every rank (default: every rank to
@@ -279,18 +262,18 @@ class PeerTier(Tier):
         g = self._group(role)
         me = g.rank
         pairs = [(s, t) for s in range(g.world_size) for t in self.targets[s]] if pairs is None else list(pairs)
-        header = _header(step, me, manifest, marker, files, error=error)
+        header = _wire.header(step, me, manifest, marker, files, error=error, limit=self.wire.max_header)
         sends = [(t, header, files) for s, t in pairs if s == me]
         incoming = [s for s, t in pairs if t == me]
         received: dict[int, bytes] = {}
 
-        def accept(src: int, h: dict) -> tuple[Manifest, dict[str, np.ndarray]]:
-            m, mbytes, _ = _check_header(h, step, src)
+        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
+            m, mbytes, _ = _wire.check_header(h, step, src)
             bufs = self.local.stage(step, m.files)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
             return m, {n: bufs[n] for n in m.files}  # in the order the sender sends them
 
-        errors = _transfer(g, sends, incoming, accept, pace)
+        errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
         self.local.discard_staged(step)  # the bytes are in the mapped files already
         for s in incoming:  # manifests now; the marker only once every copy of the job is in place
             if errors[s] is None:
@@ -315,13 +298,12 @@ class PeerTier(Tier):
         return failed
 
     @staticmethod
-    def _agree_pairs(g: Any, errors: Mapping[int, str | None]) -> list[tuple[int, int, str]]:
+    def _agree_pairs(g: Any, errors: Mapping[int, str | None]) -> list[FailedCopy]:
         """Every rank's failed incoming copies, ``(source, receiver, reason)``, the same on every rank."""
         mine = [(s, g.rank, why) for s, why in errors.items() if why]
-        return [tuple(f) for part in g.all_gather(mine) for f in part]  # type: ignore[misc]
+        return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
 
-    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main"
-              ) -> tuple[Manifest, bytes, bytes, dict[str, np.ndarray]] | str | None:
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main") -> Fetched | str | None:
         """Move shards of ``step`` from holders to the ranks that lack them (collective).
 
         ``assign`` is ``{rank: holder}``, the same on every rank. A holder sends what it keeps (or says
@@ -339,149 +321,21 @@ class PeerTier(Tier):
                 marker = bytes(self.local.read_file(step, MARKER))
                 mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
                 files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
-                sends.append((q, _header(step, q, mbytes, marker, files), files))
+                sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files))
             except (TierfsError, OSError, ValueError) as e:
-                sends.append((q, _header(step, q, b"", b"", {}, error=f"{type(e).__name__}: {e}"), {}))
+                why = f"{type(e).__name__}: {e}"
+                sends.append((q, _wire.header(step, q, b"", b"", {}, error=why, limit=self.wire.max_header), {}))
         got: dict[str, Any] = {}
 
-        def accept(src: int, h: dict) -> tuple[Manifest, dict[str, np.ndarray]]:
-            m, mbytes, marker = _check_header(h, step, me)
+        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
+            m, mbytes, marker = _wire.check_header(h, step, me)
             got.update(manifest=m, mbytes=mbytes, marker=marker,
                        files={n: np.empty(size, dtype=np.uint8) for n, size in m.files.items()})
             return m, got["files"]
 
         incoming = [h for q, h in assign.items() if q == me]
-        errors = _transfer(g, sends, incoming, accept, None)
+        errors = _wire.transfer(g, sends, incoming, accept, None, self.wire)
         if not incoming:
             return None
         why = errors[incoming[0]]
         return why if why else (got["manifest"], got["mbytes"], got["marker"], got["files"])
-
-
-def _header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
-            error: str | None = None) -> bytes:
-    h = {"step": step, "rank": rank, "manifest": manifest.decode("latin-1"), "marker": marker.decode("latin-1"),
-         "error": error, "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}
-    raw = json.dumps(h).encode()
-    if len(raw) > _MAX_HEADER:  # the receiver would refuse it: say why instead
-        why = f"its header is {len(raw)} bytes, over {_MAX_HEADER}" + (f" ({error})" if error else "")
-        raw = json.dumps(h | {"manifest": "", "marker": "", "files": [], "error": why}).encode()
-    return raw
-
-
-def _check_header(h: dict, step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
-    """The manifest a peer announced for ``rank``'s shard of ``step``, checked against its marker."""
-    if h.get("error"):
-        raise TierfsError(f"the holder cannot send it ({h['error']})")
-    mbytes, marker_bytes = h["manifest"].encode("latin-1"), h["marker"].encode("latin-1")
-    marker = Marker.from_bytes(marker_bytes)
-    mname = manifest_filename(rank)
-    if h["step"] != step or h["rank"] != rank or marker.step != step or mname not in marker.manifests:
-        raise FormatError(f"a peer offered step {h['step']} rank {h['rank']} for step {step} rank {rank}")
-    if crc32c(mbytes) != marker.manifests[mname]:
-        raise FormatError(f"the manifest of rank {rank} step {step} does not match its commit marker")
-    m = Manifest.from_bytes(mbytes)
-    announced = {validate_filename(n): size for n, size in h["files"]}
-    if m.step != step or m.rank != rank or announced != m.files or list(announced) != list(m.files):
-        raise FormatError(f"a peer's files for rank {rank} step {step} do not match the manifest")
-    if not all(n.startswith(f"rank_{rank:05d}.") for n in announced) or not 0 <= rank < marker.world_size:
-        raise FormatError(f"a peer's files for rank {rank} step {step} are named for another rank")
-    return m, mbytes, marker_bytes
-
-
-def _transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
-              accept: Callable[[int, dict], tuple[Manifest, dict[str, np.ndarray]]],
-              pace: Callable[[int], None] | None) -> dict[int, str | None]:
-    """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
-    as it lands. A header goes in a first message of ``_FIRST`` bytes with its length; the rest of a longer
-    one follows only once its receiver agreed to its length (one out of range is refused before the rest
-    is sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
-    room = _FIRST - 8
-    first_in = [(s, np.zeros(_FIRST, dtype=np.uint8)) for s in incoming]
-    g.exchange([(t, framed(h, _FIRST)) for t, h, _ in sends], first_in)
-    lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
-    errors: dict[int, str | None] = {
-        s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
-        for s, n in lengths.items() if not 0 < n <= _MAX_HEADER}
-    long_out = [(t, h) for t, h, _ in sends if len(h) > room]
-    long_in = [s for s in incoming if lengths[s] > room]
-    rest_in: dict[int, np.ndarray] = {}
-    if long_out or long_in:  # only the pairs with a long header take these two rounds
-        for s in long_in:
-            if s not in errors:
-                try:  # before saying yes: a sender told to go must find its receive posted
-                    rest_in[s] = np.empty(lengths[s] - room, dtype=np.uint8)
-                except MemoryError:
-                    errors[s] = f"MemoryError: no memory for the {lengths[s]}-byte header of rank {s}"
-        go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _ in long_out]
-        g.exchange([(s, np.array([s in rest_in], dtype=np.uint8)) for s in long_in], go_in)
-        g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
-                    if go[0]], list(rest_in.items()))
-    bufs: dict[int, dict[str, np.ndarray]] = {}
-    manifests: dict[int, Manifest] = {}
-    for s, first in first_in:
-        if errors.get(s):
-            continue
-        try:
-            raw = first[8:8 + min(lengths[s], room)].tobytes() + (rest_in[s].tobytes() if s in rest_in else b"")
-            h = json.loads(raw)
-            manifests[s], bufs[s] = accept(s, h)
-            errors[s] = None
-        except Exception as e:  # noqa: BLE001 - between rounds: the sender hears of it in the next one
-            errors[s] = f"{type(e).__name__}: {e}"
-    ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
-    ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
-    g.exchange(ok_out, ok_in)
-    data_out = [(t, chunk) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0]
-                for f in files.values() for chunk in _chunks(_copy.as_u8(f))]
-    checks = {(s, name): _FileCheck(manifests[s], name) for s in incoming if errors[s] is None for name in bufs[s]}
-    data_in = [(s, name, buf, i) for s in incoming if errors[s] is None for name, buf in bufs[s].items()
-               for i, _ in enumerate(_chunks(buf))]
-
-    def landed(k: int) -> None:
-        s, name, buf, i = data_in[k]
-        if errors[s] is None:
-            try:
-                checks[s, name].feed(buf, i * CHUNK, min(buf.size, (i + 1) * CHUNK))
-            except TierfsError as e:
-                errors[s] = f"{type(e).__name__}: {e}"
-
-    g.exchange(data_out, [(s, chunk) for s in incoming if errors[s] is None for buf in bufs[s].values()
-                          for chunk in _chunks(buf)], pace=pace, on_received=landed)
-    for (s, name), check in checks.items():  # blocks no chunk reached (empty files)
-        if errors[s] is None:
-            try:
-                check.feed(bufs[s][name], bufs[s][name].size, bufs[s][name].size)
-            except TierfsError as e:
-                errors[s] = f"{type(e).__name__}: {e}"
-    return errors
-
-
-def _chunks(buf: np.ndarray) -> list[np.ndarray]:
-    return [buf[i:i + CHUNK] for i in range(0, buf.size, CHUNK)]
-
-
-class _FileCheck:
-    """Checks one shard file's blocks as its chunks land, in order, each chunk while it is in cache."""
-
-    def __init__(self, manifest: Manifest, name: str) -> None:
-        self.name = name
-        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], e.name) for e in manifest.entries
-                             if e.kind == "array" and e.file == name
-                             for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
-        self.next, self.crc = 0, 0
-
-    def feed(self, buf: np.ndarray, start: int, end: int) -> None:
-        """Bytes ``start:end`` of the file have landed (every byte before them already has)."""
-        while self.next < len(self.blocks):
-            lo, hi, want, entry = self.blocks[self.next]
-            if lo >= end and not (lo == hi == end):
-                return
-            if max(lo, start) < min(hi, end):
-                self.crc = crc32c(buf[max(lo, start):min(hi, end)], self.crc)
-            if hi > end:
-                return
-            if self.crc != want:
-                raise ChecksumError(f"checksum mismatch in {entry!r} ({self.name} bytes {lo}-{hi}): stored "
-                                    f"{want:#010x}, received {self.crc:#010x}")
-            self.next, self.crc = self.next + 1, 0

@@ -1,0 +1,105 @@
+"""The parts of a store that its save path, restore path and retention share.
+
+:class:`Parts` holds the tiers in their roles (the first tier, the slower file tiers, the replicator),
+the job's ranks and the store's groups, the ledger, the background workers and the throttle, and answers
+the questions every path asks: which rank owns a tier's commits and deletions, which manifests must be
+on a tier before its marker, how a background copy paces its bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .. import _hooks
+from .._worker import Throttle, Worker
+from ..dist import Group
+from ..format import Marker, manifest_filename
+from ..tiers.base import Holder, Replicator, Tier
+from .ledger import StepLedger
+
+log = logging.getLogger("tierfs")
+
+
+@dataclass
+class Parts:
+    """Everything a store's paths share (built by :class:`~tierfs.TieredStore`)."""
+
+    tiers: list[Holder]  # every tier, fastest first: the first is a file tier
+    group: Group
+    ledger: StepLedger
+    throttle: Throttle
+    commits: Worker  # commits and the first tier's upkeep, in order
+    copies: dict[str, Worker]  # one per slower tier: a slow upload never holds back the replicas
+    commit_group: Group  # the commit worker's collectives
+    copy_groups: dict[str, Group]  # each slower file tier's copy worker's collectives
+    threads: int | None
+    file_size: int
+    block_size: int
+    clock: Callable[[], float] = time.time
+    replicator: Replicator | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        reps = [t for t in self.tiers if isinstance(t, Replicator)]
+        self.replicator = reps[0] if reps else None
+
+    @property
+    def first(self) -> Tier:
+        t = self.tiers[0]
+        assert isinstance(t, Tier)
+        return t
+
+    def tier(self, name: str) -> Holder:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
+
+    def usable(self, names: Sequence[str] | None) -> list[Holder]:
+        """The named tiers in the order given (default: all, fastest first)."""
+        return list(self.tiers) if names is None else [self.tier(n) for n in dict.fromkeys(names)]
+
+    def refresh(self) -> None:
+        """Re-list every tier (steps written by other processes become visible)."""
+        for t in self.tiers:
+            try:
+                steps: set[int] | None = set(t.committed_steps())
+            except Exception as e:  # noqa: BLE001 - an unreachable tier: keep what we knew, say so
+                log.warning("tier %s cannot be listed (%s); using the steps known to this process", t.name, e)
+                steps = None
+            self.ledger.listed(t.name, steps)
+
+    def owns(self, tier: Holder) -> bool:
+        """Whether this rank commits and deletes whole steps on ``tier``: per node for local tiers, rank 0
+        for shared ones; on a replicator each rank its own copies."""
+        if isinstance(tier, Replicator):
+            return True
+        return (self.group.local_rank if tier.is_local else self.group.rank) == 0
+
+    def expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, int | None]:
+        """The manifests that must be on ``tier`` before its marker: this node's ranks' on a local tier,
+        every rank's on a shared one."""
+        if tier.is_local:
+            return {manifest_filename(r): None for r in self.group.node_ranks}
+        return {n: None for n in marker.manifests}
+
+    def pace(self, step: int, tier: str) -> Callable[[int], None]:
+        """The throttle of a background copy of ``step`` to ``tier`` (with its test hook)."""
+        def pace(nbytes: int) -> None:
+            _hooks.at("transfer", step=step, tier=tier, nbytes=nbytes)
+            self.throttle.consume(nbytes)
+        return pace
+
+    def close(self) -> None:
+        self.commits.close()
+        for w in self.copies.values():
+            w.close()
+
+    def join(self) -> None:
+        """Wait until every background job submitted so far has run."""
+        self.commits.join()
+        for w in self.copies.values():
+            w.join()
+

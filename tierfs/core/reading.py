@@ -1,0 +1,266 @@
+"""Reading a rank's shard from a tier: verified, then copied once into where the caller wants it.
+
+A :class:`Sink` says where a shard's entries go: new arrays (``restore``), the caller's arrays in place
+(``restore_into``), or read-only views handed to a callback (``read_entries``, e.g. DCP's reader). Every
+read checks the manifest against the marker and every block of the wanted entries against the manifest
+before its bytes are used. :meth:`Reader.first_verified` is the one loop that tries tiers fastest first,
+logs each one skipped and why, and goes on.
+
+Nothing here is collective: any rank may read any rank's shard (the DCP reader reshards that way).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from .. import _copy, state as st
+from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..format import MARKER, Entry, Manifest, Marker
+from ..protocol import checked_manifest, verify_shard
+from ..tiers.base import Tier
+from .parts import Parts
+
+log = logging.getLogger("tierfs")
+T = TypeVar("T")
+#: errors that make one tier's copy unusable (the next source is tried)
+UNUSABLE = (TierfsError, OSError, ValueError, KeyError)
+Skipped = list[tuple[str, int, str]]  # (tier, step, reason)
+
+
+@dataclass
+class Shard:
+    """One rank's shard of a step as read from some source; kept until a restore has re-seeded peers."""
+
+    manifest: Manifest
+    mbytes: bytes
+    marker: bytes
+    files: Mapping[str, Any]
+
+
+class Sink:
+    """Where a shard's entries go. ``wanted`` names the entries to read (None: all); a ``partial`` sink
+    needs only the files holding them (a restore reads every file: they may re-seed peers)."""
+
+    wanted: set[str] | None = None
+    partial = False
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def json(self, e: Entry) -> None:
+        self.values[e.name] = e.value
+
+    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
+        """Where the verified bytes ``src`` of array entry ``e`` are copied (None: nowhere). ``tier`` is
+        where they were read (None: received into this process, from a peer)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After every copy: move values that could not be written in place."""
+
+    def reset(self) -> None:
+        """A source failed midway: forget what it delivered."""
+        self.values.clear()
+
+
+class NewArrays(Sink):
+    """New arrays/tensors; with ``zero_copy``, read-only views of a zero-copy tier's files instead."""
+
+    def __init__(self, zero_copy: bool = False) -> None:
+        super().__init__()
+        self.zero_copy = zero_copy
+
+    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
+        if self.zero_copy and tier is not None and tier.zero_copy:
+            view = tier.export(step, e.file)[e.offset:e.offset + e.length]
+            view.flags.writeable = False
+            self.values[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
+            return None
+        obj, raw = st.allocate(e.lib, e.dtype, e.shape)
+        self.values[e.name] = obj
+        return raw
+
+
+class InPlace(Sink):
+    """The arrays/tensors of a nested state, overwritten in place (others are replaced)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.slots: dict[str, tuple[Any, Any]] = {}
+
+        def walk(d: Any, prefix: str) -> None:
+            for k, v in d.items():
+                if isinstance(v, Mapping):
+                    walk(v, f"{prefix}{k}{st.SEP}")
+                else:
+                    self.slots[f"{prefix}{k}"] = (d, k)
+        walk(state, "")
+        self.wanted = set(self.slots)
+        self._after: list[Callable[[], Any]] = []
+
+    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
+        parent, key = self.slots[e.name]
+        target = parent[key]
+        raw = st.target_view(e.name, target, e.lib, e.dtype, e.shape)
+        if raw is not None:
+            return raw
+        tmp, traw = st.allocate(e.lib, e.dtype, e.shape)
+        if st.is_tensor(target):
+            self._after.append(lambda: target.copy_(tmp))
+        elif isinstance(target, np.ndarray):
+            self._after.append(lambda: np.copyto(target, tmp))
+        else:
+            self._after.append(lambda: parent.__setitem__(key, tmp))
+        return traw
+
+    def finish(self) -> None:
+        for fn in self._after:
+            fn()
+        self._after.clear()
+        for name, v in self.values.items():  # JSON values
+            parent, key = self.slots[name]
+            parent[key] = v
+
+    def reset(self) -> None:
+        super().reset()
+        self._after.clear()
+
+
+class Views(Sink):
+    """``{name: (entry, value)}``: read-only views of the tier's bytes for arrays (valid while the tier's
+    files are pinned), the value for JSON entries."""
+
+    partial = True
+
+    def __init__(self, wanted: Sequence[str] | None) -> None:
+        super().__init__()
+        self.wanted = None if wanted is None else set(wanted)
+
+    def json(self, e: Entry) -> None:
+        self.values[e.name] = (e, e.value)
+
+    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
+        self.values[e.name] = (e, src)
+        return None
+
+
+def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
+    """A target with entries the checkpoint lacks is the caller's mistake, not a damaged copy."""
+    missing = wanted - {e.name for e in manifest.entries} if wanted is not None else set()
+    if missing:
+        raise StateMismatchError(f"target state has entries the checkpoint lacks (step {manifest.step} rank "
+                                 f"{manifest.rank}): {sorted(missing)[:5]}")
+
+
+def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
+    """Verify every block of the shard's wanted entries and copy them into the sink (no sink: verify the
+    whole shard, copy nothing). ``tier`` is where the shard was read (None: received from a peer)."""
+    manifest = shard.manifest
+    if sink is None:
+        _copy.verify(manifest, shard.files, threads)
+        return
+    check_wanted(manifest, sink.wanted)
+    raw = _copy.shard_views(manifest, shard.files)
+    jobs = []
+    for e in manifest.entries:
+        if sink.wanted is not None and e.name not in sink.wanted:
+            continue
+        if e.kind == "json":
+            sink.json(e)
+            continue
+        src = raw[e.file][e.offset:e.offset + e.length]
+        jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c))
+    _copy.run(jobs, threads)
+    sink.finish()
+
+
+class Reader:
+    """Reads of committed steps, without collectives."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+
+    def read_shard(self, tier: Tier, step: int, rank: int, sink: Sink | None) -> Shard:
+        """Rank ``rank``'s shard of ``step`` from ``tier``, verified and delivered to ``sink``."""
+        with self.parts.ledger.pinned(tier.name, step):
+            marker = bytes(tier.read_file(step, MARKER))
+            manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
+            if sink is not None:
+                check_wanted(manifest, sink.wanted)  # before reading: a wrong target costs no download
+            names = list(manifest.files)
+            if sink is not None and sink.partial and sink.wanted is not None:  # the files holding wanted arrays
+                names = sorted({e.file for e in manifest.entries if e.kind == "array" and e.name in sink.wanted})
+            shard = Shard(manifest, mbytes, marker, tier.read_files(step, names) if names else {})
+            fill(tier, step, shard, sink, self.parts.threads)
+            return shard
+
+    def first_verified(self, tiers: Sequence[Tier], step: int, read: Callable[[Tier], T], skipped: Skipped,
+                       what: str = "") -> tuple[Tier, T] | None:
+        """``(tier, read(tier))`` for the first of ``tiers`` (fastest first) whose copy of ``step`` reads and
+        verifies; each one skipped is logged and recorded in ``skipped``. A StateMismatchError (the
+        caller's target is wrong, not the copy) is raised at once. None when every tier failed."""
+        for t in tiers:
+            try:
+                return t, read(t)
+            except StateMismatchError:
+                raise
+            except UNUSABLE as e:
+                why = f"{type(e).__name__}: {e}"
+                log.warning("tier %s step %d%s unusable, trying the next source (%s)", t.name, step, what, why)
+                skipped.append((t.name, step, why))
+        return None
+
+    def holding(self, step: int, tiers: Sequence[str] | None) -> list[Tier]:
+        """The file tiers among ``tiers`` (default: all) holding a committed copy of ``step``."""
+        usable = self.parts.usable(tiers)
+        self.parts.refresh()
+        held = [t for t in usable if isinstance(t, Tier) and step in self.parts.ledger.holding(t.name)]
+        if not held:
+            raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]}")
+        return held
+
+    def read_marker(self, step: int, tiers: Sequence[str] | None = None) -> Marker:
+        skipped: Skipped = []
+        found = self.first_verified(self.holding(step, tiers), step, lambda t: t.read_marker(step), skipped)
+        if found is None:
+            raise RestoreError(f"step {step}: no readable commit marker ({_reasons(skipped)})")
+        return found[1]
+
+    def read_manifest(self, step: int, rank: int, tiers: Sequence[str] | None = None) -> tuple[Manifest, str]:
+        def read(t: Tier) -> Manifest:
+            with self.parts.ledger.pinned(t.name, step):
+                return checked_manifest(t, step, rank)[0]
+        skipped: Skipped = []
+        found = self.first_verified(self.holding(step, tiers), step, read, skipped, f" rank {rank}")
+        if found is None:
+            raise RestoreError(f"step {step}: no tier holds a verified manifest of rank {rank} "
+                               f"({_reasons(skipped)})")
+        return found[1], found[0].name
+
+    def read_entries(self, step: int, rank: int, names: Sequence[str] | None, tiers: Sequence[str] | None,
+                     consume: Callable[[Mapping[str, tuple[Entry, Any]], str], None]) -> tuple[str, Skipped]:
+        """See :meth:`TieredStore.read_entries`."""
+        skipped: Skipped = []
+        wanted = None if names is None else list(dict.fromkeys(names))
+        for t in self.holding(step, tiers):
+            sink = Views(wanted)
+            with self.parts.ledger.pinned(t.name, step):
+                if self.first_verified([t], step, lambda t: self.read_shard(t, step, rank, sink), skipped,
+                                       f" rank {rank}") is not None:
+                    consume(sink.values, t.name)  # while the tier's files are pinned
+                    return t.name, skipped
+        raise RestoreError(f"step {step} rank {rank}: no tier holds a verified copy ({_reasons(skipped)})")
+
+    def verify(self, step: int, tier: Tier) -> Manifest:
+        """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
+        manifest, _ = checked_manifest(tier, step, self.parts.group.rank)
+        verify_shard(tier, step, manifest, threads=self.parts.threads)
+        return manifest
+
+
+def _reasons(skipped: Skipped) -> str:
+    return "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)

@@ -1,0 +1,304 @@
+"""Restore: every rank gets its shard of the newest step every rank can get, each from the fastest source
+holding a verified copy; all ranks move on to an older step together when any rank cannot.
+
+1. One gather (:func:`gather_plan`) tells every rank which steps each rank can read from its own tiers
+   and which ranks keep a replica of each rank's shard: the :class:`RestorePlan`, the same on every rank.
+2. For each step the plan offers, newest first, this rank tries its own tiers before the replicator,
+   fastest first; then every rank takes part while those still without their shard fetch it from a
+   holder (the load spread over holders, a bad copy sends them to the next); then the tiers after it.
+3. Every rank says how it went: a caller's mistake (a target that does not match) is raised on every
+   rank; if any rank has no verified copy, all go to the next older step.
+4. The step restored: ``localize`` writes shards read from elsewhere into the first tier, and ranks that
+   lost the replicas they kept for others (a replaced node) get them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _copy
+from ..dist import agree
+from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..format import Marker, manifest_filename
+from ..protocol import commit, common_steps
+from ..tiers.base import Holder, Replicator, Tier
+from ..tiers.peer import plan_fetch
+from .parts import Parts
+from .reading import Reader, Shard, Sink, Skipped, fill
+
+log = logging.getLogger("tierfs")
+
+
+@dataclass
+class RestoreInfo:
+    """What a restore did: which tier served which step, what was skipped and why, and how fast."""
+
+    step: int
+    tier: str
+    nbytes: int
+    seconds: float
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (tier, step, reason)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)  # entries in the checkpoint not in the target state
+    peer: int | None = None  # the rank that sent this rank's shard, when it came from the peer tier
+    #: every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}`` (the same on every rank)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        s = f"step {self.step} from tier {self.tier!r}"
+        s += f" (rank {self.peer})" if self.peer is not None else ""
+        s += f": {self.nbytes / 1e6:.1f} MB in {self.seconds:.3f}s"
+        for tier, step, why in self.skipped:
+            s += f"; skipped {tier!r} step {step}: {why}"
+        return s
+
+
+@dataclass
+class RestorePlan:
+    """What one gather told every rank (the same on every rank).
+
+    ``own[r]`` are the steps rank ``r`` can read from its own tiers; ``holders[(step, r)]`` the ranks
+    that keep a replica of rank ``r``'s shard of ``step``; ``local`` (this rank's alone) the steps each of
+    its file tiers holds.
+    """
+
+    own: list[set[int]]
+    holders: dict[tuple[int, int], list[int]]
+    local: dict[str, set[int]]
+
+    @property
+    def every(self) -> set[int]:
+        """Every step some rank can read or some replica holds."""
+        return set().union(*self.own, (s for s, _ in self.holders))
+
+    def gettable(self, step: int, rank: int) -> bool:
+        return step in self.own[rank] or (step, rank) in self.holders
+
+    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
+        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get."""
+        ranks = range(len(self.own))
+        common = {s for s in self.every if all(self.gettable(s, r) for r in ranks)}
+        if step is not None:
+            if step not in common:
+                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank; "
+                                        f"available: {sorted(common)[-10:]}")
+            return [step]
+        if not common:
+            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
+        return sorted(common, reverse=True)
+
+    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
+        return [(r, t) for r in range(len(self.own)) for t in targets[r]
+                if t not in self.holders.get((step, r), [])]
+
+
+def gather_plan(parts: Parts, usable: Sequence[Holder]) -> RestorePlan:
+    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others."""
+    parts.refresh()
+    local = {t.name: parts.ledger.holding(t.name) for t in usable if isinstance(t, Tier)}
+    mine = set().union(*local.values())
+    rep = next((t for t in usable if isinstance(t, Replicator)), None)
+    held = rep.holdings() if rep is not None else {}
+    views = parts.group.all_gather([sorted(mine), [[s, r] for s, rs in held.items() for r in rs]])
+    holders: dict[tuple[int, int], list[int]] = {}
+    for h, (_, kept) in enumerate(views):
+        for s, r in kept:
+            holders.setdefault((s, r), []).append(h)
+    return RestorePlan([set(v[0]) for v in views], holders, local)
+
+
+class Restore:
+    """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
+
+    def __init__(self, parts: Parts, reader: Reader, usable: Sequence[Holder], sink: Sink | None) -> None:
+        self.parts, self.reader, self.sink = parts, reader, sink
+        self.usable = list(usable)
+        cut = next((i for i, t in enumerate(self.usable) if isinstance(t, Replicator)), len(self.usable))
+        self.before = [t for t in self.usable[:cut] if isinstance(t, Tier)]  # this rank's own, fastest first
+        self.replicator = self.usable[cut] if cut < len(self.usable) else None
+        self.after = [t for t in self.usable[cut + 1:] if isinstance(t, Tier)]
+        self.skipped: Skipped = []
+
+    def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
+        g = self.parts.group
+        plan = gather_plan(self.parts, self.usable)
+        names = [t.name for t in self.usable]
+        order = plan.steps(step, names)
+        for s in order:
+            got, mismatch = self._try(s, plan)
+            kinds = agree(g, got is not None, mismatch, f"restore step {s}", classify=_kind)
+            if got is not None and not all(kinds):  # all go back together
+                self.skipped.append((got[0].tier, s, "another rank could not restore this step"))
+                got = None
+            if got is not None:
+                return self._finish(s, plan, *got, adopt=adopt, newest=step is None)
+            if self.sink is not None:
+                self.sink.reset()
+        reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
+        raise RestoreError(f"no tier holds a verified copy ({reasons})")
+
+    # -- one step -----------------------------------------------------------------------------------
+    def _try(self, s: int, plan: RestorePlan) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+        """This rank's part of step ``s``: its own tiers, then (all ranks together) peers, then the tiers
+        after the replicator. Returns ``((info, shard) or None, error to raise on every rank)``; never
+        raises between collectives."""
+        got, mismatch = None, None
+        try:
+            got = self._from_tiers(s, self.before, plan)
+        except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
+            mismatch = e
+        if self.replicator is not None:
+            assert isinstance(self.replicator, Replicator)
+            got, mismatch = self._from_peers(s, plan, self.replicator, got, mismatch)
+        if got is None and mismatch is None:
+            try:
+                got = self._from_tiers(s, self.after, plan)
+            except Exception as e:  # noqa: BLE001 - as above
+                mismatch = e
+        return got, mismatch
+
+    def _from_tiers(self, s: int, tiers: Sequence[Tier], plan: RestorePlan) -> tuple[RestoreInfo, Shard] | None:
+        """This rank's shard of ``s`` from the first of ``tiers`` holding a copy that verifies, or None."""
+        def read(t: Tier) -> tuple[Shard, float]:
+            t0 = time.perf_counter()
+            try:
+                return self.reader.read_shard(t, s, self.parts.group.rank, self.sink), time.perf_counter() - t0
+            except BaseException:
+                if self.sink is not None:
+                    self.sink.reset()
+                raise
+        found = self.reader.first_verified([t for t in tiers if s in plan.local[t.name]], s, read, self.skipped)
+        if found is None:
+            return None
+        tier, (shard, seconds) = found
+        return self._info(s, tier.name, shard, seconds), shard
+
+    def _from_peers(self, s: int, plan: RestorePlan, rep: Replicator, got: Any, mismatch: BaseException | None
+                    ) -> tuple[Any, BaseException | None]:
+        """Ranks still without their shard get it from a peer that keeps a copy; every rank takes part
+        (holders send). Holders that fail are dropped and the next one tried."""
+        g = self.parts.group
+        needs = g.all_gather(got is None and mismatch is None)
+        tried: set[tuple[int, int]] = set()
+        while True:
+            options = {r: [h for h in plan.holders.get((s, r), []) if (r, h) not in tried]
+                       for r, need in enumerate(needs) if need}
+            assign = plan_fetch({r: hs for r, hs in options.items() if hs})
+            if not assign:
+                return got, mismatch
+            t0 = time.perf_counter()
+            with self.parts.ledger.pinned(rep.name, s):  # retention must not delete what a holder sends
+                res = rep.fetch(s, assign)
+            if isinstance(res, tuple):
+                manifest, mbytes, marker, files = res
+                try:
+                    shard = Shard(manifest, mbytes, marker, files)
+                    fill(None, s, shard, self.sink, self.parts.threads)
+                    info = self._info(s, rep.name, shard, time.perf_counter() - t0)
+                    info.peer = assign[g.rank]
+                    got = (info, shard)
+                except (TierfsError, ValueError, KeyError) as e:
+                    if isinstance(e, StateMismatchError):  # the target is wrong, not the copy: stop here
+                        mismatch = e
+                    res = f"{type(e).__name__}: {e}"
+                except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
+                    mismatch, res = e, f"{type(e).__name__}: {e}"
+                if isinstance(res, str) and self.sink is not None:
+                    self.sink.reset()
+            if isinstance(res, str):
+                why = f"from rank {assign[g.rank]}: {res}"
+                log.warning("tier %s step %d: the copy %s is unusable, trying another source", rep.name, s, why)
+                self.skipped.append((rep.name, s, why))
+            ok = not isinstance(res, str)
+            for r, good in enumerate(g.all_gather(ok or mismatch is not None)):
+                if r in assign:
+                    tried.add((r, assign[r]))
+                    if good:
+                        needs[r] = False
+
+    def _info(self, s: int, tier: str, shard: Shard, seconds: float) -> RestoreInfo:
+        m = shard.manifest
+        info = RestoreInfo(s, tier, m.nbytes, seconds, self.skipped, m.metadata, m.metrics)
+        if self.sink is not None and self.sink.wanted is not None:
+            info.unused = sorted({e.name for e in m.entries} - self.sink.wanted)
+        return info
+
+    # -- after the step is chosen -------------------------------------------------------------------
+    def _finish(self, s: int, plan: RestorePlan, info: RestoreInfo, shard: Shard, *, adopt: bool,
+                newest: bool) -> RestoreInfo:
+        g = self.parts.group
+        if g.world_size > 1:
+            info.ranks = g.all_gather({"rank": g.rank, "tier": info.tier, "peer": info.peer,
+                                       "nbytes": info.nbytes, "seconds": info.seconds})
+        log.info("restored %s", info)
+        if adopt:
+            self._adopt(s, info, shard)
+        if isinstance(self.replicator, Replicator):
+            self._reseed(self.replicator, s, plan, shard)
+        if newest:
+            stale = {x for x in plan.every if x > s}
+            self.parts.ledger.pass_over(stale)
+            if stale:
+                log.warning("steps %s could not be restored for every rank and were passed over; saving them "
+                            "again replaces them", sorted(stale))
+        return info
+
+    def _adopt(self, s: int, info: RestoreInfo, shard: Shard) -> None:
+        """Write a shard read from elsewhere into the first tier; each node's owner commits it there once
+        all of the node's ranks have theirs (collective). A failure only costs speed: it is logged."""
+        p = self.parts
+        first = p.first
+        wrote = False
+        if info.tier != first.name:
+            try:
+                bufs = first.stage(s, shard.manifest.files)
+                for name, data in _copy.shard_views(shard.manifest, shard.files).items():
+                    np.copyto(bufs[name], data)
+                first.write_staged(s)
+                first.write_file(s, manifest_filename(p.group.rank), shard.mbytes)
+                wrote = True
+            except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
+                first.discard_staged(s)
+                log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
+        wrote_by = p.group.all_gather(wrote)
+        if p.owns(first) and any(wrote_by[r] for r in p.group.node_ranks):
+            marker = Marker.from_bytes(shard.marker)
+            try:
+                commit(first, s, shard.marker, p.expected_manifests(first, marker))
+            except (TierfsError, OSError) as e:
+                log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
+        p.group.barrier()
+        p.refresh()
+
+    def _reseed(self, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:
+        """After restoring the newest step, give ranks that lost their replicas (a replaced node) the
+        copies they kept for others again."""
+        if any(step > s for step, _ in plan.holders):
+            return  # peers keep a newer step: that one matters
+        pairs = plan.lost_replicas(s, rep.targets)
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        failed = rep.replicate(s, shard.marker, shard.mbytes, shard.files, pairs=pairs, role="main")
+        if failed:
+            log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
+            return
+        if rep.holdings().get(s):
+            self.parts.ledger.stored(rep.name, s)
+        log.info("step %d: re-seeded %d peer copies in %.2fs", s, len(pairs), time.perf_counter() - t0)
+
+
+def _kind(e: BaseException) -> type[TierfsError]:
+    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch."""
+    return StateMismatchError if isinstance(e, StateMismatchError) else TierfsError

@@ -1,0 +1,266 @@
+"""The save path: stage, commit, hand on.
+
+1. **Stage** (the caller's thread): flatten the state, plan its shard files, copy every array into the
+   first tier's staged buffers (the RAM tier's reused mappings), with block checksums when blocking.
+2. **Commit** (the commit worker, in order; the caller waits for it when blocking): checksums if not yet
+   done, this rank's manifest, then every rank agrees and the owner of the first tier writes the marker.
+3. **Hand on** (one copy worker per slower tier): each slower tier whose save policy took the step gets
+   it, an upload verified and marker last, or one replication exchange between all ranks; then
+   retention. A step staged only to be copied on leaves the first tier once every copy is done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .. import _copy, state as st
+from ..dist import agree, agreement
+from ..errors import StepExistsError, TierfsError
+from ..format import Entry, Manifest, Marker, crc32c, manifest_filename, plan_files
+from ..policies import SaveContext, StepInfo
+from ..protocol import check_complete, checked_manifest, commit, copy_shard
+from ..tiers.base import Holder, Replicator, Tier
+from .parts import Parts
+from .retention import Retention
+
+log = logging.getLogger("tierfs")
+
+
+@dataclass
+class Staged:
+    """A step staged in the first tier, waiting for its checksums and commit."""
+
+    manifest: Manifest
+    buffers: list[np.ndarray]  # one per array entry, in manifest order
+    crcs: list[list[int]] | None
+
+
+class SavePath:
+    """Saves of one store (see the module docstring)."""
+
+    def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None]) -> None:
+        self.parts, self.retention = parts, retention
+        self._wait_until_finished = wait_until_finished
+
+    # -- choosing the tiers -------------------------------------------------------------------------
+    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
+        """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
+        now = self.parts.clock()
+        return [t for t in self.parts.tiers if force or t.save_policy.should_save(
+            SaveContext(step=step, time=now, previous=self.parts.ledger.previous(t.name), preempted=preempted))]
+
+    def _make_room(self, step: int, chosen: list[Holder], max_in_flight: int, when_busy: str) -> list[Holder]:
+        """Apply the in-flight bound: wait, or drop the slow tiers for this step."""
+        first = self.parts.first
+        skip = when_busy == "skip" and self.parts.ledger.in_flight() >= max_in_flight
+        if skip:
+            slow = [t.name for t in chosen if t is not first]
+            if slow:
+                log.warning("step %d: %d saves still in flight, skipping it on %s", step,
+                            self.parts.ledger.in_flight(), slow)
+            chosen = [t for t in chosen if t is first]
+        if chosen:
+            self.parts.ledger.wait_for_room(max_in_flight, uncommitted_only=skip)
+        return chosen
+
+    # -- save ---------------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
+             metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
+             max_in_flight: int, when_busy: str) -> bool:
+        p = self.parts
+        chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted), max_in_flight,
+                                 when_busy)
+        if p.ledger.busy(step):
+            raise StepExistsError(f"step {step} is still being saved; save a new step")
+        holders = p.ledger.holders(step)
+        if p.group.world_size > 1:  # every rank does what rank 0 decided (clocks and RAM tiers differ)
+            views = p.group.all_gather([[t.name for t in chosen], holders])
+            chosen = [p.tier(n) for n in views[0][0]]
+            holders = sorted({n for _, h in views for n in h})
+        if not chosen:
+            return False
+        first = p.first
+        if p.ledger.replaces(step) and holders:
+            log.info("step %d: replacing the copies on %s left from before the restore", step, holders)
+            overwrite = True
+        if holders and not overwrite:
+            raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
+                                  "replace it or save a new step")
+        if holders:
+            self._wait_until_finished()
+            for name in holders:
+                self.retention.delete(p.tier(name), step)
+        try:
+            leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
+            staged = self._stage(step, leaves, metadata, metrics, checksum=blocking)
+        except BaseException as e:
+            if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
+                def abort(e: BaseException = e) -> None:
+                    try:
+                        agree(p.commit_group, None, e, f"commit step {step}")
+                    except BaseException:  # noqa: BLE001 - already raised to the caller
+                        pass
+                p.commits.submit(abort)
+            raise
+        p.ledger.begin(step, StepInfo(step, p.clock(), dict(metrics or {})), [t.name for t in chosen],
+                       transient=first not in chosen)
+        slow = [t for t in chosen if t is not first]
+        if not blocking:
+            p.commits.submit(lambda: self._commit(staged, slow))
+        elif p.group.world_size == 1:
+            self._commit(staged, slow)
+        else:  # commits of all ranks go through the commit worker, in order
+            failed: list[BaseException] = []
+            done = threading.Event()
+
+            def commit_now() -> None:
+                try:
+                    self._commit(staged, slow)
+                except BaseException as e:  # noqa: BLE001 - raised in the caller below
+                    failed.append(e)
+                finally:
+                    done.set()
+            p.commits.submit(commit_now)
+            done.wait()
+            if failed:
+                raise failed[0]
+        return True
+
+    def _stage(self, step: int, leaves: list[st.Leaf], metadata: Mapping[str, Any] | None,
+               metrics: Mapping[str, Any] | None, checksum: bool) -> Staged:
+        """Copy the arrays into the first tier's buffers (with block checksums when ``checksum``)."""
+        p, first = self.parts, self.parts.first
+        rank = p.group.rank
+        arrays = [lf for lf in leaves if lf.kind == "array"]
+        placement, files = plan_files([lf.nbytes for lf in arrays], rank, p.file_size)
+        meta, mets = _jsonable(metadata, "metadata"), _jsonable(metrics, "metrics")
+        bufs = first.stage(step, files)  # raises CapacityError before anything is written
+        try:
+            jobs = [_copy.Job(lf.name, lf.data, bufs[f][o:o + lf.nbytes], p.block_size)  # type: ignore[arg-type]
+                    for lf, (f, o) in zip(arrays, placement)]
+            crcs = _copy.run(jobs, p.threads, checksum=checksum)
+        except BaseException:
+            first.discard_staged(step)
+            raise
+        where = iter(placement)
+        entries = []
+        for lf in leaves:
+            if lf.kind == "json":
+                entries.append(Entry(lf.name, "json", value=lf.value))
+            else:
+                f, o = next(where)
+                entries.append(Entry(lf.name, "array", lf.lib, lf.dtype, list(lf.shape), f, o, lf.nbytes))
+        manifest = Manifest(step, rank, p.group.world_size, entries, files, p.block_size, metadata=meta,
+                            metrics=mets)
+        return Staged(manifest, [j.dst for j in jobs if j.dst is not None], crcs if checksum else None)
+
+    def _commit(self, staged: Staged, slow: list[Holder]) -> None:
+        """Checksums (if not done while copying), manifest, marker; then hand on to the slow tiers."""
+        p, first, manifest = self.parts, self.parts.first, staged.manifest
+        step, rank = manifest.step, manifest.rank
+        try:
+            with agreement(p.commit_group, f"commit step {step}", outcome="not committed") as vote:
+                try:
+                    arrays = [e for e in manifest.entries if e.kind == "array"]
+                    crcs = staged.crcs if staged.crcs is not None else _copy.run(
+                        [_copy.Job(e.name, buf, None, p.block_size) for e, buf in zip(arrays, staged.buffers)],
+                        1)  # leave training a core
+                    for e, c in zip(arrays, crcs):
+                        e.crc32c = c
+                    first.write_staged(step)
+                    mbytes = manifest.to_bytes()
+                    first.write_file(step, manifest_filename(rank), mbytes)
+                    check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
+                    vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes]
+                except BaseException:
+                    first.discard_staged(step)
+                    raise
+            parts = vote.results
+            marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
+            if p.owns(first):
+                commit(first, step, marker.to_bytes(), p.expected_manifests(first, marker))
+            p.commit_group.barrier()
+        except BaseException:
+            p.ledger.abandon(step)
+            raise
+        p.ledger.committed(step, first.name, len(slow))
+        for t in slow:
+            p.ledger.pin(first.name, step)
+            p.copies[t.name].submit(lambda t=t: self._hand_on(step, t, marker))  # type: ignore[misc]
+        p.ledger.done(step)
+        self.retention.apply(first)
+        p.commits.submit(lambda: first.prepare(step, manifest.files))  # pre-fault the next step's buffers
+
+    # -- hand on ------------------------------------------------------------------------------------
+    def _hand_on(self, step: int, dst: Holder, marker: Marker) -> None:
+        """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
+        bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
+        p, first = self.parts, self.parts.first
+        stored = False
+        try:
+            stored = self._replicate(step, dst, marker) if isinstance(dst, Replicator) else \
+                self._upload(step, dst, marker)  # type: ignore[arg-type]
+        finally:
+            p.ledger.copied(dst.name, step, stored)
+            p.ledger.unpin(first.name, step)
+            p.ledger.done(step)
+        self.retention.apply(dst)
+        if p.ledger.retire(step, first.name):  # staged only for the slower tiers, which now have it
+            self.retention.delete(first, step)
+        self.retention.apply(first)
+
+    def _upload(self, step: int, dst: Tier, marker: Marker) -> bool:
+        """Byte copy of this rank's files from the first tier to ``dst``, verified before upload, marker
+        last once every rank's shard is there."""
+        p, src = self.parts, self.parts.first
+        group = p.copy_groups[dst.name]
+        t0 = time.perf_counter()
+        with agreement(group, f"copy step {step} to {dst.name}", outcome="not committed") as vote:
+            manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
+            # a damaged RAM copy must not become the durable one; verified and sent within the cap
+            vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.pace(step, dst.name),
+                                   batched=False)
+        if p.owns(dst):
+            commit(dst, step, marker.to_bytes(), p.expected_manifests(dst, marker))
+        group.barrier()
+        log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name, vote.mine / 1e6,
+                 time.perf_counter() - t0)
+        return True
+
+    def _replicate(self, step: int, dst: Replicator, marker: Marker) -> bool:
+        """Every rank sends its shard to its peers at once; stored only if every copy is verified."""
+        p, src = self.parts, self.parts.first
+        t0 = time.perf_counter()
+        mbytes, files, error, nbytes = b"", {}, None, 0
+        try:
+            mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
+            manifest = Manifest.from_bytes(mbytes)
+            files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
+        except (TierfsError, OSError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
+        # no check before sending: each receiver verifies every block as it lands
+        failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=p.pace(step, dst.name), error=error)
+        del files
+        if failed:
+            s, t, why = failed[0]
+            log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: %s); "
+                        "peers keep their previous step", step, len(failed), s, t, why)
+            return False
+        log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6, time.perf_counter() - t0)
+        return True
+
+
+def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
+    out = dict(d or {})
+    try:
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serialisable ({e}); convert values to numbers or strings") from None
+    return out

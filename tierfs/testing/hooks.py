@@ -1,0 +1,60 @@
+"""Test hooks: run a function of yours at named points of tierfs's work (to kill a process mid-transfer,
+inject a failure on one rank, or count what happened) without patching tierfs's internals.
+
+    from tierfs.testing import hooks
+
+    with hooks.on("transfer", lambda step, tier, nbytes: os.kill(os.getpid(), 9) if step == 2 else None):
+        store.save(2, state)
+
+Points (keyword arguments passed):
+
+``block`` (``name``, ``nbytes``)
+    Before each block of an entry is copied or checked (staging a save, verifying, restoring).
+``rename`` (``path``)
+    A local file (a manifest, a marker, a file on a ``file://`` tier) is written whole under its temporary
+    name and is about to be renamed to ``path``.
+``transfer`` (``step``, ``tier``, ``nbytes``)
+    Before each message or batch of a background copy moves: an upload to a slower tier or a replication
+    to peers, on the rank that sends.
+
+Hooks are per process and meant for tests; a hook that raises fails the work it interrupted, as a real
+failure at that point would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from .._hooks import _registry
+
+POINTS = ("block", "rename", "transfer")
+
+
+@contextlib.contextmanager
+def on(point: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """Call ``fn(**info)`` at ``point`` while the block runs (or until :func:`clear`, see :func:`add`)."""
+    add(point, fn)
+    try:
+        yield
+    finally:
+        remove(point, fn)
+
+
+def add(point: str, fn: Callable[..., Any]) -> None:
+    """Call ``fn(**info)`` at ``point`` from now on."""
+    if point not in POINTS:
+        raise ValueError(f"unknown hook point {point!r}; points are {list(POINTS)}")
+    _registry.setdefault(point, []).append(fn)
+
+
+def remove(point: str, fn: Callable[..., Any]) -> None:
+    """Stop calling ``fn`` at ``point``."""
+    fns = _registry.get(point, [])
+    if fn in fns:
+        fns.remove(fn)
+
+
+def clear() -> None:
+    """Remove every hook."""
+    _registry.clear()

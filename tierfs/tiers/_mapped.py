@@ -1,0 +1,168 @@
+"""The RAM tier's buffers: files on tmpfs that stay mapped, and a pool of them kept for reuse.
+
+A mapping follows its file through renames, so a buffer of a deleted step can be renamed into the next
+step and copied into at memory speed (its pages already exist). New files are reserved with
+``posix_fallocate`` (a full tmpfs becomes ENOSPC, never a SIGBUS on a page fault) and pre-faulted with
+``MADV_POPULATE_WRITE``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+
+
+class MappedFile:
+    """A file and its mapping (None for an empty file)."""
+
+    __slots__ = ("path", "size", "mm", "writable", "exported")
+
+    def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool) -> None:
+        self.path, self.size, self.mm, self.writable, self.exported = path, size, mm, writable, False
+
+    def array(self) -> np.ndarray:
+        if self.mm is None:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(self.mm, dtype=np.uint8)
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a later save may copy into it: written by this process, never handed to the user."""
+        return self.writable and not self.exported
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive; the mapping goes when it does
+                pass
+            self.mm = None
+
+
+def create(path: Path, size: int) -> MappedFile:
+    """A new private file of ``size`` bytes, reserved, mapped writable and pre-faulted."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        mm = None
+        if size:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS later
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mm.madvise(MADV_POPULATE_WRITE)
+            except OSError:  # kernels before 5.14
+                pass
+    finally:
+        os.close(fd)
+    return MappedFile(path, size, mm, writable=True)
+
+
+def open_mapped(path: Path, size: int, writable: bool) -> MappedFile:
+    """An existing file, mapped (read-only unless ``writable``) and pre-faulted."""
+    if size == 0:
+        return MappedFile(path, 0, None, writable)
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+    try:
+        mm.madvise(MADV_POPULATE_READ)
+    except OSError:
+        pass
+    return MappedFile(path, size, mm, writable)
+
+
+class Pool:
+    """Mapped files of deleted steps, kept in a per-process directory for the next saves.
+
+    It holds at most ``limit`` bytes: the largest step staged so far (one spare set). ``created`` and
+    ``reused`` count the buffers made fresh and taken from the pool (see ``MemoryTier.stats``).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.files: list[MappedFile] = []
+        self.limit = 0
+        self.created = 0
+        self.reused = 0
+        self._ids = itertools.count()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.files)
+
+    def path(self) -> Path:
+        """A fresh name in the pool's directory (created 0700)."""
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        return self.dir / f"{next(self._ids)}.bin"
+
+    def match(self, sizes: Mapping[str, int]) -> dict[str, MappedFile | None]:
+        """A pooled buffer for each file where one fits, without taking it: the same size first, then
+        the smallest larger one; largest files first."""
+        free = sorted(self.files, key=lambda b: b.size)
+        plan: dict[str, MappedFile | None] = {}
+        for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+            pick = next((b for b in free if b.size == size), None) or next((b for b in free if b.size > size), None)
+            if pick is not None:
+                free.remove(pick)
+            plan[name] = pick
+        return plan
+
+    def missing(self, sizes: Mapping[str, int]) -> list[int]:
+        """The sizes of files no pooled buffer has exactly (empty files need none)."""
+        have = sorted(b.size for b in self.files)
+        out = []
+        for size in sorted(sizes.values()):
+            if size in have:
+                have.remove(size)
+            elif size:
+                out.append(size)
+        return out
+
+    def take(self, b: MappedFile, path: Path, size: int) -> MappedFile:
+        """Move pooled ``b`` to ``path``, cut or grown to ``size`` bytes."""
+        self.files.remove(b)
+        os.rename(b.path, path)
+        b.path = path
+        self.reused += 1
+        if b.size == size:
+            return b
+        b.close()
+        os.truncate(path, size)
+        return open_mapped(path, size, writable=True)
+
+    def new(self, path: Path, size: int) -> MappedFile:
+        b = create(path, size)
+        self.created += 1
+        return b
+
+    def give(self, path: Path, b: MappedFile | None) -> None:
+        """Keep ``b`` (the mapping of ``path``) for reuse if it may be reused and fits; else drop it."""
+        if b is None or not b.reusable or self.nbytes + b.size > self.limit:
+            if b is not None:
+                b.close()
+            path.unlink(missing_ok=True)
+            return
+        dst = self.path()
+        os.rename(path, dst)
+        b.path = dst
+        self.files.append(b)
+
+    def drop(self, b: MappedFile) -> None:
+        self.files.remove(b)
+        b.close()
+        b.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for b in self.files:
+            b.close()
+        self.files.clear()

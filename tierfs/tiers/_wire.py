@@ -1,0 +1,179 @@
+"""The wire protocol of the peer tier: how shards move between two ranks.
+
+A transfer is one round of shard moves between ranks over a group's point-to-point ``exchange``:
+
+1. every sender sends a first message of ``Wire.first`` bytes: a header's length and the header itself
+   when it fits (the header holds the shard's manifest, about 250 bytes per tensor, and the marker,
+   about 40 bytes per rank of the job), so most transfers need one round before the files;
+2. the rest of a longer header follows only once its receiver agreed to its length (a length out of
+   range is refused before the rest is sent, so a sender never waits for bytes nobody will take);
+3. every receiver checks the header (the manifest against its marker, the file names) and says yes or
+   no; refused copies send nothing more;
+4. the files move in messages of ``Wire.chunk`` bytes, every block checked against the manifest as its
+   bytes land, while they are still in cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .. import _copy
+from ..dist import framed
+from ..errors import ChecksumError, FormatError, TierfsError
+from ..format import Manifest, Marker, blocks, crc32c, validate_filename
+from ..protocol import manifest_from_marker
+from .base import Pace
+
+#: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
+#: large enough that per-message costs stay small (2-16 MiB measure alike on loopback; 8 is in the middle)
+CHUNK = 8 << 20
+#: bytes of a transfer's first message: a header's length and the header itself when it fits
+FIRST = 64 << 10
+#: the longest header a receiver accepts
+MAX_HEADER = 1 << 30
+
+Accept = Callable[[int, dict[str, Any]], tuple[Manifest, dict[str, np.ndarray]]]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The sizes a transfer uses. ``first`` must be the same on every rank; ``max_header`` is each
+    receiver's own limit."""
+
+    chunk: int = CHUNK
+    first: int = FIRST
+    max_header: int = MAX_HEADER
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.first < 16 or self.max_header < 1:
+            raise ValueError(f"bad transfer sizes {self}: chunk >= 1, first >= 16, max_header >= 1 bytes")
+
+
+def header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
+           error: str | None = None, limit: int = MAX_HEADER) -> bytes:
+    """A shard's header: what the receiver checks before it takes the files (or why there are none)."""
+    h = {"step": step, "rank": rank, "manifest": manifest.decode("latin-1"), "marker": marker.decode("latin-1"),
+         "error": error, "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}
+    raw = json.dumps(h).encode()
+    if len(raw) > limit:  # the receiver would refuse it: say why instead
+        why = f"its header is {len(raw)} bytes, over {limit}" + (f" ({error})" if error else "")
+        raw = json.dumps(h | {"manifest": "", "marker": "", "files": [], "error": why}).encode()
+    return raw
+
+
+def check_header(h: dict[str, Any], step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
+    """The manifest a peer announced for ``rank``'s shard of ``step``, checked against its marker."""
+    if h.get("error"):
+        raise TierfsError(f"the holder cannot send it ({h['error']})")
+    mbytes, marker_bytes = h["manifest"].encode("latin-1"), h["marker"].encode("latin-1")
+    if h["step"] != step or h["rank"] != rank:
+        raise FormatError(f"a peer offered step {h['step']} rank {h['rank']} for step {step} rank {rank}")
+    marker = Marker.from_bytes(marker_bytes)
+    m = manifest_from_marker(marker, mbytes, step, rank)
+    announced = {validate_filename(n): size for n, size in h["files"]}
+    if announced != m.files or list(announced) != list(m.files):
+        raise FormatError(f"a peer's files for rank {rank} step {step} do not match the manifest")
+    if not all(n.startswith(f"rank_{rank:05d}.") for n in announced) or not 0 <= rank < marker.world_size:
+        raise FormatError(f"a peer's files for rank {rank} step {step} are named for another rank")
+    return m, mbytes, marker_bytes
+
+
+def transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
+             accept: Accept, pace: Pace | None, wire: Wire = Wire()) -> dict[int, str | None]:
+    """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
+    as it lands. A header goes in a first message of ``wire.first`` bytes with its length; the rest of a longer
+    one follows only once its receiver agreed to its length (one out of range is refused before the rest
+    is sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    room = wire.first - 8
+    first_in = [(s, np.zeros(wire.first, dtype=np.uint8)) for s in incoming]
+    g.exchange([(t, framed(h, wire.first)) for t, h, _ in sends], first_in)
+    lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
+    errors: dict[int, str | None] = {
+        s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
+        for s, n in lengths.items() if not 0 < n <= wire.max_header}
+    long_out = [(t, h) for t, h, _ in sends if len(h) > room]
+    long_in = [s for s in incoming if lengths[s] > room]
+    rest_in: dict[int, np.ndarray] = {}
+    if long_out or long_in:  # only the pairs with a long header take these two rounds
+        for s in long_in:
+            if s not in errors:
+                try:  # before saying yes: a sender told to go must find its receive posted
+                    rest_in[s] = np.empty(lengths[s] - room, dtype=np.uint8)
+                except MemoryError:
+                    errors[s] = f"MemoryError: no memory for the {lengths[s]}-byte header of rank {s}"
+        go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _ in long_out]
+        g.exchange([(s, np.array([s in rest_in], dtype=np.uint8)) for s in long_in], go_in)
+        g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
+                    if go[0]], list(rest_in.items()))
+    bufs: dict[int, dict[str, np.ndarray]] = {}
+    manifests: dict[int, Manifest] = {}
+    for s, first in first_in:
+        if errors.get(s):
+            continue
+        try:
+            raw = first[8:8 + min(lengths[s], room)].tobytes() + (rest_in[s].tobytes() if s in rest_in else b"")
+            h = json.loads(raw)
+            manifests[s], bufs[s] = accept(s, h)
+            errors[s] = None
+        except Exception as e:  # noqa: BLE001 - between rounds: the sender hears of it in the next one
+            errors[s] = f"{type(e).__name__}: {e}"
+    ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
+    ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
+    g.exchange(ok_out, ok_in)
+    data_out = [(t, chunk) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0]
+                for f in files.values() for chunk in _chunks(wire, _copy.as_u8(f))]
+    checks = {(s, name): _FileCheck(manifests[s], name) for s in incoming if errors[s] is None for name in bufs[s]}
+    data_in = [(s, name, buf, i) for s in incoming if errors[s] is None for name, buf in bufs[s].items()
+               for i, _ in enumerate(_chunks(wire, buf))]
+
+    def landed(k: int) -> None:
+        s, name, buf, i = data_in[k]
+        if errors[s] is None:
+            try:
+                checks[s, name].feed(buf, i * wire.chunk, min(buf.size, (i + 1) * wire.chunk))
+            except TierfsError as e:
+                errors[s] = f"{type(e).__name__}: {e}"
+
+    g.exchange(data_out, [(s, chunk) for s in incoming if errors[s] is None for buf in bufs[s].values()
+                          for chunk in _chunks(wire, buf)], pace=pace, on_received=landed)
+    for (s, name), check in checks.items():  # blocks no chunk reached (empty files)
+        if errors[s] is None:
+            try:
+                check.feed(bufs[s][name], bufs[s][name].size, bufs[s][name].size)
+            except TierfsError as e:
+                errors[s] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def _chunks(wire: Wire, buf: np.ndarray) -> list[np.ndarray]:
+    return [buf[i:i + wire.chunk] for i in range(0, buf.size, wire.chunk)]
+
+
+class _FileCheck:
+    """Checks one shard file's blocks as its chunks land, in order, each chunk while it is in cache."""
+
+    def __init__(self, manifest: Manifest, name: str) -> None:
+        self.name = name
+        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], e.name) for e in manifest.entries
+                             if e.kind == "array" and e.file == name
+                             for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
+        self.next, self.crc = 0, 0
+
+    def feed(self, buf: np.ndarray, start: int, end: int) -> None:
+        """Bytes ``start:end`` of the file have landed (every byte before them already has)."""
+        while self.next < len(self.blocks):
+            lo, hi, want, entry = self.blocks[self.next]
+            if lo >= end and not (lo == hi == end):
+                return
+            if max(lo, start) < min(hi, end):
+                self.crc = crc32c(buf[max(lo, start):min(hi, end)], self.crc)
+            if hi > end:
+                return
+            if self.crc != want:
+                raise ChecksumError(f"checksum mismatch in {entry!r} ({self.name} bytes {lo}-{hi}): stored "
+                                    f"{want:#010x}, received {self.crc:#010x}")
+            self.next, self.crc = self.next + 1, 0
