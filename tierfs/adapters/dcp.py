@@ -68,24 +68,20 @@ import dataclasses
 import io
 import logging
 import os
-import re
 import uuid
-import warnings
-from collections import ChainMap, defaultdict
-from typing import Any, Callable, Mapping
+from collections import defaultdict
+from typing import Any, Mapping
 
-import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import state as st
 from ..errors import FormatError, StepNotFoundError, TierfsError
 from ..store import TieredStore
+from ._dcpmeta import (META_VERSION, as_tensor, entry_name, metadata_from_json, metadata_from_plans,
+                       metadata_to_json, parse_step)
 
 log = logging.getLogger("tierfs")
 
@@ -94,143 +90,6 @@ __all__ = ["TieredWriter", "TieredReader", "export_dcp", "entry_name", "metadata
 META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
 SHARD_KEY = "dcp_shard"  # in every rank's manifest metadata: the shard was written by TieredWriter
 EXTRA_PREFIX = "x|"  # entries given by TieredWriter(extra=...); DCP's names start with digits, "|" or "b|"
-META_FORMAT = "tierfs.dcp"
-META_VERSION = 1
-
-_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
-_MEMORY_FORMATS = {"torch.contiguous_format": torch.contiguous_format,
-                   "torch.channels_last": torch.channels_last, "torch.preserve_format": torch.preserve_format}
-_STEP_ID_RE = re.compile(r"^(?:step_)?(\d{1,12})$")
-
-
-# -- naming --------------------------------------------------------------------------------------------
-def entry_name(index: MetadataIndex, is_bytes: bool) -> str:
-    """The tierfs entry name of a DCP write item."""
-    if is_bytes:
-        return f"b|{index.fqn}"
-    return ",".join(str(int(o)) for o in (index.offset or ())) + "|" + index.fqn
-
-
-def _parse_step(checkpoint_id: Any) -> int:
-    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and 0 <= checkpoint_id < 10**12:
-        return checkpoint_id
-    m = _STEP_ID_RE.match(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, (str, os.PathLike)) else None
-    if m is None:
-        raise ValueError(f"checkpoint_id {checkpoint_id!r} is not a tierfs step: pass the step number "
-                         "(e.g. '42' or 'step_000000000042'), or None to keep the writer's/reader's step")
-    return int(m.group(1))
-
-
-# -- metadata <-> JSON ---------------------------------------------------------------------------------
-def _props_to_json(p: TensorProperties) -> dict[str, Any]:
-    dtype = str(p.dtype).removeprefix("torch.")
-    if dtype not in st._TORCH_DTYPES:
-        raise TypeError(f"torch dtype {p.dtype} is not supported by tierfs")
-    if str(p.layout) not in _LAYOUTS or str(p.memory_format) not in _MEMORY_FORMATS:
-        raise TypeError(f"tensor layout {p.layout} / memory format {p.memory_format} not supported by tierfs")
-    return {"dtype": dtype, "layout": str(p.layout), "requires_grad": bool(p.requires_grad),
-            "memory_format": str(p.memory_format), "pin_memory": bool(p.pin_memory)}
-
-
-def _props_from_json(d: dict[str, Any]) -> TensorProperties:
-    if d.get("dtype") not in st._TORCH_DTYPES or d.get("layout") not in _LAYOUTS \
-            or d.get("memory_format") not in _MEMORY_FORMATS:
-        raise FormatError(f"DCP metadata has unsupported tensor properties {d!r}")
-    return TensorProperties(dtype=getattr(torch, d["dtype"]), layout=_LAYOUTS[d["layout"]],
-                            requires_grad=bool(d["requires_grad"]), memory_format=_MEMORY_FORMATS[d["memory_format"]],
-                            pin_memory=bool(d["pin_memory"]))
-
-
-def _ints(xs: Any) -> list[int]:
-    if not isinstance(xs, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in xs):
-        raise FormatError(f"DCP metadata: expected a list of ints, got {xs!r}")
-    return [int(x) for x in xs]
-
-
-def _planner_data_to_json(pd: Any) -> Any:
-    """The default planner's flatten mappings (fqn -> tuple of str/int keys) as JSON, or None."""
-    if pd is None:
-        return None
-    ok = isinstance(pd, dict) and all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and
-        all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v) for k, v in pd.items())
-    if not ok:
-        raise TypeError("the save planner's planner_data is not the default planner's flatten mapping "
-                        "(fqn -> tuple of str/int keys); tierfs stores DCP metadata without pickle and cannot "
-                        "store it: use DefaultSavePlanner or a planner whose planner_data is such a mapping")
-    return {k: list(v) for k, v in pd.items()}
-
-
-def metadata_to_json(md: Metadata) -> dict[str, Any]:
-    """DCP ``Metadata`` as JSON-able data (no pickle); ``storage_data`` must map MetadataIndex -> dict."""
-    sdm: dict[str, Any] = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, BytesStorageMetadata):
-            sdm[fqn] = {"type": "bytes"}
-        elif isinstance(m, TensorStorageMetadata):
-            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties), "size": list(m.size),
-                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
-        else:
-            raise TypeError(f"{fqn!r}: unknown DCP storage metadata {type(m).__name__}")
-    storage = sorted(([idx.fqn, None if idx.offset is None else list(idx.offset), int(v["rank"]),
-                       str(v["entry"])] for idx, v in (md.storage_data or {}).items()),
-                     key=lambda r: (r[0], r[1] or [], r[2], r[3]))
-    return {"format": META_FORMAT, "version": META_VERSION, "state_dict_metadata": sdm,
-            "planner_data": _planner_data_to_json(md.planner_data), "storage_data": storage}
-
-
-def metadata_from_json(d: Any) -> Metadata:
-    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`'s output, validating as it goes."""
-    if not isinstance(d, dict) or d.get("format") != META_FORMAT:
-        raise FormatError("not tierfs DCP metadata")
-    if d.get("version") != META_VERSION:
-        raise FormatError(f"DCP metadata version {d.get('version')!r} is not supported; upgrade tierfs")
-    try:
-        sdm: dict[str, Any] = {}
-        for fqn, m in d["state_dict_metadata"].items():
-            if m["type"] == "bytes":
-                sdm[fqn] = BytesStorageMetadata()
-            elif m["type"] == "tensor":
-                sdm[fqn] = TensorStorageMetadata(
-                    properties=_props_from_json(m["properties"]), size=torch.Size(_ints(m["size"])),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])),
-                                                 sizes=torch.Size(_ints(c["sizes"]))) for c in m["chunks"]])
-            else:
-                raise FormatError(f"{fqn!r}: unknown kind {m['type']!r}")
-        storage: dict[MetadataIndex, dict[str, Any]] = {}
-        for fqn, offset, rank, entry in d["storage_data"]:
-            if not isinstance(fqn, str) or not isinstance(rank, int) or not isinstance(entry, str):
-                raise FormatError(f"bad storage record {[fqn, offset, rank, entry]!r}")
-            idx = MetadataIndex(fqn, None if offset is None else _ints(offset))
-            storage[idx] = {"rank": rank, "entry": entry}
-        pd = d.get("planner_data")
-        planner_data = None if pd is None else {k: tuple(v) for k, v in pd.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise FormatError(f"DCP metadata is damaged ({type(e).__name__}: {e})") from None
-    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
-
-
-def _metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
-    """The global metadata of final save plans, derived as DCP's default planner derives it."""
-    sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, dict[str, Any]] = {}
-    for plan, rank in zip(plans, ranks):
-        for item in plan.items:
-            is_bytes = item.type == WriteItemType.BYTE_IO
-            if is_bytes:
-                sdm[item.index.fqn] = BytesStorageMetadata()
-            else:
-                td = item.tensor_data
-                if td is None or td.chunk is None:
-                    raise ValueError(f"write item {item.index.fqn!r} has no tensor chunk")
-                md = sdm.setdefault(item.index.fqn, TensorStorageMetadata(properties=td.properties, size=td.size,
-                                                                          chunks=[]))
-                md.chunks.append(td.chunk)
-            storage[MetadataIndex(item.index.fqn, item.index.offset)] = {
-                "rank": rank, "entry": entry_name(item.index, is_bytes)}
-    pds = [p.planner_data for p in plans if p.planner_data is not None]
-    planner_data = dict(ChainMap(*pds)) if pds else None
-    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
 
 
 def _check_kwargs(where: str, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -292,7 +151,7 @@ class TieredWriter(StorageWriter):
         self._local_items: list[Any] = []
         if not isinstance(store, TieredStore):
             raise TypeError(f"TieredWriter needs a TieredStore, got {type(store).__name__}")
-        self.store, self.step, self.overwrite = store, _parse_step(step), bool(overwrite)
+        self.store, self.step, self.overwrite = store, parse_step(step), bool(overwrite)
         self.force, self.preempted, self.blocking = bool(force), bool(preempted), bool(blocking)
         self.metrics = dict(metrics) if metrics is not None else None
         if extra is not None and not all(isinstance(k, str) for k in extra):
@@ -307,14 +166,14 @@ class TieredWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = _parse_step(checkpoint_id)
+            self.step = parse_step(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._metadata, self._metadata_json, self.saved = None, None, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            _parse_step(checkpoint_id)
+            parse_step(checkpoint_id)
         except ValueError:
             return False
         return True
@@ -347,7 +206,7 @@ class TieredWriter(StorageWriter):
                              "use a process group over the store's ranks (and use_collectives=True)")
         ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
                  for i, p in enumerate(plans)]
-        md = _metadata_from_plans(plans, ranks)
+        md = metadata_from_plans(plans, ranks)
         self._metadata_json = metadata_to_json(md)  # fails now, before anything is written, if it cannot be stored
         self._metadata = md
         return plans
@@ -411,27 +270,35 @@ class TieredReader(StorageReader):
     """DCP ``StorageReader`` that loads step ``step`` (default: the newest common one) from ``store``.
 
     ``tiers`` restricts the tiers read from. After a load, ``sources`` maps each saving rank read to
-    the tier that served it and ``skipped`` lists ``(tier, step, reason)`` of copies that failed checks.
+    the tier that served it, ``skipped`` lists ``(tier, step, reason)`` of copies that failed checks and
+    ``resolved_step`` is the step loaded. ``collective=False`` lets one process read alone (no
+    collective over the store's ranks, e.g. an export after the job); the step must then be given.
     """
 
-    def __init__(self, store: TieredStore, step: int | None = None, *, tiers: list[str] | None = None) -> None:
+    def __init__(self, store: TieredStore, step: int | None = None, *, tiers: list[str] | None = None,
+                 collective: bool = True) -> None:
         super().__init__()
         if not isinstance(store, TieredStore):
             raise TypeError(f"TieredReader needs a TieredStore, got {type(store).__name__}")
         self.store, self.tiers = store, tiers
-        self.step = None if step is None else _parse_step(step)
+        self.step = None if step is None else parse_step(step)
         self.load_id = uuid.uuid4().hex
         self.metadata: Metadata | None = None
         self.sources: dict[int, str] = {}
         self.skipped: list[tuple[str, int, str]] = []
         self._resolved_step: int | None = None
-        self._share_metadata = True  # collective in read_metadata (off for export_dcp: one process)
+        self._collective = bool(collective)
         #: with a peer tier: where each rank's own shard came from into its RAM tier before the load
         self.localized: Any = None
 
+    @property
+    def resolved_step(self) -> int | None:
+        """The step this reader loads (known once DCP read the metadata)."""
+        return self._resolved_step
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = _parse_step(checkpoint_id)
+            self.step = parse_step(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.metadata, self._resolved_step = None, None
         self.sources, self.skipped = {}, []
@@ -449,7 +316,7 @@ class TieredReader(StorageReader):
         return {e.name for e in manifest.entries}
 
     def _pick_step(self) -> int:
-        if self._share_metadata and self.tiers is None and self.store.replicator is not None:
+        if self._collective and self.tiers is None and self.store.replicator is not None:
             # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
             self.localized = self.store.localize(self.step)
             return self.localized.step
@@ -472,7 +339,7 @@ class TieredReader(StorageReader):
         except (TierfsError, OSError) as e:
             err = e
         g = self.store.group
-        if self._share_metadata and g.world_size > 1:
+        if self._collective and g.world_size > 1:
             # DCP reads the metadata on every rank; a rank whose tiers lack the coordinator's manifest (a
             # RAM-only store: each node's RAM holds its own ranks' manifests) gets it from a rank that has it
             have = g.all_gather(raw is not None)
@@ -534,7 +401,7 @@ class TieredReader(StorageReader):
                         if item.type == LoadItemType.BYTE_IO:
                             planner.load_bytes(item, io.BytesIO(raw.tobytes()))
                             continue
-                        src = _as_tensor(entry, raw)
+                        src = as_tensor(entry, raw)
                         for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths)):
                             src = src.narrow(dim, off, n)
                         target = planner.resolve_tensor(item).detach()
@@ -551,116 +418,4 @@ class TieredReader(StorageReader):
         return _done(None)
 
 
-def _as_tensor(entry: Any, raw: Any) -> torch.Tensor:
-    """A torch view (no copy) of an entry's verified bytes; never written to."""
-    if entry.lib != "torch" or entry.dtype not in st._TORCH_DTYPES:
-        raise FormatError(f"entry {entry.name!r} is not a torch tensor ({entry.lib} {entry.dtype})")
-    dtype = getattr(torch, entry.dtype)
-    shape = tuple(int(s) for s in entry.shape)
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # read-only mappings: torch warns, but the view is only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(raw, dtype=dtype).reshape(shape)
-
-
-# -- export to a plain DCP directory -------------------------------------------------------------------
-def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | None = None, *,
-               tiers: list[str] | None = None, overwrite: bool = False, fsync: bool = True,
-               progress: Callable[[int], None] | None = None) -> Metadata:
-    """Write step ``step`` (default: the newest) of ``store`` as a plain DCP checkpoint in ``directory``.
-
-    The result is what ``FileSystemWriter(directory)`` (``thread_count=1``, no extensions) would have
-    written for the same save: one ``__{rank}_0.distcp`` file per saving rank, holding that rank's bytes
-    items raw and each tensor chunk as ``torch.save(chunk)`` (DCP's default serialization, which
-    ``FileSystemReader`` reads back with ``torch.load(weights_only=True)``), and a ``.metadata`` file:
-    DCP's ``Metadata`` pickled by DCP's own rules, with ``_StorageInfo(relative_path, offset, length)``
-    storage data. It loads with ``dcp.load(state, storage_reader=FileSystemReader(directory))`` and no
-    tierfs (and with any world size DCP can reshard to).
-
-    Every entry is read through the store's verified path (fastest tier whose copy checks out, every
-    crc32c verified), from any rank's shard, so this runs in one process (e.g. rank 0 alone, or a tool
-    after the job). ``.metadata`` is written last, through a temporary file and a rename, so a directory
-    with a ``.metadata`` is complete. An existing ``.metadata`` in ``directory`` is an error unless
-    ``overwrite=True``. ``progress(nbytes)`` is called as each item is written (a progress bar). Returns
-    the ``Metadata`` written.
-    """
-    import pickle  # DCP's own metadata format; tierfs writes it for DCP but never reads pickle
-
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
-
-    if not isinstance(store, TieredStore):
-        raise TypeError(f"export_dcp needs a TieredStore, got {type(store).__name__}")
-    if step is None:
-        steps = store.steps()
-        if tiers is not None:
-            steps = {s: ts for s, ts in steps.items() if set(ts) & set(tiers)}
-        if not steps:
-            raise StepNotFoundError("nothing to export: no committed step")
-        step = max(steps)
-    step = _parse_step(step)
-    directory = os.fspath(directory)
-    meta_path = os.path.join(directory, ".metadata")
-    os.makedirs(directory, exist_ok=True)
-    if os.path.exists(meta_path) and not overwrite:
-        raise FileExistsError(f"{directory} already holds a DCP checkpoint (.metadata); pass overwrite=True")
-
-    # the global metadata, rebuilt from the coordinator's manifest (JSON, no pickle), as TieredReader does
-    reader = TieredReader(store, step, tiers=tiers)
-    reader._share_metadata = False  # no collective: export runs in one process
-    md = reader.read_metadata()
-    by_rank: dict[int, dict[str, list[MetadataIndex]]] = defaultdict(lambda: defaultdict(list))
-    for idx, where in md.storage_data.items():
-        by_rank[int(where["rank"])][str(where["entry"])].append(idx)
-
-    storage: dict[MetadataIndex, Any] = {}
-    written: list[str] = []
-    for rank, wanted in sorted(by_rank.items()):
-        rel = f"__{rank}_0{DEFAULT_SUFFIX}"
-        path = os.path.join(directory, rel)
-
-        def consume(found: dict[str, tuple[Any, Any]], tier: str, wanted=wanted, rel=rel, path=path) -> None:
-            names = list(wanted)
-            # FileSystemWriter writes a file's bytes items first, then its tensors
-            names.sort(key=lambda n: not n.startswith("b|"))
-            with open(path, "wb") as f:
-                for name in names:
-                    entry, raw = found[name]
-                    offset = f.tell()
-                    if name.startswith("b|"):
-                        f.write(raw.tobytes() if entry.kind == "array" else bytes(raw))
-                    else:
-                        torch.save(_as_tensor(entry, raw), f)
-                    length = f.tell() - offset
-                    for idx in wanted[name]:
-                        storage[idx] = _StorageInfo(rel, offset, length)
-                    if progress is not None:
-                        progress(entry.length if entry.kind == "array" else length)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-
-        tier, skipped = store.read_entries(step, rank, list(wanted), tiers=tiers, consume=consume)
-        for t, s, why in skipped:
-            log.warning("export_dcp: step %d rank %d: skipped the %s copy (%s)", s, rank, t, why)
-        log.info("export_dcp: step %d rank %d from %s -> %s", step, rank, tier, path)
-        written.append(rel)
-
-    out = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
-                   storage_data=storage, storage_meta=StorageMeta(checkpoint_id=directory,
-                                                                  save_id=uuid.uuid4().hex),
-                   version=CURRENT_DCP_VERSION)
-    tmp = meta_path + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(out, f)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, meta_path)
-    if fsync:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return out
+from ._dcpexport import export_dcp  # noqa: E402 - re-exported: part of this module's interface

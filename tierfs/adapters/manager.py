@@ -9,27 +9,25 @@
 
 from __future__ import annotations
 
-import base64
 import logging
-import math
 import signal
-import sys
 import threading
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .. import state as st
 from ..dist import agree, outcomes, ranks_failed
-from ..errors import (ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError,
+from . import _torchstate as ts
+from ..errors import (RestoreError, StateMismatchError, StepNotFoundError,
                       TierfsError)
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
-from ..tiers import ObjectTier, Tier
+from ..tiers import ObjectTier
+from ..tiers.base import Holder
 
 log = logging.getLogger("tierfs")
 
@@ -89,7 +87,7 @@ class CheckpointManager:
         Passed to ``TieredStore`` (``max_in_flight``, ``when_busy``, ``background_bandwidth``, ...).
     """
 
-    def __init__(self, tiers: Sequence[Tier] | None = None, *, directory: str | None = None,
+    def __init__(self, tiers: Sequence[Holder] | None = None, *, directory: str | None = None,
                  options: CheckpointManagerOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,
@@ -104,6 +102,7 @@ class CheckpointManager:
             url = directory if "://" in directory else f"file://{directory}"
             tiers = [ObjectTier(url, storage_options, save=FixedIntervalPolicy(self.options.save_interval_steps),
                                 keep=self.options.keep_policy())]
+        assert tiers is not None
         self.store = TieredStore(tiers, **store_options)
         self.restore_policy = restore_policy or RestorePolicy()
         self.last_restore_info: RestoreInfo | None = None
@@ -146,11 +145,11 @@ class CheckpointManager:
 
     def _through_dcp(self, state: Mapping[str, Any]) -> bool:
         if self.use_dcp is not None:
-            if not self.use_dcp and _has_tensor(state, sharded_only=True):
+            if not self.use_dcp and ts.has_tensor(state, sharded_only=True):
                 raise TypeError("the state holds DTensors/ShardedTensors, which only DCP can save: "
                                 "use CheckpointManager(..., use_dcp=None or True)")
             return self.use_dcp
-        return _has_tensor(state)
+        return ts.has_tensor(state)
 
     def _save_dcp(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
                   force: bool) -> bool:
@@ -164,8 +163,8 @@ class CheckpointManager:
         tensors: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         try:
-            split = _split(state)
-            tensors, extra = split.tensors, _extra(split)
+            split = ts.split(state)
+            tensors, extra = split.tensors, ts.extra(split)
             self.store.raise_background_errors()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
             err = e
@@ -187,7 +186,7 @@ class CheckpointManager:
             return False
         writer = TieredWriter(self.store, step, overwrite=exists, force=force, preempted=preempted,
                               metrics=metrics, blocking=not self.options.enable_async_checkpointing, extra=extra)
-        _run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
+        ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
         return bool(writer.saved)
 
     def _exists(self, step: int) -> bool:
@@ -235,7 +234,7 @@ class CheckpointManager:
                     out = info.step
                 else:
                     out, info = self.store.restore(s, tiers=tiers)
-            except _Unusable as e:
+            except ts.Unusable as e:
                 skipped += e.skipped
                 continue
             except RestoreError as e:
@@ -269,20 +268,20 @@ class CheckpointManager:
         g = self.store.group
         t0 = time.perf_counter()
         err: BaseException | None = None
-        saved: _Saved | None = None
+        saved: ts.Saved | None = None
         target: dict[str, Any] = {}
         try:
             saved = self._read_saved(step, tiers)
             if state is not None:
-                split = _split(state)
-                have = {_key(p) for p, _ in saved.plain}
-                missing = [".".join(map(str, p)) for p, _ in split.plain if _key(p) not in have]
+                split = ts.split(state)
+                have = {ts.key(p) for p, _ in saved.plain}
+                missing = [".".join(map(str, p)) for p, _ in split.plain if ts.key(p) not in have]
                 if missing:
                     raise StateMismatchError(f"target state has entries the checkpoint lacks: {missing[:5]}")
                 target = split.tensors
         except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
             err = e
-        views = outcomes(g, None, err, classify=_failure_kind)
+        views = outcomes(g, None, err, classify=ts.failure_kind)
         failed = {r: (kind, why) for r, (kind, why) in enumerate(views) if kind is not None}
         if failed:  # every rank takes the same way out: raise, or try an older step
             if any(kind != RestoreError.__name__ for kind, _ in failed.values()):
@@ -290,27 +289,27 @@ class CheckpointManager:
                     raise err
                 raise ranks_failed(f"step {step}: loading", {r: v for r, v in failed.items()
                                                             if v[0] != RestoreError.__name__})
-            raise _Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
+            raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
         assert saved is not None
         reader = TieredReader(self.store, step, tiers=tiers)
         pg = g.process_group
         if state is None:
-            target = _target_from(_run_dcp(reader.read_metadata, unusable=True), saved)
+            target = ts.target_from(ts.run_dcp(reader.read_metadata, unusable=True), saved)
         try:
-            _run_dcp(dcp.load, target, storage_reader=reader, process_group=pg, unusable=True)
-        except _Unusable as e:
-            raise _Unusable(reader.skipped + [(",".join(tiers), step, w) for _, _, w in e.skipped]) from None
+            ts.run_dcp(dcp.load, target, storage_reader=reader, process_group=pg, unusable=True)
+        except ts.Unusable as e:
+            raise ts.Unusable(reader.skipped + [(",".join(tiers), step, w) for _, _, w in e.skipped]) from None
         root: Any = state if state is not None else target
         for path, value in saved.plain:
-            _assign(root, path, _decode(value, saved.arrays))
+            ts.assign(root, path, ts.decode(value, saved.arrays))
         if state is None:
-            root = _lists(root, saved.lists)
+            root = ts.lists(root, saved.lists)
         tier = reader.sources.get(g.rank) or next(iter(reader.sources.values()), tiers[0])
-        info = RestoreInfo(step, tier, _local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
+        info = RestoreInfo(step, tier, ts.local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
                            {}, dict(saved.metrics))
         return (step if state is not None else root), info
 
-    def _read_saved(self, step: int, tiers: list[str]) -> "_Saved":
+    def _read_saved(self, step: int, tiers: list[str]) -> "ts.Saved":
         """The non-tensor part of a DCP step: this rank's own (rank 0's for ranks the saving job lacked)."""
         from .dcp import EXTRA_PREFIX
 
@@ -327,12 +326,12 @@ class CheckpointManager:
                     np.array(st.view_as("numpy", e.dtype, e.shape, raw))
 
         self.store.read_entries(step, rank, names, tiers=tiers, consume=consume)
-        index = got.get(_INDEX)
-        if not (isinstance(index, list) and len(index) == 5 and index[:2] == [_INDEX_FORMAT, 1]):
+        index = got.get(ts.INDEX)
+        if not (isinstance(index, list) and len(index) == 5 and index[:2] == [ts.INDEX_FORMAT, 1]):
             raise StateMismatchError(f"step {step} was saved by dcp.save directly, not by CheckpointManager: "
                                      "load it with dcp.load and TieredReader")
         arrays = {int(k[1:]): v for k, v in got.items() if k.startswith("a")}
-        return _Saved([(list(p), v) for p, v in index[2]], [list(p) for p in index[3]],
+        return ts.Saved([(list(p), v) for p, v in index[2]], [list(p) for p in index[3]],
                       {f: list(p) for f, p in index[4]}, arrays, dict(manifest.metrics))
 
     # -- queries ------------------------------------------------------------------------------------
@@ -413,232 +412,3 @@ def _find_best(policy: PreservationPolicy) -> BestN | None:
         if found is not None:
             return found
     return None
-
-
-# -- torch state through DCP ---------------------------------------------------------------------------
-# A state's tensors (torch.Tensor, DTensor, ...) go to dcp.save; every other leaf (numbers, strings, lists,
-# tuples, dicts, bytes, numpy arrays) is kept out of DCP, which would pickle it, and stored per rank beside
-# the rank's DCP items: one JSON entry (the index) plus one array entry per numpy array.
-_INDEX = "index"
-_INDEX_FORMAT = "tierfs.manager"
-_UNUSABLE = (RestoreError, ChecksumError, FormatError, StepNotFoundError, OSError)
-
-
-class _Unusable(TierfsError):
-    """No tier holds a verified copy of a step for some rank: the restore tries an older step."""
-
-    def __init__(self, skipped: list[tuple[str, int, str]]) -> None:
-        super().__init__("; ".join(f"{t} step {s}: {w}" for t, s, w in skipped))
-        self.skipped = skipped
-
-
-@dataclass
-class _Split:
-    tensors: dict[Any, Any] = field(default_factory=dict)  # nested, the caller's own tensor objects
-    plain: list[tuple[list[Any], Any]] = field(default_factory=list)  # (key path, value) of other leaves
-    lists: list[list[Any]] = field(default_factory=list)  # key paths of lists that hold tensors
-    paths: dict[str, list[Any]] = field(default_factory=dict)  # DCP fqn -> key path of each tensor
-
-
-@dataclass
-class _Saved:
-    plain: list[tuple[list[Any], Any]]  # (key path, encoded value)
-    lists: list[list[Any]]
-    paths: dict[str, list[Any]]
-    arrays: dict[int, np.ndarray]
-    metrics: dict[str, Any]
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def _has_tensor(x: Any, sharded_only: bool = False) -> bool:
-    torch = _torch()
-    if torch is None:
-        return False
-    if isinstance(x, torch.Tensor):
-        return not sharded_only or type(x) is not torch.Tensor and type(x).__name__ in ("DTensor", "ShardedTensor")
-    if isinstance(x, Mapping):
-        return any(_has_tensor(v, sharded_only) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_tensor(v, sharded_only) for v in x)
-    return False
-
-
-def _split(state: Mapping[str, Any]) -> _Split:
-    """Separate a state's tensors (for DCP) from its other leaves (stored without pickle)."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
-    torch = _torch()
-    out = _Split()
-
-    def walk(x: Any, path: list[Any], into: dict[Any, Any]) -> None:
-        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(f"state key {k!r} under {_fqn(path) or 'the root'!r} is not a string or an int")
-            p = path + [k]
-            if torch is not None and isinstance(v, torch.Tensor):
-                into[k] = v
-                out.paths[_fqn(p)] = p
-            elif (isinstance(v, Mapping) and v) or (isinstance(v, list) and _has_tensor(v)):
-                if isinstance(v, list):
-                    out.lists.append(p)
-                sub: dict[Any, Any] = {}
-                walk(v, p, sub)
-                if sub:
-                    into[k] = sub
-            elif _has_tensor(v):
-                raise TypeError(f"{_fqn(p)!r}: tensors inside a {type(v).__name__} are not supported; put them "
-                                "in a list or a dict")
-            else:
-                out.plain.append((p, v))
-
-    walk(state, [], out.tensors)
-    return out
-
-
-def _fqn(path: Sequence[Any]) -> str:
-    return ".".join(str(k) for k in path)  # DCP's flattened key
-
-
-def _key(path: Sequence[Any]) -> tuple[tuple[str, str], ...]:
-    return tuple((type(k).__name__, str(k)) for k in path)
-
-
-def _encode(v: Any, arrays: list[np.ndarray], path: Sequence[Any]) -> Any:
-    """A JSON value that :func:`_decode` turns back into ``v`` exactly (types included)."""
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int):
-        return int(v)
-    if isinstance(v, float):
-        return float(v) if math.isfinite(v) else {"$f": repr(float(v))}
-    if isinstance(v, list):
-        return [_encode(x, arrays, path) for x in v]
-    if isinstance(v, tuple):
-        return {"$t": [_encode(x, arrays, path) for x in v]}
-    if isinstance(v, Mapping):
-        return {"$d": [[_encode(k, arrays, path), _encode(x, arrays, path)] for k, x in v.items()]}
-    if isinstance(v, (bytes, bytearray)):
-        return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
-    if isinstance(v, (np.ndarray, np.generic)):
-        a = np.asarray(v)
-        arrays.append(a)
-        return {"$a": len(arrays) - 1, "shape": list(a.shape), "scalar": isinstance(v, np.generic)}
-    raise TypeError(f"{_fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
-                    "arrays, numbers, strings, bytes, or lists/tuples/dicts of them")
-
-
-def _decode(v: Any, arrays: Mapping[int, np.ndarray]) -> Any:
-    if isinstance(v, list):
-        return [_decode(x, arrays) for x in v]
-    if not isinstance(v, dict):
-        return v
-    if "$f" in v:
-        return float(v["$f"])
-    if "$t" in v:
-        return tuple(_decode(x, arrays) for x in v["$t"])
-    if "$d" in v:
-        return {_decode(k, arrays): _decode(x, arrays) for k, x in v["$d"]}
-    if "$b" in v:
-        return base64.b64decode(v["$b"])
-    if "$a" in v:
-        a = arrays[int(v["$a"])].reshape(tuple(v["shape"]))  # the store keeps 0-d arrays as 1-d
-        return a[()] if v.get("scalar") else a
-    raise StateMismatchError(f"unknown value encoding {sorted(v)!r} in the checkpoint")
-
-
-def _extra(split: _Split) -> dict[str, Any]:
-    """The entries TieredWriter(extra=...) stores for this rank: the index and the numpy arrays."""
-    arrays: list[np.ndarray] = []
-    plain = [[p, _encode(v, arrays, p)] for p, v in split.plain]
-    index = [_INDEX_FORMAT, 1, plain, split.lists, [[f, p] for f, p in split.paths.items()]]
-    st.to_leaf(_INDEX, index)  # plain JSON: fails here, before any collective, if it is not
-    for i, a in enumerate(arrays):
-        st.to_leaf(f"a{i}", a)  # numeric dtypes only
-    return {_INDEX: index, **{f"a{i}": a for i, a in enumerate(arrays)}}
-
-
-def _assign(root: Any, path: Sequence[Any], value: Any) -> None:
-    """Set a leaf; a numpy array of the same dtype and shape is overwritten in place, as tensors are."""
-    d = root
-    for k in path[:-1]:
-        if isinstance(d, list):
-            d = d[k]
-        else:
-            d = d.setdefault(k, {})
-    old = d[path[-1]] if isinstance(d, list) or path[-1] in d else None
-    if isinstance(old, np.ndarray) and isinstance(value, np.ndarray) and old.dtype == value.dtype \
-            and old.shape == value.shape and old.flags.writeable:
-        np.copyto(old, value)
-    else:
-        d[path[-1]] = value
-
-
-def _target_from(md: Any, saved: _Saved) -> dict[Any, Any]:
-    """Empty tensors for every tensor of a DCP checkpoint, nested by their saved key paths."""
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    root: dict[Any, Any] = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if not isinstance(m, TensorStorageMetadata):
-            raise StateMismatchError(f"{fqn!r} in the checkpoint is not a tensor (saved by dcp.save directly?)")
-        path = saved.paths.get(fqn) or list((md.planner_data or {}).get(fqn, (fqn,)))
-        _assign(root, path, torch.empty(tuple(m.size), dtype=m.properties.dtype))
-    return root
-
-
-def _lists(root: Any, lists: list[list[Any]]) -> Any:
-    """Turn the dicts at ``lists`` (keyed 0..n-1) back into lists, innermost first."""
-    for path in sorted(lists, key=len, reverse=True):
-        parent, d = None, root
-        for k in path:
-            parent, d = d, d[k]
-        if isinstance(d, dict) and sorted(d) == list(range(len(d))):
-            parent[path[-1]] = [d[i] for i in range(len(d))]
-    return root
-
-
-def _local_bytes(x: Any) -> int:
-    torch = _torch()
-    if isinstance(x, Mapping):
-        return sum(_local_bytes(v) for v in x.values())
-    if torch is not None and isinstance(x, torch.Tensor):
-        local = x.to_local() if hasattr(x, "to_local") else x
-        return local.numel() * local.element_size()
-    return 0
-
-
-def _failure_kind(e: BaseException) -> type[TierfsError]:
-    """How a restore treats a rank's failure: a mismatch (StateMismatchError) and anything else that is
-    not about the copies (TierfsError) are raised; a RestoreError (no verified copy) skips to an older step."""
-    if isinstance(e, StateMismatchError):
-        return StateMismatchError
-    return RestoreError if isinstance(e, (TierfsError, OSError)) else TierfsError
-
-
-def _run_dcp(fn: Callable[..., Any], *args: Any, unusable: bool = False, **kwargs: Any) -> Any:
-    """Call a DCP function; a rank's failure comes out as the original exception, not DCP's wrapper.
-
-    With ``unusable``, failures to read a verified copy on any rank (RestoreError, ChecksumError,
-    FormatError, I/O errors) come out as :class:`_Unusable`, so a restore can try an older step.
-    """
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with warnings.catch_warnings():  # "torch.distributed ... uninitialized": single process, as intended
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            return fn(*args, **kwargs)
-    except CheckpointException as ce:
-        failures = {r: e for r, (e, _) in ce.failures.items()}
-        if not failures:
-            raise
-        if unusable and all(isinstance(e, _UNUSABLE) for e in failures.values()):
-            raise _Unusable([("", -1, f"rank {r}: {type(e).__name__}: {e}") for r, e in failures.items()]) from ce
-        raise next(iter(failures.values())) from ce
-    except _UNUSABLE as e:  # raised outside DCP's collectives (TieredReader.read_metadata called directly)
-        if not unusable:
-            raise
-        raise _Unusable([("", -1, f"{type(e).__name__}: {e}")]) from e

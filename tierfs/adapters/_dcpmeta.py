@@ -1,0 +1,175 @@
+"""DCP's metadata as JSON, without pickle, and the names of DCP items as tierfs entries.
+
+DCP's global ``Metadata`` is stored in the coordinator's manifest: every fqn's tensor properties (dtype,
+layout, requires_grad, memory_format, pin_memory), size and chunks, or ``bytes``; the planner's data
+(the default planner's flatten mappings: fqn -> key path of str/int); and the storage data,
+``MetadataIndex -> {rank, entry}``. :func:`metadata_from_plans` derives it from the final save plans
+exactly as DCP's default planner does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections import ChainMap
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from .. import state as st
+from ..errors import FormatError
+
+META_FORMAT = "tierfs.dcp"
+META_VERSION = 1
+
+_STEP_ID_RE = re.compile(r"^(?:step_)?(\d{1,12})$")
+_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+_MEMORY_FORMATS = {"torch.contiguous_format": torch.contiguous_format,
+                   "torch.channels_last": torch.channels_last, "torch.preserve_format": torch.preserve_format}
+
+
+def entry_name(index: MetadataIndex, is_bytes: bool) -> str:
+    """The tierfs entry name of a DCP write item."""
+    if is_bytes:
+        return f"b|{index.fqn}"
+    return ",".join(str(int(o)) for o in (index.offset or ())) + "|" + index.fqn
+
+
+def parse_step(checkpoint_id: Any) -> int:
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and 0 <= checkpoint_id < 10**12:
+        return checkpoint_id
+    m = _STEP_ID_RE.match(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if m is None:
+        raise ValueError(f"checkpoint_id {checkpoint_id!r} is not a tierfs step: pass the step number "
+                         "(e.g. '42' or 'step_000000000042'), or None to keep the writer's/reader's step")
+    return int(m.group(1))
+
+
+def _props_to_json(p: TensorProperties) -> dict[str, Any]:
+    dtype = str(p.dtype).removeprefix("torch.")
+    if dtype not in st._TORCH_DTYPES:
+        raise TypeError(f"torch dtype {p.dtype} is not supported by tierfs")
+    if str(p.layout) not in _LAYOUTS or str(p.memory_format) not in _MEMORY_FORMATS:
+        raise TypeError(f"tensor layout {p.layout} / memory format {p.memory_format} not supported by tierfs")
+    return {"dtype": dtype, "layout": str(p.layout), "requires_grad": bool(p.requires_grad),
+            "memory_format": str(p.memory_format), "pin_memory": bool(p.pin_memory)}
+
+
+def _props_from_json(d: dict[str, Any]) -> TensorProperties:
+    if d.get("dtype") not in st._TORCH_DTYPES or d.get("layout") not in _LAYOUTS \
+            or d.get("memory_format") not in _MEMORY_FORMATS:
+        raise FormatError(f"DCP metadata has unsupported tensor properties {d!r}")
+    return TensorProperties(dtype=getattr(torch, d["dtype"]), layout=_LAYOUTS[d["layout"]],
+                            requires_grad=bool(d["requires_grad"]), memory_format=_MEMORY_FORMATS[d["memory_format"]],
+                            pin_memory=bool(d["pin_memory"]))
+
+
+def _ints(xs: Any) -> list[int]:
+    if not isinstance(xs, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in xs):
+        raise FormatError(f"DCP metadata: expected a list of ints, got {xs!r}")
+    return [int(x) for x in xs]
+
+
+def _planner_data_to_json(pd: Any) -> Any:
+    """The default planner's flatten mappings (fqn -> tuple of str/int keys) as JSON, or None."""
+    if pd is None:
+        return None
+    ok = isinstance(pd, dict) and all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and
+        all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v) for k, v in pd.items())
+    if not ok:
+        raise TypeError("the save planner's planner_data is not the default planner's flatten mapping "
+                        "(fqn -> tuple of str/int keys); tierfs stores DCP metadata without pickle and cannot "
+                        "store it: use DefaultSavePlanner or a planner whose planner_data is such a mapping")
+    return {k: list(v) for k, v in pd.items()}
+
+
+def metadata_to_json(md: Metadata) -> dict[str, Any]:
+    """DCP ``Metadata`` as JSON-able data (no pickle); ``storage_data`` must map MetadataIndex -> dict."""
+    sdm: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        elif isinstance(m, TensorStorageMetadata):
+            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties), "size": list(m.size),
+                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
+        else:
+            raise TypeError(f"{fqn!r}: unknown DCP storage metadata {type(m).__name__}")
+    storage = sorted(([idx.fqn, None if idx.offset is None else list(idx.offset), int(v["rank"]),
+                       str(v["entry"])] for idx, v in (md.storage_data or {}).items()),
+                     key=lambda r: (r[0], r[1] or [], r[2], r[3]))
+    return {"format": META_FORMAT, "version": META_VERSION, "state_dict_metadata": sdm,
+            "planner_data": _planner_data_to_json(md.planner_data), "storage_data": storage}
+
+
+def metadata_from_json(d: Any) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`'s output, validating as it goes."""
+    if not isinstance(d, dict) or d.get("format") != META_FORMAT:
+        raise FormatError("not tierfs DCP metadata")
+    if d.get("version") != META_VERSION:
+        raise FormatError(f"DCP metadata version {d.get('version')!r} is not supported; upgrade tierfs")
+    try:
+        sdm: dict[str, Any] = {}
+        for fqn, m in d["state_dict_metadata"].items():
+            if m["type"] == "bytes":
+                sdm[fqn] = BytesStorageMetadata()
+            elif m["type"] == "tensor":
+                sdm[fqn] = TensorStorageMetadata(
+                    properties=_props_from_json(m["properties"]), size=torch.Size(_ints(m["size"])),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])),
+                                                 sizes=torch.Size(_ints(c["sizes"]))) for c in m["chunks"]])
+            else:
+                raise FormatError(f"{fqn!r}: unknown kind {m['type']!r}")
+        storage: dict[MetadataIndex, dict[str, Any]] = {}
+        for fqn, offset, rank, entry in d["storage_data"]:
+            if not isinstance(fqn, str) or not isinstance(rank, int) or not isinstance(entry, str):
+                raise FormatError(f"bad storage record {[fqn, offset, rank, entry]!r}")
+            idx = MetadataIndex(fqn, None if offset is None else _ints(offset))
+            storage[idx] = {"rank": rank, "entry": entry}
+        pd = d.get("planner_data")
+        planner_data = None if pd is None else {k: tuple(v) for k, v in pd.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError(f"DCP metadata is damaged ({type(e).__name__}: {e})") from None
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
+
+
+def metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
+    """The global metadata of final save plans, derived as DCP's default planner derives it."""
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, dict[str, Any]] = {}
+    for plan, rank in zip(plans, ranks):
+        for item in plan.items:
+            is_bytes = item.type == WriteItemType.BYTE_IO
+            if is_bytes:
+                sdm[item.index.fqn] = BytesStorageMetadata()
+            else:
+                td = item.tensor_data
+                if td is None or td.chunk is None:
+                    raise ValueError(f"write item {item.index.fqn!r} has no tensor chunk")
+                md = sdm.setdefault(item.index.fqn, TensorStorageMetadata(properties=td.properties, size=td.size,
+                                                                          chunks=[]))
+                md.chunks.append(td.chunk)
+            storage[MetadataIndex(item.index.fqn, item.index.offset)] = {
+                "rank": rank, "entry": entry_name(item.index, is_bytes)}
+    pds = [p.planner_data for p in plans if p.planner_data is not None]
+    planner_data = dict(ChainMap(*pds)) if pds else None
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
+
+
+
+
+def as_tensor(entry: Any, raw: Any) -> torch.Tensor:
+    """A torch view (no copy) of an entry's verified bytes; never written to."""
+    if entry.lib != "torch" or entry.dtype not in st._TORCH_DTYPES:
+        raise FormatError(f"entry {entry.name!r} is not a torch tensor ({entry.lib} {entry.dtype})")
+    dtype = getattr(torch, entry.dtype)
+    shape = tuple(int(s) for s in entry.shape)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only mappings: torch warns, but the view is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=dtype).reshape(shape)

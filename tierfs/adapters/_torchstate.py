@@ -1,0 +1,247 @@
+"""The torch state of a :class:`~tierfs.CheckpointManager` step, through PyTorch DCP and without pickle.
+
+A state's tensors (``torch.Tensor``, DTensor, ...) go to ``dcp.save``; every other leaf (numbers,
+strings, lists, tuples, dicts, bytes, numpy arrays) is kept out of DCP, which would pickle it, and stored
+per rank beside the rank's DCP items: one JSON entry (the index) plus one array entry per numpy array.
+:func:`split` separates the two, :func:`extra` encodes the rest and :func:`decode`/:func:`assign` put it
+back; :func:`run_dcp` calls DCP so that a rank's failure comes out as the original exception.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .. import state as st
+from ..errors import ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+
+INDEX = "index"
+INDEX_FORMAT = "tierfs.manager"
+UNUSABLE = (RestoreError, ChecksumError, FormatError, StepNotFoundError, OSError)
+
+
+class Unusable(TierfsError):
+    """No tier holds a verified copy of a step for some rank: the restore tries an older step."""
+
+    def __init__(self, skipped: list[tuple[str, int, str]]) -> None:
+        super().__init__("; ".join(f"{t} step {s}: {w}" for t, s, w in skipped))
+        self.skipped = skipped
+
+
+@dataclass
+class Split:
+    tensors: dict[Any, Any] = field(default_factory=dict)  # nested, the caller's own tensor objects
+    plain: list[tuple[list[Any], Any]] = field(default_factory=list)  # (key path, value) of other leaves
+    lists: list[list[Any]] = field(default_factory=list)  # key paths of lists that hold tensors
+    paths: dict[str, list[Any]] = field(default_factory=dict)  # DCP fqn -> key path of each tensor
+
+
+@dataclass
+class Saved:
+    plain: list[tuple[list[Any], Any]]  # (key path, encoded value)
+    lists: list[list[Any]]
+    paths: dict[str, list[Any]]
+    arrays: dict[int, np.ndarray]
+    metrics: dict[str, Any]
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def has_tensor(x: Any, sharded_only: bool = False) -> bool:
+    torch = _torch()
+    if torch is None:
+        return False
+    if isinstance(x, torch.Tensor):
+        return not sharded_only or type(x) is not torch.Tensor and type(x).__name__ in ("DTensor", "ShardedTensor")
+    if isinstance(x, Mapping):
+        return any(has_tensor(v, sharded_only) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(has_tensor(v, sharded_only) for v in x)
+    return False
+
+
+def split(state: Mapping[str, Any]) -> Split:
+    """Separate a state's tensors (for DCP) from its other leaves (stored without pickle)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    torch = _torch()
+    out = Split()
+
+    def walk(x: Any, path: list[Any], into: dict[Any, Any]) -> None:
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(f"state key {k!r} under {fqn(path) or 'the root'!r} is not a string or an int")
+            p = path + [k]
+            if torch is not None and isinstance(v, torch.Tensor):
+                into[k] = v
+                out.paths[fqn(p)] = p
+            elif (isinstance(v, Mapping) and v) or (isinstance(v, list) and has_tensor(v)):
+                if isinstance(v, list):
+                    out.lists.append(p)
+                sub: dict[Any, Any] = {}
+                walk(v, p, sub)
+                if sub:
+                    into[k] = sub
+            elif has_tensor(v):
+                raise TypeError(f"{fqn(p)!r}: tensors inside a {type(v).__name__} are not supported; put them "
+                                "in a list or a dict")
+            else:
+                out.plain.append((p, v))
+
+    walk(state, [], out.tensors)
+    return out
+
+
+def fqn(path: Sequence[Any]) -> str:
+    return ".".join(str(k) for k in path)  # DCP's flattened key
+
+
+def key(path: Sequence[Any]) -> tuple[tuple[str, str], ...]:
+    return tuple((type(k).__name__, str(k)) for k in path)
+
+
+def encode(v: Any, arrays: list[np.ndarray], path: Sequence[Any]) -> Any:
+    """A JSON value that :func:`decode` turns back into ``v`` exactly (types included)."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return float(v) if math.isfinite(v) else {"$f": repr(float(v))}
+    if isinstance(v, list):
+        return [encode(x, arrays, path) for x in v]
+    if isinstance(v, tuple):
+        return {"$t": [encode(x, arrays, path) for x in v]}
+    if isinstance(v, Mapping):
+        return {"$d": [[encode(k, arrays, path), encode(x, arrays, path)] for k, x in v.items()]}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
+    if isinstance(v, (np.ndarray, np.generic)):
+        a = np.asarray(v)
+        arrays.append(a)
+        return {"$a": len(arrays) - 1, "shape": list(a.shape), "scalar": isinstance(v, np.generic)}
+    raise TypeError(f"{fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
+                    "arrays, numbers, strings, bytes, or lists/tuples/dicts of them")
+
+
+def decode(v: Any, arrays: Mapping[int, np.ndarray]) -> Any:
+    if isinstance(v, list):
+        return [decode(x, arrays) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "$f" in v:
+        return float(v["$f"])
+    if "$t" in v:
+        return tuple(decode(x, arrays) for x in v["$t"])
+    if "$d" in v:
+        return {decode(k, arrays): decode(x, arrays) for k, x in v["$d"]}
+    if "$b" in v:
+        return base64.b64decode(v["$b"])
+    if "$a" in v:
+        a = arrays[int(v["$a"])].reshape(tuple(v["shape"]))  # the store keeps 0-d arrays as 1-d
+        return a[()] if v.get("scalar") else a
+    raise StateMismatchError(f"unknown value encoding {sorted(v)!r} in the checkpoint")
+
+
+def extra(parts: Split) -> dict[str, Any]:
+    """The entries TieredWriter(extra=...) stores for this rank: the index and the numpy arrays."""
+    arrays: list[np.ndarray] = []
+    plain = [[p, encode(v, arrays, p)] for p, v in parts.plain]
+    index = [INDEX_FORMAT, 1, plain, parts.lists, [[f, p] for f, p in parts.paths.items()]]
+    st.to_leaf(INDEX, index)  # plain JSON: fails here, before any collective, if it is not
+    for i, a in enumerate(arrays):
+        st.to_leaf(f"a{i}", a)  # numeric dtypes only
+    return {INDEX: index, **{f"a{i}": a for i, a in enumerate(arrays)}}
+
+
+def assign(root: Any, path: Sequence[Any], value: Any) -> None:
+    """Set a leaf; a numpy array of the same dtype and shape is overwritten in place, as tensors are."""
+    d = root
+    for k in path[:-1]:
+        if isinstance(d, list):
+            d = d[k]
+        else:
+            d = d.setdefault(k, {})
+    old = d[path[-1]] if isinstance(d, list) or path[-1] in d else None
+    if isinstance(old, np.ndarray) and isinstance(value, np.ndarray) and old.dtype == value.dtype \
+            and old.shape == value.shape and old.flags.writeable:
+        np.copyto(old, value)
+    else:
+        d[path[-1]] = value
+
+
+def target_from(md: Any, saved: Saved) -> dict[Any, Any]:
+    """Empty tensors for every tensor of a DCP checkpoint, nested by their saved key paths."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: dict[Any, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            raise StateMismatchError(f"{fqn!r} in the checkpoint is not a tensor (saved by dcp.save directly?)")
+        path = saved.paths.get(fqn) or list((md.planner_data or {}).get(fqn, (fqn,)))
+        assign(root, path, torch.empty(tuple(m.size), dtype=m.properties.dtype))
+    return root
+
+
+def lists(root: Any, paths: list[list[Any]]) -> Any:
+    """Turn the dicts at ``paths`` (keyed 0..n-1) back into lists, innermost first."""
+    for path in sorted(paths, key=len, reverse=True):
+        parent: Any = None
+        d = root
+        for k in path:
+            parent, d = d, d[k]
+        if isinstance(d, dict) and sorted(d) == list(range(len(d))):
+            parent[path[-1]] = [d[i] for i in range(len(d))]
+    return root
+
+
+def local_bytes(x: Any) -> int:
+    torch = _torch()
+    if isinstance(x, Mapping):
+        return sum(local_bytes(v) for v in x.values())
+    if torch is not None and isinstance(x, torch.Tensor):
+        local = x.to_local() if hasattr(x, "to_local") else x
+        return local.numel() * local.element_size()
+    return 0
+
+
+def failure_kind(e: BaseException) -> type[TierfsError]:
+    """How a restore treats a rank's failure: a mismatch (StateMismatchError) and anything else that is
+    not about the copies (TierfsError) are raised; a RestoreError (no verified copy) skips to an older step."""
+    if isinstance(e, StateMismatchError):
+        return StateMismatchError
+    return RestoreError if isinstance(e, (TierfsError, OSError)) else TierfsError
+
+
+def run_dcp(fn: Callable[..., Any], *args: Any, unusable: bool = False, **kwargs: Any) -> Any:
+    """Call a DCP function; a rank's failure comes out as the original exception, not DCP's wrapper.
+
+    With ``unusable``, failures to read a verified copy on any rank (RestoreError, ChecksumError,
+    FormatError, I/O errors) come out as :class:`Unusable`, so a restore can try an older step.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "torch.distributed ... uninitialized": single process, as intended
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            return fn(*args, **kwargs)
+    except CheckpointException as ce:
+        failures = {r: e for r, (e, _) in ce.failures.items()}
+        if not failures:
+            raise
+        if unusable and all(isinstance(e, UNUSABLE) for e in failures.values()):
+            raise Unusable([("", -1, f"rank {r}: {type(e).__name__}: {e}") for r, e in failures.items()]) from ce
+        raise next(iter(failures.values())) from ce
+    except UNUSABLE as e:  # raised outside DCP's collectives (TieredReader.read_metadata called directly)
+        if not unusable:
+            raise
+        raise Unusable([("", -1, f"{type(e).__name__}: {e}")]) from e
