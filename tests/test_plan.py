@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from tierfs.plan import (FailureClass, PlanInputs, Strategy, TierModel, checkpoint_bytes, cluster_mttf,
-                         expected_goodput, expected_job_time, format_plan, make_plan, optimise, ram_per_host,
-                         scaled, sustained_bandwidth, young_daly)
+from tierfs.planning import (FailureClass, PlanInputs, Strategy, TierModel, checkpoint_bytes, cluster_mttf,
+                             expected_goodput, expected_job_time, format_plan, make_plan, optimise, ram_per_host,
+                             scaled, sustained_bandwidth, young_daly)
 from tierfs.simulate import simulate
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0

@@ -314,7 +314,7 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def bandwidths(data: Mapping[str, Any]) -> dict[str, float]:
-    """Per-host bandwidths in bytes/s for :class:`tierfs.plan.PlanInputs` from a bench dict."""
+    """Per-host bandwidths in bytes/s for :class:`tierfs.planning.PlanInputs` from a bench dict."""
     out: dict[str, float] = {}
     ram = data.get("ram") or {}
     if ram.get("save_gbps"):

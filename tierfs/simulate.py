@@ -1,6 +1,6 @@
 """Monte-Carlo simulation of a whole training run under failures, many runs at once (numpy).
 
-The model is the planner's (:mod:`tierfs.plan`), played out instead of averaged:
+The model is the planner's (:mod:`tierfs.planning.model`), played out instead of averaged:
 
 - Training moves in base intervals of ``strategy.interval`` seconds; after each one the base tier saves
   (blocking its ``blocking`` seconds) and every slower tier whose ``every`` divides the interval's number
@@ -20,7 +20,7 @@ with a 30-minute MTTF: about 1,500 iterations).
 Each run reports its job time, goodput (training time / job time), work lost (wall time of training and
 saves that failures threw away), time recovering and failures; :class:`SimResult` gives means with 95%
 confidence intervals over the runs. For one tier and one failure class the expected job time is Daly's
-exact value, ``ceil(work / interval) * T_interval`` (see :func:`tierfs.plan.expected_goodput`).
+exact value, ``ceil(work / interval) * T_interval`` (see :func:`tierfs.planning.expected_goodput`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .plan import Strategy
+from . import planning
 
 #: normal quantile of a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -86,7 +86,7 @@ class SimResult:
 class _Schedule:
     """Wall time of the failure-free schedule: ``wall(g)`` is when the saves after interval ``g`` end."""
 
-    def __init__(self, s: Strategy) -> None:
+    def __init__(self, s: planning.Strategy) -> None:
         self.tau = float(s.interval)
         self.unit = self.tau + s.tiers[0].blocking
         self.slow = [(int(t.every), float(t.blocking)) for t in s.tiers[1:]]
@@ -117,14 +117,14 @@ class _Schedule:
         return np.where(w < 0, -1, lo)
 
 
-def simulate(strategy: Strategy, mttf: float, work: float, *, runs: int = 200, seed: int = 0,
+def simulate(strategy: planning.Strategy, mttf: float, work: float, *, runs: int = 200, seed: int = 0,
              max_failures: int | None = None) -> SimResult:
     """Simulate ``runs`` independent runs of a job needing ``work`` seconds of training.
 
     Parameters
     ----------
     strategy : Strategy
-        Intervals, tiers and failure classes (e.g. from :func:`tierfs.plan.make_plan`).
+        Intervals, tiers and failure classes (e.g. from :func:`tierfs.planning.make_plan`).
     mttf : float
         The cluster's mean time between failures, seconds.
     work : float

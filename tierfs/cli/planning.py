@@ -1,107 +1,31 @@
-"""``tierfs plan``, ``tierfs simulate`` and ``tierfs bench``: the arguments and what they print.
+"""``tierfs plan``, ``tierfs simulate`` and ``tierfs bench``: their arguments and what they print.
 
-Sizes, rates and durations take units: ``70B`` parameters (K, M, B or G, T), ``840GB`` or ``5TB`` (SI;
-KiB, MiB, GiB, TiB too), ``5GB/s`` or ``500MB/s`` (a bare number is GB/s), ``124min``, ``90s``, ``2h``,
-``5.7y`` (a bare number is seconds).
+``plan`` and ``simulate`` describe a job with the same arguments (:func:`add_model_args`) and turn them
+into :class:`tierfs.planning.PlanInputs` (:func:`inputs_from_args`); sizes, rates and durations take
+units (:mod:`tierfs.cli.units`). ``bench`` measures the bandwidths they read (:mod:`tierfs.bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import re
+import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from . import plan as pl
-
-_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_BIN = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40, "pi": 2.0**50}
-_COUNT = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_TIME = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0,
-         "day": 86400.0, "days": 86400.0, "w": 604800.0, "y": 365 * 86400.0, "yr": 365 * 86400.0}
-_NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
-
-
-def _parse(text: str, units: dict[str, float], what: str, example: str, suffix: str = "") -> float:
-    m = re.fullmatch(_NUM + r"([A-Za-z]*)" + suffix + r"\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in units:
-        raise argparse.ArgumentTypeError(f"{what} {text!r}: expected e.g. {example}")
-    v = float(m.group(1)) * units[unit]
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{what} {text!r} must be positive")
-    return v
-
-
-def parse_count(text: str) -> float:
-    """``70B`` -> 7e10 (K, M, B/G, T); a bare number as is."""
-    return _parse(text, _COUNT, "count", "70B or 7e10")
-
-
-def parse_bytes(text: str) -> float:
-    """``5TB`` -> 5e12, ``2GiB`` -> 2147483648; a bare number is bytes."""
-    m = re.fullmatch(_NUM + r"([A-Za-z]*)\s*", str(text))
-    if m:
-        unit = m.group(2).lower()
-        unit = unit[:-1] if unit.endswith("b") else unit
-        mult = _BIN.get(unit) if unit.endswith("i") else _SI.get(unit)
-        if mult is not None and float(m.group(1)) > 0:
-            return float(m.group(1)) * mult
-    raise argparse.ArgumentTypeError(f"size {text!r}: expected a positive size, e.g. 840GB, 5TB or 2GiB")
-
-
-def parse_rate(text: str) -> float:
-    """``5GB/s`` -> 5e9 bytes/s; a bare number is GB/s."""
-    m = re.fullmatch(_NUM + r"([A-Za-z]*)(/s)?\s*", str(text))
-    if m and not m.group(2):
-        return _parse(m.group(1), {"": 1e9}, "rate", "5GB/s")
-    if m:
-        return parse_bytes(m.group(1) + m.group(2))
-    raise argparse.ArgumentTypeError(f"rate {text!r}: expected e.g. 5GB/s or 500MB/s")
-
-
-def parse_duration(text: str) -> float:
-    """``124min`` -> 7440 s (s, min, h, d, w, y); a bare number is seconds."""
-    return _parse(text, _TIME, "duration", "124min, 90s, 2h or 5.7y")
-
-
-def parse_fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction between 0 and 1")
-    return v
-
-
-def _int_at_least(low: int):
-    """An argparse type: a whole number no smaller than ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
-        return v
-
-    return parse
-
-
-_positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
-
-
-def _count_int(text: str) -> int:
-    return int(round(parse_count(text)))
-
+from .. import planning as pl
+from . import UsageError
+from .display import add_no_progress
+from .targets import storage_options_from_args
+from .units import (nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration, parse_fraction,
+                    parse_rate, positive_int)
 
 # -- shared arguments -------------------------------------------------------------------------------
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The job, its failures, the tiers' bandwidths and the RAM tier: ``plan``'s and ``simulate``'s arguments."""
     g = p.add_argument_group("model and cluster")
     size = g.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=parse_count, metavar="N", help="model parameters, e.g. 70B")
@@ -109,10 +33,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                       help="bytes of one whole checkpoint, e.g. 5TB (instead of --params)")
     g.add_argument("--bytes-per-param", type=float, default=pl.BYTES_PER_PARAM, metavar="B",
                    help="checkpoint bytes per parameter (default 12: fp32 weights + Adam's two moments)")
-    g.add_argument("--hosts", type=_positive_int, metavar="N", help="hosts (nodes) in the job")
-    g.add_argument("--accelerators", type=_count_int, metavar="N",
+    g.add_argument("--hosts", type=positive_int, metavar="N", help="hosts (nodes) in the job")
+    g.add_argument("--accelerators", type=parse_count_int, metavar="N",
                    help="accelerators in the job (default: hosts x --accelerators-per-host)")
-    g.add_argument("--accelerators-per-host", type=_positive_int, default=8, metavar="N",
+    g.add_argument("--accelerators-per-host", type=positive_int, default=8, metavar="N",
                    help="accelerators per host (default 8); with only --accelerators, hosts = N / this")
     f = g.add_mutually_exclusive_group()
     f.add_argument("--mttf", type=parse_duration, metavar="DUR", help="the cluster's MTTF, e.g. 124min")
@@ -142,13 +66,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the object store's limit for the whole job (default: hosts x per host)")
 
     r = p.add_argument_group("RAM tier and intervals")
-    r.add_argument("--keep", type=_positive_int, default=2, metavar="N",
+    r.add_argument("--keep", type=positive_int, default=2, metavar="N",
                    help="own steps the RAM tier keeps (default 2, tierfs's LatestN(2))")
-    r.add_argument("--in-flight", type=_nonneg_int, default=1, metavar="N",
+    r.add_argument("--in-flight", type=nonneg_int, default=1, metavar="N",
                    help="steps being written while the kept ones stay (default 1)")
-    r.add_argument("--replicas", type=_nonneg_int, default=1, metavar="N",
+    r.add_argument("--replicas", type=nonneg_int, default=1, metavar="N",
                    help="peer copies of each host's shard (default 1; 0: no peer tier)")
-    r.add_argument("--replica-keep", type=_positive_int, default=1, metavar="N",
+    r.add_argument("--replica-keep", type=positive_int, default=1, metavar="N",
                    help="steps of each replica a host keeps (default 1)")
     r.add_argument("--headroom", type=float, default=0.15, metavar="F",
                    help="RAM headroom fraction (default 0.15)")
@@ -169,8 +93,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
-    """:class:`tierfs.plan.PlanInputs` from parsed arguments (ValueError with one line when inconsistent)."""
-    from . import bench
+    """:class:`tierfs.planning.PlanInputs` from parsed arguments (ValueError with one line when inconsistent)."""
+    from .. import bench
 
     ckpt = args.checkpoint_size if args.checkpoint_size else pl.checkpoint_bytes(args.params, args.bytes_per_param)
     per_host = args.accelerators_per_host
@@ -202,44 +126,69 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
 def intervals_from_config(path: str, step_time: float | None) -> dict[str, float]:
     """``{"ram"|"object": seconds}`` from the ``save`` specs of a tiers config's memory and object tiers.
 
-    ``{"every_n_steps": N}`` is N x ``step_time``; ``{"every_n_seconds": S}`` is S. A tier without a
-    ``save`` spec is left to the planner; any other spec is an error (the planner models fixed intervals).
-    """
-    from .errors import FormatError
-    from .format import read_json
-    from .policies import ContinuousCheckpointingPolicy, FixedIntervalPolicy
-    from .policies.spec import save_policy
+    Parameters
+    ----------
+    path : str
+        The tiers config (:mod:`tierfs.config`), checked as every command checks it.
+    step_time : float or None
+        Seconds per training step, for ``every_n_steps`` specs.
 
-    cfg = read_json(path, f"config {path}", missing=f"config file {path} does not exist")
+    Returns
+    -------
+    dict
+        ``{"every_n_steps": N}`` is N x ``step_time``; ``{"every_n_seconds": S}`` is S. A tier without a
+        ``save`` spec is left to the planner.
+
+    Raises
+    ------
+    FormatError
+        The config is malformed.
+    ValueError
+        A spec the planner cannot model (it models fixed intervals), ``every_n_steps`` without
+        ``step_time``, or two tiers of one kind.
+    """
+    from ..config import read_config
+    from ..policies import ContinuousCheckpointingPolicy, FixedIntervalPolicy
+
     out: dict[str, float] = {}
-    for i, spec in enumerate(cfg.get("tiers", []) if isinstance(cfg, dict) else []):
-        if not isinstance(spec, dict) or spec.get("save") is None:
+    for spec in read_config(path):
+        if spec.save is None:
             continue
-        name = {"memory": "ram", "object": "object"}.get(spec.get("kind"))  # type: ignore[arg-type]
-        if name is None:
-            continue
-        try:
-            policy = save_policy(spec["save"])
-        except ValueError as e:
-            raise FormatError(f"config {path}: tiers[{i}]: {e}") from None
+        name = "ram" if spec.kind == "memory" else "object"
+        policy = spec.save
         if isinstance(policy, FixedIntervalPolicy):
             if step_time is None:
-                raise ValueError(f"config {path}: tiers[{i}] saves every {policy.interval} steps; give --step-time")
+                raise ValueError(f"{spec.where} saves every {policy.interval} steps; give --step-time")
             seconds = policy.interval * step_time
         elif isinstance(policy, ContinuousCheckpointingPolicy) and policy.minimum_interval_secs > 0:
             seconds = policy.minimum_interval_secs
         else:
-            raise ValueError(f"config {path}: tiers[{i}]: the planner models every_n_steps or every_n_seconds, "
-                             f"not {spec['save']}")
+            raise ValueError(f"{spec.where}: the planner models every_n_steps or every_n_seconds, "
+                             f"not {spec.save_spec}")
         if name in out:
-            raise ValueError(f"config {path}: more than one {spec.get('kind')} tier; the planner models one of each")
+            raise ValueError(f"config {path}: more than one {spec.kind} tier; the planner models one of each")
         out[name] = seconds
     return out
 
 
 # -- plan -------------------------------------------------------------------------------------------
 
+def _usage_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``fn`` with a ValueError (inconsistent arguments) turned into a UsageError (exit status 2)."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    return run
+
+
+@_usage_errors
 def cmd_plan(args: argparse.Namespace) -> int:
+    """``tierfs plan``: the plan as tables, or JSON with ``--json``."""
     plan = pl.make_plan(inputs_from_args(args))
     if args.json:
         print(json.dumps(pl.plan_to_dict(plan), indent=2))
@@ -251,6 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -- simulate ---------------------------------------------------------------------------------------
 
 def _sizes(text: str) -> list[int]:
+    """``--sizes 1k,10k``: cluster sizes in accelerators."""
     try:
         out = [int(round(parse_count(x))) for x in text.split(",") if x.strip()]
     except argparse.ArgumentTypeError as e:
@@ -260,8 +210,10 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
+@_usage_errors
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from . import simulate as sim
+    """``tierfs simulate``: goodput, job time, work lost per strategy and cluster size, with 95% intervals."""
+    from .. import simulate as sim
 
     base = inputs_from_args(args)
     if args.sizes and args.accelerator_mttf is None:
@@ -297,10 +249,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 # -- bench ------------------------------------------------------------------------------------------
 
-def cmd_bench(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    import os
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``tierfs bench``: measure the tiers here; print the figures and write the JSON plan/simulate read."""
+    from .. import bench
 
-    from . import bench
+    storage_options = storage_options_from_args(args)
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():
@@ -347,9 +300,10 @@ def cmd_bench(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """``bench``'s arguments."""
     p.add_argument("--size", type=parse_bytes, default=256 * 2**20, metavar="BYTES",
                    help="state size per measurement (default 256MiB; use a few GiB for steadier figures)")
-    p.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="timed repeats (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="timed repeats (default 3)")
     p.add_argument("--ram-dir", metavar="DIR", help="RAM tier directory (default: a fresh one in /dev/shm, "
                                                     "removed afterwards)")
     p.add_argument("--object", metavar="URL", help="object tier URL to measure, e.g. s3://bucket/run (writes "
@@ -358,17 +312,50 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", dest="option", action="append", metavar="KEY=VALUE",
                    help="one storage option for --object (repeatable)")
     p.add_argument("--out", metavar="FILE", help="write the JSON here (default: print it)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    add_no_progress(p)
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    """``simulate``'s own arguments (it takes :func:`add_model_args`'s too)."""
     g = p.add_argument_group("simulation")
     g.add_argument("--sizes", type=_sizes, metavar="N,N,...",
                    help="cluster sizes in accelerators, e.g. 1k,3k,10k,30k,100k (needs --accelerator-mttf); "
                         "default: the one cluster given")
     g.add_argument("--work", type=parse_duration, default=30 * 86400.0, metavar="DUR",
                    help="training time the job needs (default 30d)")
-    g.add_argument("--runs", type=_positive_int, default=200, metavar="N", help="runs per strategy (default 200)")
+    g.add_argument("--runs", type=positive_int, default=200, metavar="N", help="runs per strategy (default 200)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--plot", metavar="FILE.png", help="write goodput vs cluster size (needs matplotlib)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+# -- the subcommands --------------------------------------------------------------------------------
+
+def add_commands(sub: Any) -> None:
+    """Register ``plan``, ``simulate`` and ``bench`` with the ``tierfs`` parser's subparsers."""
+    p = sub.add_parser("plan", help="RAM per host, save intervals, goodput and bandwidth for a job",
+                       description=(
+        "Plan a job's checkpointing from its model, cluster, failure rate and the tiers' bandwidths "
+        "(measured with 'tierfs bench' or given): RAM per host for the RAM tier (own steps, steps in flight, "
+        "replicas held for others), each tier's save interval (Young/Daly, then the goodput maximum), the "
+        "expected goodput of object storage alone, RAM + object and RAM + peers + object, and the write "
+        "bandwidth each tier needs. Sizes take units: 70B params, 5TB, 5GB/s, 124min."))
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="Monte-Carlo of a training run under failures", description=(
+        "Simulate many runs of a job under exponential failures (node losses and process restarts, "
+        "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
+        "or several sizes (--sizes with --accelerator-mttf). Prints goodput, job time, work lost and time "
+        "recovering with 95% confidence intervals, next to the plan's goodput."))
+    add_model_args(p)
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("bench", help="measure the tiers on this machine for plan/simulate", description=(
+        "Measure RAM-tier save and restore through a TieredStore, object-tier upload and download for "
+        "--object URL, and (under torchrun) peer transfer over gloo send/recv. Writes a JSON file that "
+        "'tierfs plan --bench FILE' and 'tierfs simulate --bench FILE' read."))
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,91 @@
+"""A plan as people read it (``tierfs plan``) and as JSON (``tierfs plan --json``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from .optimise import Plan
+from .units import duration, gigabytes, rate
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the readable text ``tierfs plan`` prints."""
+    p, r = plan.inputs, plan.ram
+    out = [f"checkpoint {gigabytes(p.checkpoint)}, {p.hosts} hosts, {p.accelerators} accelerators, "
+           f"shard per host {gigabytes(p.shard)}"]
+    if p.mttf is not None:
+        out.append(f"cluster MTTF {duration(p.mttf)}; failures losing the node {p.node_loss:.0%}"
+                   + (f", of those losing every replica too {p.replica_loss:.0%}" if p.replicas else ""))
+    out += ["", "RAM per host for the RAM tier"]
+    rows: list[tuple[str, ...]] = [("own steps kept", f"{p.keep} x {gigabytes(r.shard)}", gigabytes(r.own)),
+            ("steps in flight", f"{p.in_flight} x {gigabytes(r.shard)}", gigabytes(r.in_flight)),
+            ("replicas held for others", f"{p.replicas} x {p.replica_keep} x {gigabytes(r.shard)}",
+             gigabytes(r.replicas)),
+            ("headroom", f"{p.headroom:.0%}", gigabytes(r.headroom)),
+            ("total", "", gigabytes(r.total))]
+    out += _table(rows)
+    if plan.object_rule is not None:
+        t = plan.object_rule
+        per_day = 86400 / t.interval
+        how = (f"{p.saves_per_mttf:g} saves per MTTF" if "object" not in p.intervals and p.saves_per_mttf
+               else "fixed interval")
+        out += ["", f"object tier at {how}: every {duration(t.interval)}, {per_day:.0f} checkpoints/day, "
+                    f"{per_day * p.checkpoint / 1e15:.2f} PB/day",
+                f"  sustained write {rate(t.bandwidth_total)} for the job ({rate(t.bandwidth_per_host)} per host)"]
+    if plan.strategies:
+        out += ["", "strategies (intervals in training time; goodput = useful training / wall time)"]
+        rows = [("strategy", "tier", "interval", "Young/Daly", "MTTF for it", "blocks", "transfer",
+                 "write/host", "write/job", "goodput")]
+        for sp in plan.strategies:
+            for i, t in enumerate(sp.tiers):
+                rows.append((sp.strategy.name if i == 0 else "", t.name, duration(t.interval),
+                             duration(t.young_daly), duration(t.mttf), duration(t.blocking), duration(t.transfer),
+                             rate(t.bandwidth_per_host), rate(t.bandwidth_total),
+                             f"{sp.goodput:.2%}" if i == 0 else ""))
+        out += _table(rows)
+        out += ["", "recovery per failure class"]
+        rows = [("strategy", "class", "share", "reads from", "recovery")]
+        for sp in plan.strategies:
+            for i, c in enumerate(sp.strategy.classes):
+                rows.append((sp.strategy.name if i == 0 else "", c.name, f"{c.probability:.0%}", c.tier,
+                             duration(c.recovery)))
+        out += _table(rows)
+    notes = list(plan.notes) + [n for sp in plan.strategies for n in sp.strategy.notes]
+    if notes:
+        out += [""] + [f"note: {n}" for n in notes]
+    return "\n".join(out)
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as plain JSON-able data (``tierfs plan --json``)."""
+    p, r = plan.inputs, plan.ram
+
+    def num(x: float) -> float | None:
+        return None if math.isinf(x) or math.isnan(x) else x
+
+    out: dict[str, Any] = {
+        "checkpoint_bytes": p.checkpoint, "hosts": p.hosts, "accelerators": p.accelerators, "mttf_s": p.mttf,
+        "ram_per_host": {"shard": r.shard, "own": r.own, "in_flight": r.in_flight, "replicas": r.replicas,
+                         "headroom": r.headroom, "total": r.total},
+        "strategies": [], "notes": list(plan.notes)}
+    if plan.object_rule is not None:
+        t = plan.object_rule
+        out["object_rule"] = {"interval_s": t.interval, "bandwidth_total": t.bandwidth_total,
+                              "bandwidth_per_host": t.bandwidth_per_host}
+    for sp in plan.strategies:
+        out["strategies"].append({
+            "name": sp.strategy.name, "goodput": sp.goodput,
+            "tiers": [{"name": t.name, "interval_s": t.interval, "young_daly_s": num(t.young_daly),
+                       "mttf_s": num(t.mttf), "blocking_s": t.blocking, "transfer_s": t.transfer,
+                       "bandwidth_per_host": t.bandwidth_per_host, "bandwidth_total": t.bandwidth_total}
+                      for t in sp.tiers],
+            "classes": [{"name": c.name, "probability": c.probability, "tier": c.tier, "recovery_s": c.recovery}
+                        for c in sp.strategy.classes],
+            "notes": list(sp.strategy.notes)})
+    return out
