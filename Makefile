@@ -1,4 +1,5 @@
-# `make demo` and `make test` each build .venv when missing, then run.
+# `make demo` and `make test` each build .venv when missing, then run. `make test` type-checks the
+# package (mypy, configured in pyproject.toml) before the suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,6 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -79,6 +79,7 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
                     if job.dst is not None:
                         np.copyto(job.dst[s:e], src)
                 elif not checksum:
+                    assert job.dst is not None, "a copy without checksums needs a destination"
                     np.copyto(job.dst[s:e], src)
                     c = 0
                 elif job.dst is not None:

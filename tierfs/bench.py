@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ._copy import as_u8
 from .errors import FormatError
 from .format import read_json
 
@@ -161,7 +162,7 @@ def bench_object(url: str, storage_options: Mapping[str, Any], nbytes: int, repe
             t0 = time.perf_counter()
             got = tier.read_files(r, list(files))
             reads.append(time.perf_counter() - t0)
-            if any(bytes(memoryview(got[k]).cast("B")) != v for k, v in files.items()):
+            if any(as_u8(got[k]).tobytes() != v for k, v in files.items()):
                 raise FormatError(f"object-tier benchmark: bytes read back from {scratch} differ")
             del got
             tier.delete_step(r)  # keep at most one copy on the store
@@ -239,7 +240,8 @@ def _bench_replication(nbytes: int, repeats: int, tick: Progress | None) -> dict
     class Timing(logging.Handler):  # the store's own measure: commit -> every copy verified
         def emit(self, record: logging.LogRecord) -> None:
             if record.msg.startswith("step %d replicated to peers"):
-                seconds[record.args[0]] = record.args[2]  # type: ignore[index]
+                args: Any = record.args  # (step, MB, seconds) of the log line
+                seconds[int(args[0])] = float(args[2])
 
     handler = Timing()
     logger = logging.getLogger("tierfs")

@@ -131,7 +131,7 @@ class TorchGroup:
         def receive() -> None:
             for i, w in enumerate(works):
                 try:
-                    w.wait()
+                    _wait(w)
                     if on_received is not None and not failures:
                         on_received(i)
                 except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
@@ -146,7 +146,8 @@ class TorchGroup:
             if on_received is not None:  # else this thread waits for the receives once its sends are out
                 receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
                 receiver.start()  # inherits this thread's CPU priority
-            sent, put = [], {}
+            sent: list[Any] = []
+            put: dict[int, int] = {}
             try:
                 for dst, buf in sends:
                     if pace is not None:
@@ -159,7 +160,7 @@ class TorchGroup:
                     receive()
                 for w in sent:
                     try:
-                        w.wait()
+                        _wait(w)
                     except BaseException as e:  # noqa: BLE001
                         failures.append(e)
         if failures:
@@ -255,15 +256,20 @@ class agreement:
     def __enter__(self) -> "agreement":
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             self.results = agree(self.group, self.mine, exc, self.what, classify=self.classify,
                                  outcome=self.outcome)
         except BaseException as e:
             if e is exc:
-                return False  # the block's own exception goes on as it was
+                return  # the block's own exception goes on as it was
             raise
-        return False
+
+
+def _wait(work: Any) -> None:
+    """Wait for a point-to-point operation (torch returns None for one that completed at once)."""
+    if work is not None:
+        work.wait()
 
 
 def _tasks() -> set[int]:

@@ -14,6 +14,7 @@ This module knows nothing of tiers: it only names, plans, serialises and validat
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,16 +35,16 @@ _STEP_RE = re.compile(r"^step_(\d{12})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: Any, value: int = 0) -> int:
     """crc32c (Castagnoli, "iSCSI") of a contiguous bytes-like object, continuing from ``value``.
 
     fastcrc picks the widest instructions the CPU has (AVX-512 VPCLMULQDQ, else SSE4.2/PCLMULQDQ, or
     ARM's CRC instructions) and releases the GIL: about 2x the crc32c package on a cached block here.
     """
-    return _crc32.iscsi(data, value)
+    return int(_crc32.iscsi(data, value))
 
 
-def read_json(path, label: str, missing: str | None = None) -> Any:
+def read_json(path: str | os.PathLike[str], label: str, missing: str | None = None) -> Any:
     """A JSON file's content; FormatError ``"<label>: not valid JSON"`` if it is not JSON, and
     FormatError ``missing`` (when given) if it does not exist."""
     from pathlib import Path

@@ -72,6 +72,7 @@ import uuid
 from collections import defaultdict
 from typing import Any, Mapping
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItemType)
@@ -224,10 +225,12 @@ class TieredWriter(StorageWriter):
             name = entry_name(item.index, is_bytes)
             if name in state:
                 raise ValueError(f"two write items map to entry {name!r}")
+            value: Any
             if is_bytes:
                 value = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 size = len(value)
             else:
+                assert isinstance(data, torch.Tensor)
                 value = data.detach()
                 if value.device.type != "cpu":
                     value = value.cpu()
@@ -307,10 +310,10 @@ class TieredReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return TieredWriter.validate_checkpoint_id(checkpoint_id)
 
-    def _own_entries(self) -> set[str]:
-        """Entry names in this rank's own shard of the step (empty when no tier holds it)."""
+    def _own_entries(self, step: int) -> set[str]:
+        """Entry names in this rank's own shard of ``step`` (empty when no tier holds it)."""
         try:
-            manifest, _ = self.store.read_manifest(self._resolved_step, self.store.group.rank, tiers=self.tiers)
+            manifest, _ = self.store.read_manifest(step, self.store.group.rank, tiers=self.tiers)
         except (TierfsError, OSError):
             return set()
         return {e.name for e in manifest.entries}
@@ -384,7 +387,7 @@ class TieredReader(StorageReader):
             raise TierfsError("TieredReader: read_metadata/set_up_storage_reader were not called; load with dcp.load")
         storage = self.metadata.storage_data
         by_rank: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        own = self._own_entries()
+        own = self._own_entries(self._resolved_step)
         for item in plan.items:
             where = storage.get(item.storage_index)
             if where is None:
@@ -394,7 +397,8 @@ class TieredReader(StorageReader):
             by_rank[rank][where["entry"]].append(item)
 
         for rank, wanted in sorted(by_rank.items()):
-            def consume(found: dict[str, tuple[Any, Any]], tier: str, wanted=wanted) -> None:
+            def consume(found: Mapping[str, tuple[Any, Any]], tier: str,
+                        wanted: dict[str, list[Any]] = wanted) -> None:
                 for name, items in wanted.items():
                     entry, raw = found[name]
                     for item in items:

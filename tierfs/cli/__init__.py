@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from ..errors import TierfsError
 
@@ -41,7 +41,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr: ``tierfs: error: ...``."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 

@@ -74,9 +74,9 @@ class Parts:
     def owns(self, tier: Holder) -> bool:
         """Whether this rank commits and deletes whole steps on ``tier``: per node for local tiers, rank 0
         for shared ones; on a replicator each rank its own copies."""
-        if isinstance(tier, Replicator):
-            return True
-        return (self.group.local_rank if tier.is_local else self.group.rank) == 0
+        if isinstance(tier, Tier):
+            return (self.group.local_rank if tier.is_local else self.group.rank) == 0
+        return True
 
     def expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, int | None]:
         """The manifests that must be on ``tier`` before its marker: this node's ranks' on a local tier,

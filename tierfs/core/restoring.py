@@ -153,7 +153,8 @@ class Restore:
         """This rank's part of step ``s``: its own tiers, then (all ranks together) peers, then the tiers
         after the replicator. Returns ``((info, shard) or None, error to raise on every rank)``; never
         raises between collectives."""
-        got, mismatch = None, None
+        got: tuple[RestoreInfo, Shard] | None = None
+        mismatch: BaseException | None = None
         try:
             got = self._from_tiers(s, self.before, plan)
         except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all

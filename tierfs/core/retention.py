@@ -13,7 +13,7 @@ from typing import Mapping
 
 from ..errors import TierfsError
 from ..policies import StepInfo
-from ..tiers.base import Holder, Replicator
+from ..tiers.base import Holder, Tier
 from .ledger import Snapshot
 from .parts import Parts
 from .reading import Reader
@@ -75,8 +75,8 @@ class Retention:
         p = self.parts
         if not p.ledger.claim(tier.name, step):
             return
-        if isinstance(tier, Replicator):
-            tier.delete_step(step)  # the copies this rank keeps
+        if not isinstance(tier, Tier):
+            tier.delete_step(step)  # a replicator: the copies this rank keeps
         elif tier.is_local and len(p.group.node_ranks) > 1:
             tier.release(step, p.group.rank, marker=p.owns(tier))
         elif p.owns(tier):

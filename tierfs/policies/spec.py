@@ -23,12 +23,15 @@ newest steps and every 1000th). Unknown keys and wrong types are errors (ValueEr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypeVar
 
 from .base import PreservationPolicy, SavePolicy
 from .retention import AnyPreservationPolicy, BestN, CustomSteps, EveryNSeconds, EveryNSteps, LatestN, PreserveAll
 from .save import (AnySavePolicy, ContinuousCheckpointingPolicy, FixedIntervalPolicy, InitialSavePolicy,
                    PreemptionCheckpointingPolicy, SpecificStepsPolicy)
+
+T = TypeVar("T")
+P = TypeVar("P", PreservationPolicy, SavePolicy)
 
 
 def _int(v: Any, what: str) -> int:
@@ -49,10 +52,17 @@ def _steps(v: Any, what: str) -> list[int]:
     return v
 
 
-def _true(v: Any, what: str) -> bool:
+def _true(v: Any, what: str) -> None:
     if v is not True:
         raise ValueError(f"{what} takes true, got {v!r}")
-    return True
+
+
+def _flag(what: str, make: Callable[[], T]) -> Callable[[Any], T]:
+    """A spec key that takes only ``true`` and makes a policy without arguments."""
+    def build(v: Any) -> T:
+        _true(v, what)
+        return make()
+    return build
 
 
 def _metric(name: str) -> Callable[[dict[str, Any]], Any]:
@@ -76,15 +86,15 @@ _KEEP: dict[str, Callable[[Any], PreservationPolicy]] = {
     "every_n_seconds": lambda v: EveryNSeconds(_num(v, 'keep "every_n_seconds"')),
     "best": _best,
     "steps": lambda v: CustomSteps(_steps(v, 'keep "steps"')),
-    "all": lambda v: _true(v, 'keep "all"') and PreserveAll(),
+    "all": _flag('keep "all"', PreserveAll),
 }
 
 _SAVE: dict[str, Callable[[Any], SavePolicy]] = {
     "every_n_steps": lambda v: FixedIntervalPolicy(_int(v, 'save "every_n_steps"')),
     "every_n_seconds": lambda v: ContinuousCheckpointingPolicy(_num(v, 'save "every_n_seconds"')),
     "steps": lambda v: SpecificStepsPolicy(_steps(v, 'save "steps"')),
-    "initial": lambda v: _true(v, 'save "initial"') and InitialSavePolicy(),
-    "preemption": lambda v: _true(v, 'save "preemption"') and PreemptionCheckpointingPolicy(),
+    "initial": _flag('save "initial"', InitialSavePolicy),
+    "preemption": _flag('save "preemption"', PreemptionCheckpointingPolicy),
 }
 
 
@@ -100,7 +110,8 @@ def save_policy(spec: Any) -> SavePolicy:
     return _combined(spec, _SAVE, "save", '{"every_n_steps": 10}', AnySavePolicy)
 
 
-def _combined(spec: Any, table: dict, kind: str, example: str, any_of: Any) -> Any:
+def _combined(spec: Any, table: Mapping[str, Callable[[Any], P]], kind: str, example: str,
+              any_of: Callable[[list[P]], P]) -> P:
     """One policy per key of ``spec``, built by ``table``; several are combined with ``any_of``."""
     if not isinstance(spec, dict) or not spec:
         raise ValueError(f"a {kind} spec is an object such as {example}, got {spec!r}")

@@ -20,16 +20,20 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
+from .._copy import as_u8
 from ..errors import CapacityError
 from ..format import MARKER, Manifest, Marker, validate_filename
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
 
 #: ``pace(nbytes)``: called before bytes move (a bandwidth throttle)
 Pace = Callable[[int], None]
+#: file contents as tiers take and give them: any contiguous bytes-like object (a tier's read may be a
+#: read-only view of its storage)
+Bytes = Union[bytes, bytearray, memoryview, "np.ndarray[Any, Any]"]
 
 log = logging.getLogger("tierfs")
 
@@ -112,10 +116,10 @@ class Tier(ABC):
         """Name → length of every file of a step (marker included if present)."""
 
     @abstractmethod
-    def write_file(self, step: int, name: str, data) -> None: ...
+    def write_file(self, step: int, name: str, data: Bytes) -> None: ...
 
     @abstractmethod
-    def read_file(self, step: int, name: str):
+    def read_file(self, step: int, name: str) -> Bytes:
         """The whole file as a 1-D uint8 array (a view where ``zero_copy``) or bytes."""
 
     @abstractmethod
@@ -138,7 +142,7 @@ class Tier(ABC):
 
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of a file (default: cut from ``read_file``)."""
-        return bytes(memoryview(self.read_file(step, name)).cast("B")[start:end])
+        return as_u8(self.read_file(step, name))[start:end].tobytes()
 
     def last_written(self, step: int) -> float | None:
         """When the newest file of ``step`` was written (seconds since the epoch), or None if unknown."""
@@ -171,22 +175,22 @@ class Tier(ABC):
     def discard_staged(self, step: int) -> None:
         self._staged.pop(step, None)
 
-    def write_files(self, step: int, files: Mapping[str, object], pace: Pace | None = None) -> None:
+    def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         """Write several files; ``pace(nbytes)`` is called before each (a bandwidth throttle)."""
         for name, data in files.items():
             if pace is not None:
-                pace(memoryview(data).nbytes)
+                pace(as_u8(data).nbytes)
             self.write_file(step, name, data)
 
     def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
         """Get ready, off the critical path, for the save after ``step``, whose files will likely have
         these sizes (default: nothing)."""
 
-    def export(self, step: int, name: str):
+    def export(self, step: int, name: str) -> "np.ndarray[Any, Any]":
         """A zero-copy view handed to the user; only tiers with ``zero_copy`` support it."""
         raise NotImplementedError(f"tier {self.name!r} cannot hand out zero-copy views")
 
-    def read_files(self, step: int, names: list[str]) -> dict[str, object]:
+    def read_files(self, step: int, names: list[str]) -> dict[str, Bytes]:
         return {n: self.read_file(step, n) for n in names}
 
     def _check_fits(self, nbytes: int) -> None:

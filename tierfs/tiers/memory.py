@@ -24,7 +24,7 @@ from ..errors import CapacityError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from ._mapped import MappedFile, Pool, open_mapped
-from .base import Capacity, Tier
+from .base import Bytes, Capacity, Tier
 
 __all__ = ["MemoryTier", "default_path"]
 
@@ -164,9 +164,9 @@ class MemoryTier(Tier):
         me = os.getpid()
         pids: set[int] = set()
         for d in self.path.glob(".pool.*"):
-            pid = d.name.rsplit(".", 1)[-1]
-            if pid.isdigit() and int(pid) != me and process_alive(int(pid)):
-                pids.add(int(pid))
+            owner = d.name.rsplit(".", 1)[-1]
+            if owner.isdigit() and int(owner) != me and process_alive(int(owner)):
+                pids.add(int(owner))
         root = str(self.path.resolve()) + "/"
         for maps in Path("/proc").glob("[0-9]*/maps"):
             pid = int(maps.parent.name)
@@ -276,7 +276,7 @@ class MemoryTier(Tier):
                 if p.exists():
                     self._pool.give(p, self._bufs.pop(p, None))
 
-    def write_file(self, step: int, name: str, data) -> None:
+    def write_file(self, step: int, name: str, data: Bytes) -> None:
         path = self._file(step, name)
         make_private_dir(path.parent)
         self._forget(path, unlink=False)

@@ -21,7 +21,8 @@ from .._retry import retry, short
 from ..errors import TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
-from .base import Capacity, Pace, Tier
+from .._copy import as_u8
+from .base import Bytes, Capacity, Pace, Tier
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
@@ -124,7 +125,7 @@ class ObjectTier(Tier):
     def _retry(self, fn: Callable[[], T], what: str = "request") -> T:
         return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
 
-    def _map(self, fn: Callable[[Any], T], items: list) -> list[T]:
+    def _map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
         if len(items) <= 1:
             return [fn(i) for i in items]
         if self._pool is None:
@@ -168,20 +169,20 @@ class ObjectTier(Tier):
         return max(t for t in times if t is not None)
 
     # -- writing ------------------------------------------------------------------------------------
-    def write_file(self, step: int, name: str, data) -> None:
+    def write_file(self, step: int, name: str, data: Bytes) -> None:
         path = self._path(step, name)
         if self.protocol in _LOCAL:  # straight from the buffer, no extra copy; durable like every local write
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             self._retry(lambda: atomic_write(path, data), f"write {name}")
             return
-        payload = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+        payload = data if isinstance(data, bytes) else as_u8(data).tobytes()
         kw = {"chunksize": self.part_size} if self.protocol in ("s3", "s3a") else {}  # multipart parts
         self._retry(lambda: self.fs.pipe_file(path, payload, **kw), f"upload {name}")
 
-    def write_files(self, step: int, files: Mapping[str, object], pace: Pace | None = None) -> None:
-        def put(kv) -> None:
+    def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
+        def put(kv: tuple[str, Bytes]) -> None:
             if pace is not None:
-                pace(memoryview(kv[1]).nbytes)
+                pace(as_u8(kv[1]).nbytes)
             self.write_file(step, kv[0], kv[1])
         self._map(put, list(files.items()))
 
@@ -191,17 +192,18 @@ class ObjectTier(Tier):
     # -- reading ------------------------------------------------------------------------------------
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         path = self._path(step, name)
-        return self._retry(lambda: self.fs.cat_file(path, start=start, end=end), f"read {name}")
+        return bytes(self._retry(lambda: self.fs.cat_file(path, start=start, end=end), f"read {name}"))
 
-    def read_file(self, step: int, name: str):
+    def read_file(self, step: int, name: str) -> bytes:
         path = self._path(step, name)
-        return self._retry(lambda: self.fs.cat_file(path), f"read {name}")
+        return bytes(self._retry(lambda: self.fs.cat_file(path), f"read {name}"))
 
-    def read_files(self, step: int, names: list[str]) -> dict[str, object]:
+    def read_files(self, step: int, names: list[str]) -> dict[str, Bytes]:
         """Download files concurrently; large ones as ranged parts into one buffer (no extra bytes)."""
         sizes = self.file_sizes(step)
         parts: list[tuple[str, int, int]] = []
-        out: dict[str, object] = {}
+        out: dict[str, Bytes] = {}
+        whole: dict[str, np.ndarray] = {}  # large files, filled part by part
         for n in names:
             if n not in sizes:
                 raise FileNotFoundError(self._path(step, n))
@@ -209,7 +211,7 @@ class ObjectTier(Tier):
             if size <= self.part_size:
                 parts.append((n, 0, -1))
             else:
-                out[n] = np.empty(size, dtype=np.uint8)
+                out[n] = whole[n] = np.empty(size, dtype=np.uint8)
                 parts += [(n, s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
 
         def fetch(part: tuple[str, int, int]) -> None:
@@ -220,7 +222,7 @@ class ObjectTier(Tier):
             data = self.read_range(step, n, s, e)
             if len(data) != e - s:
                 raise OSError(f"short read of {n} bytes {s}-{e}: got {len(data)}")
-            out[n][s:e] = np.frombuffer(data, dtype=np.uint8)  # type: ignore[index]
+            whole[n][s:e] = np.frombuffer(data, dtype=np.uint8)
 
         self._map(fetch, parts)
         return out

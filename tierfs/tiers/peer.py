@@ -96,7 +96,9 @@ def plan_fetch(wanted: Mapping[int, Sequence[int]], sizes: Mapping[int, int] | N
     """
     load: dict[int, int] = {}
     plan = {}
-    size = (lambda r: sizes.get(r, 1)) if sizes else (lambda r: 1)  # noqa: E731
+
+    def size(r: int) -> int:
+        return sizes.get(r, 1) if sizes else 1
     for r in sorted(wanted, key=lambda r: (-size(r), r)):
         holders = sorted(set(wanted[r]))
         if holders:
@@ -337,5 +339,7 @@ class PeerTier(Replicator):
         errors = _wire.transfer(g, sends, incoming, accept, None, self.wire)
         if not incoming:
             return None
-        why = errors[incoming[0]]
-        return why if why else (got["manifest"], got["mbytes"], got["marker"], got["files"])
+        failed = errors[incoming[0]]
+        if failed:
+            return failed
+        return got["manifest"], got["mbytes"], got["marker"], got["files"]
