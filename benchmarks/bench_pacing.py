@@ -46,7 +46,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from tierfs._worker import BACKGROUND_NICE, Throttle
     from tierfs.dist import TorchGroup
-    from tierfs.tiers.peer import CHUNK
+    from tierfs.tiers.peer import Wire
+
+    CHUNK = Wire().chunk  # the peer tier's message size
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

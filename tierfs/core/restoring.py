@@ -81,13 +81,13 @@ class RestorePlan:
         """Every step some rank can read or some replica holds."""
         return set().union(*self.own, (s for s, _ in self.holders))
 
-    def gettable(self, step: int, rank: int) -> bool:
-        return step in self.own[rank] or (step, rank) in self.holders
+    def gettable(self, rank: int) -> set[int]:
+        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
+        return self.own[rank] | {s for s, r in self.holders if r == rank}
 
     def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
         """The steps to try, newest first: ``step`` alone if given, else every step each rank can get."""
-        ranks = range(len(self.own))
-        common = {s for s in self.every if all(self.gettable(s, r) for r in ranks)}
+        common = common_steps([self.gettable(r) for r in range(len(self.own))])
         if step is not None:
             if step not in common:
                 raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank; "
