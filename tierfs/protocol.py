@@ -12,7 +12,7 @@ peer tier, ``tierfs cp``/``verify``/``gc``, the adapters).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from . import _copy
 from .errors import ChecksumError, FormatError, StepNotFoundError

@@ -97,7 +97,7 @@ class TieredStore:
         ledger = StepLedger(names)
         # one group per thread role, so collectives of different threads never interleave
         commit_group = self.group.fork()  # a blocking save waits for the commit: full priority
-        copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:] if isinstance(t, Tier)}
+        copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:] if t not in reps}
         for r in reps:
             r.bind(tiers[0], self.group)
         self._parts = Parts(

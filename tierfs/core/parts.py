@@ -39,17 +39,23 @@ class Parts:
     file_size: int
     block_size: int
     clock: Callable[[], float] = time.time
-    replicator: Replicator | None = field(init=False)
+    first: Tier = field(init=False)  # where saves land and commit first
+    replicator: Replicator | None = field(init=False)  # the tier keeping other ranks' shards, if any
+    files: list[Tier] = field(init=False)  # every tier holding files, fastest first
 
     def __post_init__(self) -> None:
+        self.files = [t for t in self.tiers if isinstance(t, Tier)]
         reps = [t for t in self.tiers if isinstance(t, Replicator)]
         self.replicator = reps[0] if reps else None
+        self.first = self.files[0]
 
-    @property
-    def first(self) -> Tier:
-        t = self.tiers[0]
-        assert isinstance(t, Tier)
-        return t
+    def roles(self, tiers: Sequence[Holder]) -> tuple[list[Tier], Replicator | None, list[Tier]]:
+        """``tiers`` in their roles: the file tiers before the replicator, the replicator (None when it is
+        not among them), the file tiers after it."""
+        rep = self.replicator if self.replicator in tiers else None
+        cut = list(tiers).index(rep) if rep is not None else len(tiers)
+        return ([t for t in tiers[:cut] if isinstance(t, Tier)], rep,
+                [t for t in tiers[cut + 1:] if isinstance(t, Tier)])
 
     def tier(self, name: str) -> Holder:
         for t in self.tiers:
@@ -74,9 +80,10 @@ class Parts:
     def owns(self, tier: Holder) -> bool:
         """Whether this rank commits and deletes whole steps on ``tier``: per node for local tiers, rank 0
         for shared ones; on a replicator each rank its own copies."""
-        if isinstance(tier, Tier):
-            return (self.group.local_rank if tier.is_local else self.group.rank) == 0
-        return True
+        if tier is self.replicator:
+            return True
+        assert isinstance(tier, Tier)
+        return (self.group.local_rank if tier.is_local else self.group.rank) == 0
 
     def expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, int | None]:
         """The manifests that must be on ``tier`` before its marker: this node's ranks' on a local tier,

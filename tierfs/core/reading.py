@@ -163,6 +163,7 @@ def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads:
     if sink is None:
         _copy.verify(manifest, shard.files, threads)
         return
+    sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
     check_wanted(manifest, sink.wanted)
     raw = _copy.shard_views(manifest, shard.files)
     jobs = []
@@ -218,7 +219,8 @@ class Reader:
         """The file tiers among ``tiers`` (default: all) holding a committed copy of ``step``."""
         usable = self.parts.usable(tiers)
         self.parts.refresh()
-        held = [t for t in usable if isinstance(t, Tier) and step in self.parts.ledger.holding(t.name)]
+        before, _, after = self.parts.roles(usable)  # in the order asked for
+        held = [t for t in before + after if step in self.parts.ledger.holding(t.name)]
         if not held:
             raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]}")
         return held

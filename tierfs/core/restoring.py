@@ -106,9 +106,9 @@ class RestorePlan:
 def gather_plan(parts: Parts, usable: Sequence[Holder]) -> RestorePlan:
     """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others."""
     parts.refresh()
-    local = {t.name: parts.ledger.holding(t.name) for t in usable if isinstance(t, Tier)}
+    before, rep, after = parts.roles(usable)
+    local = {t.name: parts.ledger.holding(t.name) for t in before + after}
     mine = set().union(*local.values())
-    rep = next((t for t in usable if isinstance(t, Replicator)), None)
     held = rep.holdings() if rep is not None else {}
     views = parts.group.all_gather([sorted(mine), [[s, r] for s, rs in held.items() for r in rs]])
     holders: dict[tuple[int, int], list[int]] = {}
@@ -124,10 +124,8 @@ class Restore:
     def __init__(self, parts: Parts, reader: Reader, usable: Sequence[Holder], sink: Sink | None) -> None:
         self.parts, self.reader, self.sink = parts, reader, sink
         self.usable = list(usable)
-        cut = next((i for i, t in enumerate(self.usable) if isinstance(t, Replicator)), len(self.usable))
-        self.before = [t for t in self.usable[:cut] if isinstance(t, Tier)]  # this rank's own, fastest first
-        self.replicator = self.usable[cut] if cut < len(self.usable) else None
-        self.after = [t for t in self.usable[cut + 1:] if isinstance(t, Tier)]
+        # this rank's own tiers, fastest first; the replicator (peers); the tiers after it
+        self.before, self.replicator, self.after = parts.roles(self.usable)
         self.skipped: Skipped = []
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
@@ -143,8 +141,6 @@ class Restore:
                 got = None
             if got is not None:
                 return self._finish(s, plan, *got, adopt=adopt, newest=step is None)
-            if self.sink is not None:
-                self.sink.reset()
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
 
@@ -160,7 +156,6 @@ class Restore:
         except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
             mismatch = e
         if self.replicator is not None:
-            assert isinstance(self.replicator, Replicator)
             got, mismatch = self._from_peers(s, plan, self.replicator, got, mismatch)
         if got is None and mismatch is None:
             try:
@@ -173,12 +168,7 @@ class Restore:
         """This rank's shard of ``s`` from the first of ``tiers`` holding a copy that verifies, or None."""
         def read(t: Tier) -> tuple[Shard, float]:
             t0 = time.perf_counter()
-            try:
-                return self.reader.read_shard(t, s, self.parts.group.rank, self.sink), time.perf_counter() - t0
-            except BaseException:
-                if self.sink is not None:
-                    self.sink.reset()
-                raise
+            return self.reader.read_shard(t, s, self.parts.group.rank, self.sink), time.perf_counter() - t0
         found = self.reader.first_verified([t for t in tiers if s in plan.local[t.name]], s, read, self.skipped)
         if found is None:
             return None
@@ -215,8 +205,6 @@ class Restore:
                     res = f"{type(e).__name__}: {e}"
                 except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
                     mismatch, res = e, f"{type(e).__name__}: {e}"
-                if isinstance(res, str) and self.sink is not None:
-                    self.sink.reset()
             if isinstance(res, str):
                 why = f"from rank {assign[g.rank]}: {res}"
                 log.warning("tier %s step %d: the copy %s is unusable, trying another source", rep.name, s, why)
@@ -245,7 +233,7 @@ class Restore:
         log.info("restored %s", info)
         if adopt:
             self._adopt(s, info, shard)
-        if isinstance(self.replicator, Replicator):
+        if self.replicator is not None:
             self._reseed(self.replicator, s, plan, shard)
         if newest:
             stale = {x for x in plan.every if x > s}

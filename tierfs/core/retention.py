@@ -75,9 +75,11 @@ class Retention:
         p = self.parts
         if not p.ledger.claim(tier.name, step):
             return
-        if not isinstance(tier, Tier):
-            tier.delete_step(step)  # a replicator: the copies this rank keeps
-        elif tier.is_local and len(p.group.node_ranks) > 1:
+        if tier is p.replicator:
+            tier.delete_step(step)  # the copies this rank keeps
+            return
+        assert isinstance(tier, Tier)
+        if tier.is_local and len(p.group.node_ranks) > 1:
             tier.release(step, p.group.rank, marker=p.owns(tier))
         elif p.owns(tier):
             tier.delete_step(step)

@@ -205,8 +205,11 @@ class SavePath:
         p, first = self.parts, self.parts.first
         stored = False
         try:
-            stored = self._replicate(step, dst, marker) if isinstance(dst, Replicator) else \
-                self._upload(step, dst, marker)  # type: ignore[arg-type]
+            if dst is p.replicator:
+                stored = self._replicate(step, p.replicator, marker)
+            else:
+                assert isinstance(dst, Tier)
+                stored = self._upload(step, dst, marker)
         finally:
             p.ledger.copied(dst.name, step, stored)
             p.ledger.unpin(first.name, step)
