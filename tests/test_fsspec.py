@@ -285,6 +285,40 @@ def test_names_cannot_leave_the_ram_directory(shm_dir, tmp_path):
             fs.pipe_file(bad, b"x")
 
 
+def test_listings_never_show_writes_in_flight(tmp_path, shm_dir, monkeypatch):
+    """A temporary name is not a file: ls/find/glob/walk leave out writes in flight in RAM, the drain's
+    upload to a local target (listed from inside that upload) and what a crashed writer left."""
+    from tierfs._fileio import is_tmp_name
+    from tierfs.adapters import _upload
+
+    target = tmp_path / "t"
+    fs, root = fsspec.url_to_fs(f"tiered::file://{target}", tiered={"path": shm_dir, "drain": "manual"})
+    fs.pipe({f"{root}/a": b"1", f"{root}/d/b": b"2"})
+    seen: dict[str, list] = {}
+
+    def spy(path, data, **kwargs):  # the drain's atomic write to the local target, listed mid-write
+        def write(f):
+            data(f)
+            f.flush()
+            seen.setdefault("on disk", []).extend(os.listdir(os.path.dirname(path)))
+            seen.setdefault("listed", []).append(fs.find(root, withdirs=True))
+        real(path, write, **kwargs)
+    real = _upload.atomic_write
+    monkeypatch.setattr(_upload, "atomic_write", spy)
+    fs.flush()
+    assert any(is_tmp_name(n) for n in seen["on disk"])  # the upload's temporary name was there...
+    assert all(not any(is_tmp_name(p.rsplit("/", 1)[-1]) for p in names) for names in seen["listed"])  # ...unseen
+    (target / "d" / ".tierfs-tmp-999999-1").write_bytes(b"left by a crashed writer")
+    with fs.open(f"{root}/d/c", "wb") as f:  # in flight in RAM
+        f.write(b"3")
+        assert fs.ls(f"{root}/d", detail=False) == [f"{root}/d/b"]
+        assert fs.find(root) == [f"{root}/a", f"{root}/d/b"]
+        assert [p for p in fs.find(root, withdirs=True) if p != root] == [f"{root}/a", f"{root}/d", f"{root}/d/b"]
+        assert fs.glob(f"{root}/d/*") == [f"{root}/d/b"]
+        assert [files for _, _, files in fs.walk(root)] == [["a"], ["b"]]
+    assert fs.ls(f"{root}/d", detail=False) == [f"{root}/d/b", f"{root}/d/c"]
+
+
 def test_transaction_and_context_manager_flush(tmp_path, shm_dir):
     target = tmp_path / "t"
     fs, root = fsspec.url_to_fs(f"tiered::file://{target}", tiered={"path": shm_dir, "drain": "manual"})
@@ -408,7 +442,7 @@ def test_chained_options_follow_fsspec_conventions(tmp_path, shm_dir):
     by_fs = fsspec.filesystem("tiered", fs=fsspec.filesystem("file"), path=shm_dir, skip_instance_cache=True)
     for fs in (by_fo, by_proto, by_fs):
         assert fs.target.protocol[0] in ("file", "local")
-    assert by_fo._drain is by_proto._drain is by_fs._drain  # one drain per RAM directory and target
+    assert by_fo.drain is by_proto.drain is by_fs.drain  # one drain per RAM directory and target
     by_fo.pipe_file(f"{target}/x", b"1")
     by_proto.flush()  # the same RAM directory and target: one drain
     assert (target / "x").read_bytes() == b"1"

@@ -1,9 +1,10 @@
-"""The write-back machinery behind ``tiered::``: a RAM directory, what it holds, and the drain.
+"""The write-back machinery behind ``tiered::``: what the RAM directory holds that the target does not.
 
-One :class:`Drain` per process and (RAM directory, target) keeps the RAM accounting (sizes, budget,
-eviction of durable copies), the set of files not yet durable on the target, and a few low-priority
-upload threads within a bandwidth cap. A file's RAM copy becomes read-only (mode 0400) once its upload
-succeeded, so after a restart the writable ones are known to still need uploading.
+One :class:`Drain` per process and (RAM directory, target) keeps the RAM directory (``_ramdir.RamDir``:
+sizes, temporary files, listings), the set of files not yet durable on the target, eviction of durable
+copies when room is short, and the upload threads (``_upload``). A file's RAM copy becomes read-only
+(mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
+uploading. The filesystem (``fsspec.py``) uses the drain's named operations only.
 """
 
 from __future__ import annotations
@@ -14,49 +15,33 @@ import io
 import itertools
 import logging
 import os
+import posixpath
 import shutil
 import stat
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import IO, Any, Callable, Iterable, Union
 
 import fsspec
 
+from .._fileio import FILE_MODE, private_opener
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
-from ..tiers.memory import make_private_dir, process_alive
+from . import _upload
+from ._ramdir import RamDir, rel_path
 
 log = logging.getLogger("tierfs")
 
-#: bytes/s the drain may upload by default (the same cap as the store's background copies)
-DEFAULT_DRAIN_BANDWIDTH = 256e6
-TMP_PREFIX = ".tierfs-tmp-"
-_DURABLE_MODE = 0o400  # a RAM copy whose bytes are on the target
-_DIRTY_MODE = 0o600
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
-              ValueError, TypeError)
+_DIRTY_MODE = FILE_MODE  # a RAM copy whose newest bytes are not yet on the target (0600)
 _LOCAL_PROTOCOLS = ("file", "local")
+#: what a write puts in RAM: bytes-like, or a function that writes into the open file
+Source = Union[bytes, bytearray, memoryview, Any, Callable[[IO[bytes]], None]]
 
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(e).__name__}: {line}"[:240]
-
-
-
-def rel_path(path: str) -> str:
-    """The RAM-relative form of a target path; refuses components that could leave the RAM directory."""
-    rel = path.strip("/")
-    if not rel:
-        return ""
-    for part in rel.split("/"):
-        if part in ("", ".", "..") or "\x00" in part or part.startswith(TMP_PREFIX):
-            raise ValueError(f"unsafe path {path!r} for tiered://: no empty, '.', '..' or "
-                             f"'{TMP_PREFIX}*' components")
-    return rel
+def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
 class Drain:
@@ -68,55 +53,42 @@ class Drain:
 
     def __init__(self, root: Path, target: fsspec.AbstractFileSystem, label: str, *, budget: int | None,
                  drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str) -> None:
-        self.root, self.target, self.label = root, target, label
+        self.target, self.label = target, label
         self.budget, self.mode, self.retries, self.when_full = budget, drain, retries, when_full
         self.concurrency = concurrency
         self.throttle = Throttle(bandwidth)
         self.local_target = protocol_of(target) in _LOCAL_PROTOCOLS
+        self.ramdir = RamDir(root)
         self.cond = threading.Condition()
-        self.sizes: dict[str, int] = {}  # every file in RAM -> bytes; insertion order = least recently written
         self.dirty: dict[str, int] = {}  # files whose newest bytes are not yet on the target -> generation
         self.failed: dict[str, tuple[int, str]] = {}  # generation that failed and why
         self.remote: set[str] = set()  # files that may have a copy on the target
         self.busy: set[str] = set()  # being uploaded
         self.queue: deque[str] = deque()
         self.queued: set[str] = set()
-        self.reserved = 0
         self.gen = itertools.count(1)
-        self.tmp_ids = itertools.count()
         self.threads: list[threading.Thread] = []
         self.counters = {"ram_reads": 0, "target_reads": 0, "uploads": 0, "bytes_uploaded": 0,
                          "upload_failures": 0, "evictions": 0}
-        make_private_dir(root)
-        self._scan()
+        for p in self.ramdir.leftovers():  # what an earlier process left
+            self._adopt(p)
         if self.queue and self.mode == "background":
             self._start()
 
-    # -- names --------------------------------------------------------------------------------------
-    def ram(self, rel: str) -> Path:
-        return self.root / rel if rel else self.root
+    @property
+    def root(self) -> Path:
+        return self.ramdir.root
+
+    def same_options(self, budget: int | None, drain: str, bandwidth: float | None, when_full: str) -> bool:
+        return (self.budget, self.mode, self.throttle.rate, self.when_full) == (budget, drain, bandwidth, when_full)
 
     def tpath(self, rel: str) -> str:
         marker = self.target.root_marker or ""
         return marker + rel if not rel.startswith(marker) else rel
 
-    def used(self) -> int:
-        return sum(self.sizes.values()) + self.reserved
-
-    def _scan(self) -> None:
-        """Adopt what an earlier process left: writable files are not yet durable, read-only ones are."""
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                p = Path(dirpath) / name
-                if name.startswith(TMP_PREFIX):
-                    pid = name[len(TMP_PREFIX):].split("-", 1)[0]
-                    if pid.isdigit() and not process_alive(int(pid)):
-                        p.unlink(missing_ok=True)
-                    continue
-                self._adopt(p)
-
     def _adopt(self, p: Path) -> bool:
-        """Track a file found in the RAM directory; True if it still needs uploading."""
+        """(lock held) Track a file found in the RAM directory; True if it still needs uploading.
+        Writable files are not yet durable, read-only ones are."""
         try:
             rel = rel_path(p.relative_to(self.root).as_posix())
             st = p.stat()
@@ -124,23 +96,18 @@ class Drain:
             return False
         if not stat.S_ISREG(st.st_mode) or rel in self.busy:
             return False
-        self.sizes[rel] = st.st_size
+        self.ramdir.sizes[rel] = st.st_size
         self.remote.add(rel)  # an older copy may be on the target
         if st.st_mode & stat.S_IWUSR and rel not in self.dirty:
             self.dirty[rel] = next(self.gen)
-            self._enqueue(rel)
+            self.enqueue(rel)
             return True
         return False
 
     def adopt(self, rel: str) -> int:
         """Queue every file under ``rel`` that another program wrote straight into the RAM directory."""
-        n = 0
         with self.cond:
-            base = self.ram(rel)
-            paths = [base] if base.is_file() else [Path(d) / f for d, _, fs in os.walk(base) for f in fs
-                                                   if not f.startswith(TMP_PREFIX)]
-            for p in paths:
-                n += self._adopt(p)
+            n = sum(self._adopt(p) for p in self.ramdir.files_under(rel))
             if n and self.mode == "background":
                 self._start()
             self.cond.notify_all()
@@ -150,20 +117,17 @@ class Drain:
     def _room(self, rel: str, nbytes: int) -> None:
         """Make room for ``nbytes`` replacing ``rel`` (lock held): evict durable copies, oldest first,
         then wait for the drain if allowed; raise CapacityError when it cannot fit."""
+        sizes = self.ramdir.sizes
         while True:
-            over = 0 if self.budget is None else self.used() - self.sizes.get(rel, 0) + nbytes - self.budget
-            try:
-                sv = os.statvfs(self.root)
-                over = max(over, nbytes - sv.f_bavail * sv.f_frsize)
-            except OSError:
-                pass
+            available = self.ramdir.capacity(self.budget, replacing=rel).available
+            over = 0 if available is None else nbytes - available
             if over <= 0:
                 return
-            for r in [r for r in self.sizes if r != rel and r not in self.dirty and r not in self.busy]:
+            for r in [r for r in sizes if r != rel and r not in self.dirty and r not in self.busy]:
                 if over <= 0:
                     break
-                over -= self.sizes[r]
-                self._unlink(r, prune=True)
+                over -= sizes[r]
+                self.ramdir.unlink(r, prune=True)
                 self.counters["evictions"] += 1
             if over <= 0:
                 return
@@ -172,96 +136,74 @@ class Drain:
                 break
             self._start()
             for r in waiting:
-                self._enqueue(r)
+                self.enqueue(r)
             self.cond.wait()
-        dirty_bytes = sum(self.sizes.get(r, 0) for r in self.dirty)
+        dirty_bytes = sum(sizes.get(r, 0) for r in self.dirty)
         budget = "none" if self.budget is None else f"{self.budget / 1e6:.1f} MB"
         raise CapacityError(
             f"tiered RAM directory {self.root}: writing {nbytes / 1e6:.1f} MB does not fit (budget {budget}, "
             f"{dirty_bytes / 1e6:.1f} MB not yet durable on {self.label}); raise budget=, flush() more "
             f"often or write less")
 
-    def _unlink(self, rel: str, prune: bool = False) -> None:
-        """Remove a file from RAM (lock held); with ``prune`` also its empty parent directories."""
-        p = self.ram(rel)
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-        self.sizes.pop(rel, None)
-        if prune:
-            self._prune(p.parent)
-
-    def _prune(self, d: Path) -> None:
-        while d != self.root and self.root in d.parents:
-            try:
-                d.rmdir()
-            except OSError:
-                return
-            d = d.parent
+    def full_error(self, rel: str) -> CapacityError:
+        return CapacityError(f"tiered RAM directory {self.root} is full writing {self.tpath(rel)}; "
+                             "flush() and free space, or raise the tmpfs size")
 
     # -- writing ------------------------------------------------------------------------------------
     def tmpfile(self, rel: str) -> Path:
         """A fresh private temporary file next to ``rel``'s RAM path."""
-        final = self.ram(rel)
         with self.cond:  # created under the lock: eviction never prunes a directory holding it
-            if final.is_dir():
-                raise IsADirectoryError(f"{self.tpath(rel)} is a directory")
-            make_private_dir(final.parent)
-            tmp = final.parent / f"{TMP_PREFIX}{os.getpid()}-{next(self.tmp_ids)}"
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, _DIRTY_MODE))
-        return tmp
+            return self.ramdir.tmpfile(rel, self.tpath(rel))
 
-    def reserve(self, rel: str, nbytes: int) -> None:
-        with self.cond:
-            self._room(rel, nbytes)
-            self.reserved += nbytes
-
-    def unreserve(self, nbytes: int) -> None:
-        with self.cond:
-            self.reserved -= nbytes
-            self.cond.notify_all()
-
-    def write(self, rel: str, data: Any, exclusive: bool = False) -> None:
-        """Write ``data`` as ``rel`` in RAM (temporary file, then rename) and queue it for the target."""
-        n = memoryview(data).nbytes
+    def write(self, rel: str, data: Source, exclusive: bool = False, size: int | None = None) -> None:
+        """Write ``data`` (bytes-like, or a function writing ``size`` bytes into the open file) as ``rel``
+        in RAM: room first, then a temporary file renamed into place, then queued for the target."""
+        if size is None:
+            if callable(data):
+                raise TypeError("Drain.write: a writer function needs size=")
+            size = memoryview(data).nbytes
+        n = size
         tmp = self.tmpfile(rel)
         try:
-            self.reserve(rel, n)
+            with self.cond:
+                self._room(rel, n)
+                self.ramdir.reserved += n
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         try:
             try:
                 with open(tmp, "wb", opener=private_opener) as f:
-                    f.write(data)
-            except OSError as e:
+                    data(f) if callable(data) else f.write(data)
+            except BaseException as e:
                 tmp.unlink(missing_ok=True)
-                if e.errno == errno.ENOSPC:
-                    raise CapacityError(f"tiered RAM directory {self.root} is full writing {self.tpath(rel)}; "
-                                        "flush() and free space, or raise the tmpfs size") from None
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    raise self.full_error(rel) from None
                 raise
-            self.commit(tmp, rel, exclusive, reserved=n)
+            self.commit(tmp, rel, exclusive, reserved=True)
         finally:
-            self.unreserve(n)
+            with self.cond:
+                self.ramdir.reserved -= n
+                self.cond.notify_all()
 
-    def commit(self, tmp: Path, rel: str, exclusive: bool = False, reserved: int | None = None) -> None:
+    def commit(self, tmp: Path, rel: str, exclusive: bool = False, reserved: bool = False) -> None:
         """Rename a finished temporary file to ``rel`` and queue the upload."""
         size = tmp.stat().st_size
-        remote = exclusive and rel not in self.sizes and self._remote_exists(rel)  # (no request under the lock)
+        sizes = self.ramdir.sizes
+        remote = exclusive and rel not in sizes and self._remote_exists(rel)  # (no request under the lock)
         with self.cond:
             try:
-                if exclusive and (rel in self.sizes or remote):
+                if exclusive and (rel in sizes or remote):
                     raise FileExistsError(f"{self.tpath(rel)} exists (mode='create')")
-                if reserved is None:
+                if not reserved:
                     self._room(rel, size)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            os.replace(tmp, self.ram(rel))
-            self.sizes.pop(rel, None)
-            self.sizes[rel] = size  # most recently written last
-            self.mark_dirty(rel)
+            os.replace(tmp, self.ramdir.path(rel))
+            sizes.pop(rel, None)
+            sizes[rel] = size  # most recently written last
+            self._mark_dirty(rel)
 
     def _remote_exists(self, rel: str) -> bool:
         try:
@@ -269,16 +211,17 @@ class Drain:
         except Exception:  # noqa: BLE001 - an unreachable target cannot prove the file exists
             return False
 
-    def mark_dirty(self, rel: str) -> None:
+    def _mark_dirty(self, rel: str) -> None:
         """(lock held) ``rel``'s RAM copy is newer than the target's."""
         self.dirty[rel] = next(self.gen)
         self.failed.pop(rel, None)
         if self.mode == "background":
-            self._enqueue(rel)
+            self.enqueue(rel)
             self._start()
         self.cond.notify_all()
 
-    def _enqueue(self, rel: str) -> None:
+    def enqueue(self, rel: str) -> None:
+        """(lock held) Queue ``rel`` for an upload thread, once."""
         if rel not in self.queued:
             self.queued.add(rel)
             self.queue.append(rel)
@@ -290,15 +233,19 @@ class Drain:
             return None
         with self.cond:  # (eviction unlinks under this lock: an open file stays readable)
             try:
-                f = open(self.ram(rel), "rb")
+                f = open(self.ramdir.path(rel), "rb")
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 return None
             self.counters["ram_reads"] += 1
             return f
 
-    def count(self, key: str, n: int = 1) -> None:
+    def count_target_read(self) -> None:
         with self.cond:
-            self.counters[key] += n
+            self.counters["target_reads"] += 1
+
+    def stats(self) -> dict[str, int]:
+        with self.cond:
+            return dict(self.counters)
 
     # -- removing and renaming ----------------------------------------------------------------------
     def _settle(self, rels: Iterable[str]) -> None:
@@ -312,16 +259,17 @@ class Drain:
 
     def remove(self, rel: str, recursive: bool) -> tuple[bool, bool]:
         """Remove ``rel`` from RAM. Returns (RAM held it, the target may hold a copy)."""
+        sizes = self.ramdir.sizes
         with self.cond:
-            p = self.ram(rel)
+            p = self.ramdir.path(rel)
             if p.is_dir():
-                under = [r for r in self.sizes if r.startswith(rel + "/") or not rel]
+                under = [r for r in sizes if r.startswith(rel + "/") or not rel]
                 if not recursive and (under or any(p.iterdir())):
                     raise IsADirectoryError(f"{self.tpath(rel)} is a non-empty directory; pass recursive=True")
                 self._settle(under)
                 remote = any(r in self.remote for r in under)
                 for r in under:
-                    self.sizes.pop(r, None)
+                    sizes.pop(r, None)
                     self.remote.discard(r)
                 if p == self.root:
                     for child in p.iterdir():
@@ -330,34 +278,40 @@ class Drain:
                     shutil.rmtree(p, ignore_errors=True)
                 self.cond.notify_all()
                 return True, remote or recursive
-            if rel in self.sizes:
+            if rel in sizes:
                 self._settle([rel])
                 remote = rel in self.remote
                 self.remote.discard(rel)
-                self._unlink(rel)
+                self.ramdir.unlink(rel)
                 self.cond.notify_all()
                 return True, remote
         return False, True
 
+    def forget(self, rel: str) -> None:
+        """Drop RAM's copy of a file about to be replaced on the target alone."""
+        if self.ramdir.holds(rel):
+            self.remove(rel, False)
+
     def move(self, rel1: str, rel2: str) -> bool | None:
         """Rename a RAM file. Returns None if RAM does not hold ``rel1``, else whether the target may
         hold a copy of ``rel1`` that must be removed."""
+        sizes = self.ramdir.sizes
         with self.cond:
-            if rel1 not in self.sizes:
+            if rel1 not in sizes:
                 return None
-            dst = self.ram(rel2)
+            dst = self.ramdir.path(rel2)
             if dst.is_dir():
                 raise IsADirectoryError(f"{self.tpath(rel2)} is a directory")
-            make_private_dir(dst.parent)
+            self.ramdir.make_dir(posixpath.dirname(rel2))
             self._settle([rel1, rel2])
-            os.replace(self.ram(rel1), dst)
+            os.replace(self.ramdir.path(rel1), dst)
             os.chmod(dst, _DIRTY_MODE)  # a new name on the target: not durable yet
-            size = self.sizes.pop(rel1)
-            self.sizes.pop(rel2, None)
-            self.sizes[rel2] = size
+            size = sizes.pop(rel1)
+            sizes.pop(rel2, None)
+            sizes[rel2] = size
             remote = rel1 in self.remote
             self.remote.discard(rel1)
-            self.mark_dirty(rel2)
+            self._mark_dirty(rel2)
             return remote
 
     # -- the drain ----------------------------------------------------------------------------------
@@ -365,100 +319,10 @@ class Drain:
         """(lock held) Start the upload threads, once."""
         self.threads = [t for t in self.threads if t.is_alive()]
         while len(self.threads) < self.concurrency:
-            t = threading.Thread(target=self._run, name=f"tierfs-drain-{len(self.threads)}", daemon=True)
+            t = threading.Thread(target=_upload.run, args=(self,), name=f"tierfs-drain-{len(self.threads)}",
+                                 daemon=True)
             t.start()
             self.threads.append(t)
-
-    def _run(self) -> None:
-        try:  # below the training threads (Linux: a thread's nice value is its own)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            with self.cond:
-                while not self.queue:
-                    self.cond.wait()
-                rel = self.queue.popleft()
-                self.queued.discard(rel)
-                if rel not in self.dirty or rel in self.busy:
-                    continue  # removed, already durable, or being uploaded (it is queued again after)
-                gen = self.dirty[rel]
-                try:
-                    fd = os.open(self.ram(rel), os.O_RDONLY)  # the bytes of generation ``gen``
-                except FileNotFoundError:  # removed behind our back: nothing left to make durable
-                    self.dirty.pop(rel, None)
-                    self.cond.notify_all()
-                    continue
-                except OSError as e:  # kept as a failure, so flush() reports it instead of waiting
-                    self.failed[rel] = (gen, _short(e))
-                    self.counters["upload_failures"] += 1
-                    self.cond.notify_all()
-                    continue
-                self.busy.add(rel)
-                self.remote.add(rel)
-            ok, why, nbytes = False, "", 0
-            try:
-                nbytes = os.fstat(fd).st_size
-                self.throttle.consume(nbytes)
-                self._upload(fd, rel)
-                ok = True
-            except BaseException as e:  # noqa: BLE001 - kept, and raised by flush()
-                why = _short(e)
-                log.warning("tiered: upload of %s to %s failed (%s)", rel, self.label, why)
-            with self.cond:
-                self.busy.discard(rel)
-                if ok:
-                    try:
-                        os.fchmod(fd, _DURABLE_MODE)  # this inode's bytes are on the target
-                    except OSError as e:  # only the mark for a later process is lost: it uploads again
-                        log.warning("tiered: cannot mark %s durable in RAM (%s)", rel, _short(e))
-                    self.counters["uploads"] += 1
-                    self.counters["bytes_uploaded"] += nbytes
-                    if self.dirty.get(rel) == gen:
-                        del self.dirty[rel]
-                elif self.dirty.get(rel) == gen:
-                    self.failed[rel] = (gen, why)
-                    self.counters["upload_failures"] += 1
-                if rel in self.dirty and self.dirty[rel] != gen:
-                    self._enqueue(rel)  # rewritten meanwhile: upload the newer bytes
-                self.cond.notify_all()
-            os.close(fd)
-
-    def _upload(self, fd: int, rel: str) -> None:
-        src, dst = f"/proc/self/fd/{fd}", self.tpath(rel)
-        if self.local_target:  # atomic and synced: temporary name, fsync, rename
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            tmp = f"{dst}{TMP_PREFIX}{os.getpid()}-{next(self.tmp_ids)}"
-            try:
-                with open(tmp, "wb") as out:
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    with os.fdopen(os.dup(fd), "rb") as inp:
-                        shutil.copyfileobj(inp, out, 8 << 20)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp, dst)
-                dfd = os.open(os.path.dirname(dst) or ".", os.O_RDONLY)
-                try:
-                    os.fsync(dfd)  # the rename itself survives a power loss
-                finally:
-                    os.close(dfd)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            return
-        for attempt in range(self.retries):
-            try:
-                self.target.put_file(src, dst)
-                return
-            except _PERMANENT:
-                raise
-            except Exception as e:  # noqa: BLE001 - transient until the retries run out
-                if attempt + 1 == self.retries:
-                    raise
-                delay = 0.2 * 2**attempt
-                log.warning("tiered: upload of %s failed (%s); retry %d/%d in %.1fs", rel, _short(e),
-                            attempt + 1, self.retries - 1, delay)
-                time.sleep(delay)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every file written so far is on the target; raise if any is not."""
@@ -467,7 +331,7 @@ class Drain:
             want = dict(self.dirty)
             for rel in want:  # failed ones get another try; a manual drain starts here
                 self.failed.pop(rel, None)
-                self._enqueue(rel)
+                self.enqueue(rel)
             if want:
                 self._start()
                 self.cond.notify_all()
@@ -493,101 +357,30 @@ class Drain:
             return sorted(self.tpath(r) for r in self.dirty)
 
 
-def private_opener(path: str, flags: int) -> int:
-    return os.open(path, flags, _DIRTY_MODE)
+_DRAINS: dict[tuple, Drain] = {}
+_DRAINS_LOCK = threading.Lock()
 
 
-def protocol_of(fs: fsspec.AbstractFileSystem) -> str:
-    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-
-
-DRAINS: dict[tuple, Drain] = {}
-DRAINS_LOCK = threading.Lock()
+def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, label: str, *, budget: int | None,
+              drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str) -> Drain:
+    """This process's drain for the RAM directory ``root`` and the target identified by ``key``; made
+    by the first caller, whose options it keeps."""
+    dkey = (os.getpid(), str(root), key)
+    with _DRAINS_LOCK:
+        d = _DRAINS.get(dkey)
+        if d is None:
+            d = _DRAINS[dkey] = Drain(root, target, label, budget=budget, drain=drain, bandwidth=bandwidth,
+                                      concurrency=concurrency, retries=retries, when_full=when_full)
+        elif not d.same_options(budget, drain, bandwidth, when_full):
+            log.warning("tiered: %s already has a drain with other options; keeping the first ones", root)
+    return d
 
 
 @atexit.register
 def _warn_unflushed() -> None:
-    for d in list(DRAINS.values()):
+    for d in list(_DRAINS.values()):
         left = d.pending()
         if left and d.root.exists():
             log.warning("tiered: %d file(s) written through tiered:// were not flushed to %s (e.g. %s); they "
                         "remain in RAM at %s and are uploaded by the next process using it", len(left),
                         d.label, left[0], d.root)
-
-
-class RamWriter(io.RawIOBase):
-    """A file being written into RAM: a private temporary file renamed into place on close (or on the
-    transaction's commit). Leaving a ``with`` block by an exception discards it."""
-
-    def __init__(self, drain: Drain, rel: str, *, exclusive: bool, autocommit: bool) -> None:
-        super().__init__()
-        self.drain, self.rel, self.exclusive, self.autocommit = drain, rel, exclusive, autocommit
-        self.path = drain.tpath(rel)
-        self.mode = "wb"
-        self._tmp = drain.tmpfile(rel)
-        self._f = open(self._tmp, "wb", opener=private_opener)
-        self._state = "open"
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        try:
-            return self._f.write(b)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                self.discard()
-                raise CapacityError(f"tiered RAM directory {self.drain.root} is full writing {self.path}; "
-                                    "flush() and free space, or raise the tmpfs size") from None
-            raise
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._f.seek(offset, whence)
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def flush(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._state == "open":
-            self._f.close()
-            self._state = "closed"
-            if self.autocommit:
-                self.commit()
-        super().close()
-
-    def commit(self) -> None:
-        """Rename into place and queue for the target."""
-        if self._state == "committed":
-            return
-        if not self._f.closed:
-            self._f.close()
-        self._state = "committed"
-        self.drain.commit(self._tmp, self.rel, self.exclusive)
-
-    def discard(self) -> None:
-        """Drop what was written."""
-        if not self._f.closed:
-            self._f.close()
-        self._state = "committed"
-        self._tmp.unlink(missing_ok=True)
-        super().close()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.discard()
-        else:
-            self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", "committed") == "open":
-            self.discard()  # never closed: nothing half-written becomes a file

@@ -11,7 +11,8 @@ loop) gains a RAM tier by changing only its URL::
 Paths are the target's paths (``bucket/run/a.bin`` here); the RAM directory mirrors them
 (``/dev/shm/tierfs/run/bucket/run/a.bin``). A write goes to a temporary file in RAM that is renamed into
 place, so a reader never sees half a file, and is then queued for the drain (``_writeback.Drain``): a few
-low-priority threads that upload within a bandwidth cap.
+low-priority threads that upload within a bandwidth cap. Listings show complete files only: never the
+temporary name of a write in flight, in RAM or on the target.
 
 The drain is shared by every instance of this class in the process that has the same RAM directory
 and target (fsspec makes separate instances per thread and for async use, and zarr makes its own), so
@@ -21,22 +22,24 @@ and target (fsspec makes separate instances per thread and for async use, and za
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import shutil
-import stat
 from glob import has_magic
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.transaction import Transaction
 from fsspec.utils import stringify_path, tokenize
 
-from ..tiers.memory import default_path, make_private_dir
-from ._writeback import (DEFAULT_DRAIN_BANDWIDTH, DRAINS, DRAINS_LOCK, TMP_PREFIX, Drain, RamWriter, private_opener,
-                         protocol_of, rel_path)
+from .._fileio import make_private_dir
+from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
+from ..tiers.memory import default_path
+from ._listing import TieredListing
+from ._ramdir import rel_path
+from ._ramfile import RamWriter
+from ._writeback import Drain, drain_for, protocol_of
 
 try:  # fsspec >= 2025.9: url_to_fs hands a chained filesystem the target's path
     from fsspec.implementations.chained import ChainedFileSystem
@@ -44,8 +47,6 @@ try:  # fsspec >= 2025.9: url_to_fs hands a chained filesystem the target's path
     _BASES: tuple[type, ...] = (AsyncFileSystem, ChainedFileSystem)
 except ImportError:  # pragma: no cover - older fsspec
     _BASES = (AsyncFileSystem,)
-
-log = logging.getLogger("tierfs")
 
 
 class _FlushingTransaction(Transaction):
@@ -58,7 +59,7 @@ class _FlushingTransaction(Transaction):
             fs.flush()
 
 
-class TieredFileSystem(*_BASES):  # type: ignore[misc]
+class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
     """A write-back RAM tier in front of any fsspec filesystem (``tiered::s3://bucket/run``).
 
     Parameters
@@ -105,7 +106,7 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
     def __init__(self, path: str | None = None, target_protocol: str | None = None,
                  target_options: dict[str, Any] | None = None, fo: str | None = None,
                  fs: fsspec.AbstractFileSystem | None = None, *, budget: int | None = None,
-                 drain: str = "background", drain_bandwidth: float | None = DEFAULT_DRAIN_BANDWIDTH,
+                 drain: str = "background", drain_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  drain_concurrency: int = 4, retries: int = 4, when_full: str = "wait",
                  asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
@@ -135,16 +136,15 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         make_private_dir(root)
         root = root.resolve()
         label = f"{protocol_of(fs)}://{self._strip_protocol(fo) if fo else ''}"
-        dkey = (os.getpid(), str(root), key)
-        with DRAINS_LOCK:
-            d = DRAINS.get(dkey)
-            if d is None:
-                d = DRAINS[dkey] = Drain(root, fs, label, budget=budget, drain=drain,
-                                           bandwidth=drain_bandwidth, concurrency=max(1, int(drain_concurrency)),
-                                           retries=max(1, int(retries)), when_full=when_full)
-            elif (d.budget, d.mode, d.throttle.rate, d.when_full) != (budget, drain, drain_bandwidth, when_full):
-                log.warning("tiered: %s already has a drain with other options; keeping the first ones", root)
-        self._drain = d
+        self._drain = drain_for(root, fs, key, label, budget=budget, drain=drain, bandwidth=drain_bandwidth,
+                                concurrency=max(1, int(drain_concurrency)), retries=max(1, int(retries)),
+                                when_full=when_full)
+
+    @property
+    def drain(self) -> Drain:
+        """The drain (RAM directory, pending uploads, upload threads) this instance shares with every
+        instance for the same RAM directory and target in the process."""
+        return self._drain
 
     # -- paths --------------------------------------------------------------------------------------
     @classmethod
@@ -174,9 +174,9 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         :meth:`adopt` so the drain uploads what was written.
         """
         _, rel = self._norm(path)
-        p = self._drain.ram(rel)
+        p = self._ram.path(rel)
         if not p.exists():
-            make_private_dir(p)
+            self._ram.make_dir(rel)
         return str(p)
 
     def adopt(self, path: str) -> int:
@@ -200,8 +200,7 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
     def stats(self) -> dict[str, int]:
         """Counters shared by the instances of this drain: ``ram_reads``, ``target_reads``, ``uploads``,
         ``bytes_uploaded``, ``upload_failures``, ``evictions``."""
-        with self._drain.cond:
-            return dict(self._drain.counters)
+        return self._drain.stats()
 
     def __enter__(self) -> "TieredFileSystem":
         return self
@@ -229,17 +228,17 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         data = await asyncio.to_thread(self._read_ram, rel, start, end)
         if data is not None:
             return data
-        self._drain.count("target_reads")
+        self._drain.count_target_read()
         return await asyncio.to_thread(self.target.cat_file, tp, start=start, end=end, **kwargs)
 
     async def _get_file(self, rpath: str, lpath: str, **kwargs) -> None:
         tp, rel = self._norm(rpath)
         f = self._drain.open_ram(rel)
         if f is None:
-            if rel and self._drain.ram(rel).is_dir():
+            if rel and self._ram.is_dir(rel):
                 os.makedirs(lpath, exist_ok=True)
                 return
-            self._drain.count("target_reads")
+            self._drain.count_target_read()
             await asyncio.to_thread(self.target.get_file, tp, lpath, **kwargs)
             return
 
@@ -255,7 +254,7 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
             f = self._drain.open_ram(rel)
             if f is not None:
                 return f
-            self._drain.count("target_reads")
+            self._drain.count_target_read()
             return self.target.open(tp, mode, block_size=block_size, cache_options=cache_options, **kwargs)
         if mode in ("wb", "xb", "ab"):
             if not rel:
@@ -280,27 +279,11 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
             await self._makedirs(rpath, exist_ok=True)
             return
         _, rel = self._norm(rpath)
-        d = self._drain
 
-        def put() -> None:
-            size = os.path.getsize(lpath)
-            tmp = d.tmpfile(rel)
-            try:
-                d.reserve(rel, size)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            try:
-                try:
-                    with open(lpath, "rb") as src, open(tmp, "wb", opener=private_opener) as dst:
-                        shutil.copyfileobj(src, dst, 8 << 20)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                d.commit(tmp, rel, mode == "create", reserved=size)
-            finally:
-                d.unreserve(size)
-        await asyncio.to_thread(put)
+        def copy(dst: IO[bytes]) -> None:
+            with open(lpath, "rb") as src:
+                shutil.copyfileobj(src, dst, 8 << 20)
+        await asyncio.to_thread(lambda: self._drain.write(rel, copy, mode == "create", size=os.path.getsize(lpath)))
 
     async def _cp_file(self, path1: str, path2: str, **kwargs) -> None:
         tp1, rel1 = self._norm(path1)
@@ -308,34 +291,20 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         f = self._drain.open_ram(rel1)
         if f is None:  # only the target holds it: copy there, and drop an older RAM copy of the destination
             await self._forget(rel2)
-            self._drain.count("target_reads")
+            self._drain.count_target_read()
             await asyncio.to_thread(self.target.cp_file, tp1, tp2, **kwargs)
             return
 
         def copy() -> None:
             with f:
-                size = os.fstat(f.fileno()).st_size
-                tmp = self._drain.tmpfile(rel2)
-                try:
-                    self._drain.reserve(rel2, size)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                try:
-                    with open(tmp, "wb", opener=private_opener) as out:
-                        shutil.copyfileobj(f, out, 8 << 20)
-                    self._drain.commit(tmp, rel2, reserved=size)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                finally:
-                    self._drain.unreserve(size)
+                self._drain.write(rel2, lambda out: shutil.copyfileobj(f, out, 8 << 20),
+                                  size=os.fstat(f.fileno()).st_size)
         await asyncio.to_thread(copy)
 
     async def _forget(self, rel: str) -> None:
         """Drop RAM's copy of a file about to be replaced on the target alone."""
-        if rel in self._drain.sizes:
-            await asyncio.to_thread(self._drain.remove, rel, False)
+        if self._ram.holds(rel):
+            await asyncio.to_thread(self._drain.forget, rel)
 
     async def _mv_file(self, path1: str, path2: str) -> None:
         tp1, rel1 = self._norm(path1)
@@ -357,7 +326,7 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
 
     async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
         tp, rel = self._norm(path)
-        p = self._drain.ram(rel)
+        p = self._ram.path(rel)
         if not exist_ok and (p.is_dir() or await self._isdir(tp)):
             raise FileExistsError(tp)
         if p.is_file():
@@ -394,94 +363,6 @@ class TieredFileSystem(*_BASES):  # type: ignore[misc]
         except FileNotFoundError:
             if not in_ram and not missing_ok:
                 raise FileNotFoundError(tp) from None
-
-    # -- listing ------------------------------------------------------------------------------------
-    def _ram_info(self, rel: str, tp: str) -> dict[str, Any] | None:
-        try:
-            st = self._drain.ram(rel).stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
-        return {"name": tp, "size": st.st_size if kind == "file" else 0, "type": kind, "mtime": st.st_mtime,
-                "tier": "ram"}
-
-    def _ram_ls(self, rel: str, tp: str) -> list[dict[str, Any]] | None:
-        p = self._drain.ram(rel)
-        if p.is_file():
-            return [self._ram_info(rel, tp)]  # type: ignore[list-item]
-        if not p.is_dir():
-            return None
-        out = []
-        for entry in os.scandir(p):
-            if entry.name.startswith(TMP_PREFIX):
-                continue
-            child = f"{rel}/{entry.name}" if rel else entry.name
-            info = self._ram_info(child, self._drain.tpath(child))
-            if info is not None:
-                out.append(info)
-        return out
-
-    async def _info(self, path: str, **kwargs) -> dict[str, Any]:
-        tp, rel = self._norm(path)
-        info = self._ram_info(rel, tp) if rel else None
-        if info is not None:
-            return info
-        out = await asyncio.to_thread(self.target.info, tp, **kwargs)
-        return {**out, "name": out["name"].rstrip("/") or out["name"], "tier": "target"}
-
-    async def _ls(self, path: str, detail: bool = True, **kwargs) -> list:
-        tp, rel = self._norm(path)
-        ram = await asyncio.to_thread(self._ram_ls, rel, tp)
-        try:
-            remote = await asyncio.to_thread(self.target.ls, tp, detail=True, **kwargs)
-        except FileNotFoundError:
-            remote = None
-        if ram is None and remote is None:
-            raise FileNotFoundError(tp)
-        merged = {i["name"].rstrip("/"): {**i, "name": i["name"].rstrip("/"), "tier": "target"}
-                  for i in remote or []}
-        merged.update({i["name"]: i for i in ram or []})
-        infos = [merged[k] for k in sorted(merged)]
-        return infos if detail else [i["name"] for i in infos]
-
-    def _ram_find(self, rel: str, tp: str, maxdepth: int | None, withdirs: bool) -> dict[str, dict]:
-        base = self._drain.ram(rel)
-        out: dict[str, dict] = {}
-        if base.is_file():
-            return {tp: self._ram_info(rel, tp)}  # type: ignore[dict-item]
-        if not base.is_dir():
-            return out
-        if withdirs and rel:
-            out[tp] = self._ram_info(rel, tp)  # type: ignore[assignment]
-        depth0 = len(base.parts)
-        for dirpath, dirs, files in os.walk(base):
-            depth = len(Path(dirpath).parts) - depth0 + 1  # entries directly below ``base`` are at depth 1
-            names = files + dirs if withdirs else list(files)
-            if maxdepth is not None and depth >= maxdepth:
-                dirs[:] = []
-            for name in names:
-                if name.startswith(TMP_PREFIX):
-                    continue
-                child = Path(dirpath, name).relative_to(self._drain.root).as_posix()
-                ctp = self._drain.tpath(child)
-                info = self._ram_info(child, ctp)
-                if info is not None:
-                    out[ctp] = info
-        return out
-
-    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs):
-        detail = kwargs.pop("detail", False)
-        tp, rel = self._norm(path)
-        ram = await asyncio.to_thread(self._ram_find, rel, tp, maxdepth, withdirs)
-        try:
-            remote = await asyncio.to_thread(self.target.find, tp, maxdepth=maxdepth, withdirs=withdirs,
-                                             detail=True, **kwargs)
-        except FileNotFoundError:
-            remote = {}
-        merged = {k.rstrip("/"): {**v, "name": k.rstrip("/"), "tier": "target"} for k, v in remote.items()}
-        merged.update(ram)
-        names = sorted(merged)
-        return {n: merged[n] for n in names} if detail else names
 
 
 def _rm_quiet(fs: fsspec.AbstractFileSystem, path: str, recursive: bool) -> None:
