@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierfs import TieredStore
 from tierfs.adapters.dcp import TieredReader, TieredWriter
+from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 from _child import finish  # tests/ is the script's directory, first on sys.path
@@ -39,14 +40,13 @@ def make_state(seed: int, steps: int) -> dict:
 
 
 def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
-    return a == b
+    """Whether two states are bit-exact equal (for the JSON line)."""
+    try:
+        assert_states_equal(a, b)
+    except AssertionError as e:
+        print(e, file=sys.stderr)
+        return False
+    return True
 
 
 def main() -> None:
@@ -73,7 +73,7 @@ def main() -> None:
     reader = TieredReader(store)
     dcp.load(got, storage_reader=reader)
     out.update(exact=same(want, got), sources={str(k): v for k, v in reader.sources.items()},
-               skipped=len(reader.skipped), step=reader._resolved_step)
+               skipped=len(reader.skipped), step=reader.resolved_step)
     store.close()
     finish(out)
 

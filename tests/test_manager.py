@@ -17,6 +17,7 @@ import torch
 from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions
 from tierfs.policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy,
                              LatestN, RestorePolicy)
+from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
@@ -36,17 +37,6 @@ def make_state(seed: int = 0) -> dict:
 def snapshot(state: dict) -> dict:
     return {k: snapshot(v) if isinstance(v, dict) else (v.clone() if isinstance(v, torch.Tensor) else v)
             for k, v in state.items()}
-
-
-def assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            assert_equal(a[k], b[k])
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 def test_thirty_steps_over_ram_and_s3(shm_dir, s3_url):
@@ -74,7 +64,7 @@ def test_thirty_steps_over_ram_and_s3(shm_dir, s3_url):
         target = make_state(99)
         assert mgr.restore(target) == 20
         assert mgr.last_restore_info.tier == "s3"
-        assert_equal(target, saved[20])
+        assert_states_equal(target, saved[20])
         assert mgr.save(20, target) is False, "the restored step is not saved again"
         assert mgr.save(25, target) is True
 
@@ -91,7 +81,7 @@ def test_state_changed_right_after_save_is_not_in_the_checkpoint(shm_dir, tmp_pa
         for tiers in (["ram"], ["file"]):
             mgr.restore_policy = RestorePolicy(prefer=tiers)
             got = mgr.restore()
-            assert_equal(got, want)
+            assert_states_equal(got, want)
 
 
 def test_restore_returns_new_state_or_loads_in_place(shm_dir):
@@ -99,10 +89,10 @@ def test_restore_returns_new_state_or_loads_in_place(shm_dir):
         assert mgr.restore() is None
         mgr.save(3, make_state(3))
         mgr.wait_until_finished()
-        assert_equal(mgr.restore(), make_state(3))
+        assert_states_equal(mgr.restore(), make_state(3))
         target = make_state(0)
         assert mgr.restore(target) == 3
-        assert_equal(target, make_state(3))
+        assert_states_equal(target, make_state(3))
 
 
 def test_resumed_run_replaces_steps_it_redoes(shm_dir):
@@ -114,7 +104,7 @@ def test_resumed_run_replaces_steps_it_redoes(shm_dir):
         assert mgr.save(1, make_state(50)) is False
         assert mgr.save(2, make_state(52)) is True  # steps 2, 3 of the old run are replaced
         mgr.wait_until_finished()
-        assert_equal(mgr.restore(step=2), make_state(52))
+        assert_states_equal(mgr.restore(step=2), make_state(52))
 
 
 def test_orbax_options_behave_like_the_equivalent_policies(tmp_path):

@@ -3,7 +3,6 @@ dcp.load + TieredReader; their non-tensor values are stored beside them without 
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from tierfs.errors import StateMismatchError
 from tierfs.format import step_dirname
 from tierfs.policies import (AnySavePolicy, BestN, FixedIntervalPolicy, LatestN, PreemptionCheckpointingPolicy,
                              RestorePolicy)
+from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
@@ -55,28 +55,6 @@ def _tensors(x):
         yield x
 
 
-def exact(a, b, path="") -> None:
-    """Bit-exact equality, types included (dict and OrderedDict count as one)."""
-    assert isinstance(a, dict) and isinstance(b, dict) or type(a) is type(b), (path, type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            exact(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            exact(x, y, f"{path}.{i}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist(), path
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), path
-    else:
-        assert a == b, path
-
-
 def tiers(shm, tmp_path, ram_every=1, obj_every=2, obj_save=None, keep=None):
     return [MemoryTier(shm, save=FixedIntervalPolicy(ram_every), keep=keep or LatestN(3)),
             ObjectTier(f"file://{tmp_path}/obj", save=obj_save or FixedIntervalPolicy(obj_every))]
@@ -96,14 +74,15 @@ def test_model_and_adam_round_trip_through_dcp_bit_exact(shm_dir, tmp_path):
         got = fresh()
         w, order = got["model"]["0.weight"], got["extra"]["order"]
         assert mgr.restore(got) == 2  # in place
-        exact(full_state(7), got)
+        assert_states_equal(full_state(7), got, key_order=True)
         assert got["model"]["0.weight"] is w and got["extra"]["order"] is order  # the same objects, overwritten
         assert mgr.last_restore_info.tier == "ram" and mgr.last_restore_info.skipped == []
-        exact(full_state(7), mgr.restore())  # a new state, rebuilt from the checkpoint alone
+        # a new state, rebuilt from the checkpoint alone
+        assert_states_equal(full_state(7), mgr.restore(), key_order=True)
         mgr.restore_policy = RestorePolicy(prefer=["file"])
         got = fresh()
         assert mgr.restore(got) == 2 and mgr.last_restore_info.tier == "file"
-        exact(full_state(7), got)
+        assert_states_equal(full_state(7), got, key_order=True)
 
 
 def test_async_save_through_dcp_holds_the_values_at_the_call(shm_dir, tmp_path):
@@ -118,7 +97,7 @@ def test_async_save_through_dcp_holds_the_values_at_the_call(shm_dir, tmp_path):
             mgr.restore_policy = RestorePolicy(prefer=[tier])
             got = fresh()
             assert mgr.restore(got) == 1 and mgr.last_restore_info.tier == tier
-            exact(full_state(3), got)
+            assert_states_equal(full_state(3), got, key_order=True)
 
 
 def test_tier_policies_and_best_n_hold_through_dcp(shm_dir, tmp_path):
@@ -135,7 +114,7 @@ def test_tier_policies_and_best_n_hold_through_dcp(shm_dir, tmp_path):
         for s in (0, 3, 5, 6):
             got = fresh()
             assert mgr.restore(got, step=s) == s
-            exact(full_state(s), got)
+            assert_states_equal(full_state(s), got, key_order=True)
     with CheckpointManager(tiers(f"{shm_dir}/b", tmp_path / "b", ram_every=2, obj_every=4)) as mgr:
         did = [mgr.save(step, full_state(step)) for step in range(6)]
         assert did == [True, False, True, False, True, False]  # DCP is not even called for steps no tier takes
@@ -156,7 +135,7 @@ def test_preemption_and_force_through_dcp(shm_dir, tmp_path):
         assert mgr.store.steps() == {2: ["ram", "file"], 3: ["file"]}
         got = fresh()
         assert mgr.restore(got) == 3
-        exact(full_state(3), got)
+        assert_states_equal(full_state(3), got, key_order=True)
 
 
 def test_resumed_run_overwrites_through_dcp(shm_dir, tmp_path):
@@ -170,7 +149,7 @@ def test_resumed_run_overwrites_through_dcp(shm_dir, tmp_path):
         mgr.wait_until_finished()
         for tier in ("ram", "file"):
             mgr.restore_policy = RestorePolicy(prefer=[tier])
-            exact(full_state(52), mgr.restore(step=2))
+            assert_states_equal(full_state(52), mgr.restore(step=2), key_order=True)
 
 
 def test_damaged_copies_fall_back_to_another_tier_then_an_older_step(shm_dir, tmp_path):
@@ -188,13 +167,13 @@ def test_damaged_copies_fall_back_to_another_tier_then_an_older_step(shm_dir, tm
         flip(Path(shm_dir))
         got = fresh()
         assert mgr.restore(got) == 2
-        exact(full_state(2), got)
+        assert_states_equal(full_state(2), got, key_order=True)
         assert mgr.last_restore_info.tier == "file"
         assert [(t, s) for t, s, _ in mgr.last_restore_info.skipped] == [("ram", 2)]
         flip(tmp_path / "obj")
         got = fresh()
         assert mgr.restore(got) == 1  # no verified copy of step 2 left
-        exact(full_state(1), got)
+        assert_states_equal(full_state(1), got, key_order=True)
         assert {s for _, s, _ in mgr.last_restore_info.skipped} == {2}
 
 
@@ -226,7 +205,7 @@ def test_orbax_options_through_dcp(tmp_path):
         for step in range(7):
             mgr.save(step, full_state(step))
         assert mgr.all_steps() == [4, 6]  # synchronous: committed when save returns
-        exact(full_state(6), mgr.restore())
+        assert_states_equal(full_state(6), mgr.restore(), key_order=True)
 
 
 def test_a_plain_dcp_step_is_readable_by_the_manager_only_through_dcp(shm_dir):

@@ -12,6 +12,7 @@ from tierfs import (BackgroundError, CapacityError, RestoreError, StateMismatchE
                     TieredStore, TierUnavailableError)
 from tierfs.format import MARKER, step_dirname
 from tierfs.policies import FixedIntervalPolicy, LatestN
+from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 
@@ -19,15 +20,6 @@ def state_for(step: int, n: int = 3, size: int = 50_000) -> dict:
     rng = np.random.default_rng(step)
     return {f"layer{i}.weight": rng.standard_normal(size).astype(np.float32) for i in range(n)} | {
         "step": step, "opt": {"exp_avg": rng.standard_normal(1000)}}
-
-
-def assert_state(out: dict, step: int) -> None:
-    want = state_for(step)
-    assert out["step"] == step
-    for k, v in want.items():
-        if isinstance(v, np.ndarray):
-            assert out[k].dtype == v.dtype and out[k].tobytes() == v.tobytes(), k
-    assert out["opt"]["exp_avg"].tobytes() == want["opt"]["exp_avg"].tobytes()
 
 
 @pytest.fixture
@@ -75,11 +67,11 @@ def test_restore_newest_from_ram_and_metadata(hybrid):
         out, info = store.restore()
         assert info.step == 11 and info.tier == "ram" and info.skipped == []
         assert info.metadata == {"lr": pytest.approx(1.1)} and info.nbytes > 600_000
-        assert_state(out, 11)
+        assert_states_equal(out, state_for(11))
         store.wait_until_finished()  # step 10's copy to the file tier runs in the background
         out, info = store.restore(step=10, tiers=["file"])
         assert info.tier == "file"
-        assert_state(out, 10)
+        assert_states_equal(out, state_for(10))
 
 
 def test_ram_wiped_restores_from_object_tier(hybrid, shm_dir):
@@ -92,7 +84,7 @@ def test_ram_wiped_restores_from_object_tier(hybrid, shm_dir):
         target = state_for(0)
         info = store.restore_into(target)
         assert info.step == 10 and info.tier == "file"
-        assert_state(target, 10)
+        assert_states_equal(target, state_for(10))
 
 
 def test_flipped_byte_in_ram_is_detected_and_served_from_object(hybrid, shm_dir):
@@ -112,7 +104,7 @@ def test_flipped_byte_in_ram_is_detected_and_served_from_object(hybrid, shm_dir)
         assert info.step == 10 and info.tier == "file"
         assert [(t, s) for t, s, _ in info.skipped] == [("ram", 10)]
         assert "checksum mismatch" in info.skipped[0][2] and "layer" in info.skipped[0][2]
-        assert_state(target, 10)
+        assert_states_equal(target, state_for(10))
 
 
 def test_damaged_newest_everywhere_falls_back_to_older_step(shm_dir):
@@ -124,13 +116,13 @@ def test_damaged_newest_everywhere_falls_back_to_older_step(shm_dir):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         out, info = store.restore()
         assert info.step == 1 and "manifest" in info.skipped[0][2]
-        assert_state(out, 1)
+        assert_states_equal(out, state_for(1))
         with pytest.raises(RestoreError, match="does not match"):
             store.restore(step=2)
         # the job redoes step 2: saving it replaces the damaged copy the restore passed over
         store.restore()
         store.save(2, state_for(2))
-        assert_state(store.restore()[0], 2)
+        assert_states_equal(store.restore()[0], state_for(2))
         with pytest.raises(StepExistsError):  # only passed-over steps are replaced without overwrite=True
             store.save(1, state_for(1))
 
@@ -178,7 +170,7 @@ def test_over_budget_fails_before_writing_and_keeps_earlier_steps(shm_dir):
         assert store.steps() == {1: ["ram"], 2: ["ram"]}
         assert not (Path(shm_dir) / step_dirname(3)).exists()
         out, info = store.restore()
-        assert_state(out, 2)
+        assert_states_equal(out, state_for(2))
     with TieredStore([MemoryTier(shm_dir, keep=LatestN(2), budget=int(3.5 * one))]) as store:
         for s in range(3, 10):  # (kept + 1) steps fit: steady state reuses pooled buffers
             store.save(s, state_for(s))
@@ -196,7 +188,7 @@ def test_pooled_buffers_are_reused_across_steps(shm_dir):
         after = tier.stats()
         assert after["reused"] - before["reused"] >= before["pooled"] and after["created"] == before["created"]
         out, _ = store.restore()
-        assert_state(out, 2)
+        assert_states_equal(out, state_for(2))
 
 
 def test_directories_are_private(shm_dir, tmp_path):
@@ -229,7 +221,7 @@ def test_zero_copy_restore_views_are_never_reused(shm_dir):
         assert not out["layer0.weight"].flags.writeable
         for s in range(2, 5):
             store.save(s, state_for(s))
-        assert_state(out, 1)  # the views still hold step 1's bytes
+        assert_states_equal(out, state_for(1))  # the views still hold step 1's bytes
 
 
 def test_bad_inputs_give_clear_errors(shm_dir):
@@ -266,7 +258,7 @@ def test_storage_options_are_honoured(s3_url, shm_dir):
         assert store.steps() == {1: ["ram", "s3"]}
         out, info = store.restore(tiers=["s3"])
         assert info.tier == "s3"
-        assert_state(out, 1)
+        assert_states_equal(out, state_for(1))
 
 
 def test_background_failure_is_raised_by_the_next_call(s3_url, shm_dir):
@@ -316,11 +308,11 @@ def test_full_tmpfs_is_a_clean_capacity_error(tiny_tmpfs):
         assert not (ram / step_dirname(5)).exists()
         assert sorted(store.steps()) == [0, 1, 2, 3, 4]
         out, info = store.restore()
-        assert_state(out, 4)
+        assert_states_equal(out, state_for(4))
         (tiny_tmpfs / "filler").unlink()
         store.save(5, bigger)  # space back: the job goes on
         out, info = store.restore()
-        assert_state(out, 5)
+        assert_states_equal(out, bigger)
 
 
 def test_unreachable_endpoint_is_not_reported_as_missing_bucket(s3_storage_options):

@@ -18,7 +18,7 @@ from tierfs.adapters.tensorstore import (read_arrays, restore_tensorstore, save_
 from tierfs.errors import FormatError  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 
-from test_zarr import _same  # noqa: E402
+from tierfs.testing import assert_states_equal  # noqa: E402
 
 
 def _arrays(seed: int = 0) -> dict:
@@ -39,7 +39,7 @@ def test_tensorstore_step_through_the_ram_tier(shm_dir):
         manifest = store.verify(3, "ram")
         names = {e.name for e in manifest.entries}
         assert {"tierfs.json", "x/zarr.json", "emb/weight/c/0/0"} <= names
-        _same(restore_tensorstore(store), arrays)
+        assert_states_equal(restore_tensorstore(store), arrays)
         store.save(4, {"plain": np.ones(2)})
         with pytest.raises(FormatError, match="not saved by save_tensorstore"):
             restore_tensorstore(store)
@@ -54,7 +54,7 @@ def test_tensorstore_step_through_the_object_tier(backend, request, shm_dir):
         store.wait_until_finished()
         assert store.steps() == {5: ["ram", "obj"]}
         store.verify(5, "obj")
-        _same(restore_tensorstore(store, 5, tiers=["obj"]), arrays)
+        assert_states_equal(restore_tensorstore(store, 5, tiers=["obj"]), arrays)
 
 
 def test_tensorstore_file_kvstore_on_the_ram_tier_of_a_tiered_fs(s3_url, s3_server, shm_dir):
@@ -68,12 +68,12 @@ def test_tensorstore_file_kvstore_on_the_ram_tier_of_a_tiered_fs(s3_url, s3_serv
     write_arrays({"driver": "file", "path": local + "/"}, arrays)
     assert fs.adopt(f"{root}/ts") >= len(arrays)
     fs.flush()
-    _same(read_arrays({"driver": "file", "path": local + "/"}), arrays)  # from RAM
+    assert_states_equal(read_arrays({"driver": "file", "path": local + "/"}), arrays)  # from RAM
     bucket, prefix = root.split("/", 1)
     s3 = {"driver": "s3", "bucket": bucket, "path": f"{prefix}/ts/", "endpoint": s3_server,
           "aws_region": "us-east-1"}
     ctx = ts.Context({"aws_credentials": {"type": "environment"}})  # AWS_* from the s3_server fixture
-    _same(read_arrays(s3, context=ctx), arrays)  # from the target, through tensorstore's own S3 client
+    assert_states_equal(read_arrays(s3, context=ctx), arrays)  # from the target, through tensorstore's own S3 client
     in_ram = sorted(os.path.relpath(os.path.join(d, f), shm_dir) for d, _, fs_ in os.walk(local) for f in fs_)
     direct, _ = fsspec.url_to_fs(url, skip_instance_cache=True, **opts)
     assert direct.find(f"{root}/ts") == in_ram and fs.pending() == []
@@ -83,7 +83,7 @@ def test_write_arrays_overwrites_in_place(shm_dir):
     spec = {"driver": "file", "path": f"{shm_dir}/ts/"}
     write_arrays(spec, {"a": np.arange(5.0), "s": np.array(7)})
     write_arrays(spec, {"a": np.zeros(5), "s": np.array(0)})  # equal to the fill value: still written
-    _same(read_arrays(spec), {"a": np.zeros(5), "s": np.array(0)})
+    assert_states_equal(read_arrays(spec), {"a": np.zeros(5), "s": np.array(0)})
 
 
 def test_tensorstore_s3_kvstore_against_moto(s3_url, s3_server):
@@ -94,7 +94,7 @@ def test_tensorstore_s3_kvstore_against_moto(s3_url, s3_server):
     ctx = ts.Context({"aws_credentials": {"type": "environment"}})
     arrays = _arrays(3)
     write_arrays(spec, arrays, context=ctx)
-    _same(read_arrays(spec, context=ctx), arrays)
+    assert_states_equal(read_arrays(spec, context=ctx), arrays)
 
 
 def test_tensorstore_gcs_kvstore_against_the_emulator(gcs_url, gcs_server, monkeypatch):
@@ -107,6 +107,6 @@ def test_tensorstore_gcs_kvstore_against_the_emulator(gcs_url, gcs_server, monke
     spec = {"driver": "gcs", "bucket": bucket, "path": f"{prefix}/arrays/"}
     arrays = _arrays(4)
     write_arrays(spec, arrays)
-    _same(read_arrays(spec), arrays)
+    assert_states_equal(read_arrays(spec), arrays)
     gfs, _ = fsspec.url_to_fs(url, skip_instance_cache=True, **opts)
     assert f"{bucket}/{prefix}/arrays/tierfs.json" in gfs.find(url)

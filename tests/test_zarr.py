@@ -16,6 +16,7 @@ from tierfs import TieredStore  # noqa: E402
 from tierfs.adapters.zarr import read_state, restore_zarr, save_zarr, write_state  # noqa: E402
 from tierfs.errors import FormatError  # noqa: E402
 from tierfs.policies import LatestN  # noqa: E402
+from tierfs.testing import assert_states_equal  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 
 
@@ -36,22 +37,6 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def _same(a, b) -> None:
-    """Equal structure, types, dtypes, shapes and bytes."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes()
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    else:
-        assert a == b
-
-
 def test_zarr_step_on_the_ram_tier_alone(shm_dir):
     state = _state()
     with TieredStore([MemoryTier(shm_dir, keep=LatestN(2))]) as store:
@@ -61,8 +46,8 @@ def test_zarr_step_on_the_ram_tier_alone(shm_dir):
         manifest = store.verify(3, "ram")  # every crc32c checks out
         names = {e.name for e in manifest.entries}
         assert "zarr.json" in names and "model/w/zarr.json" in names and manifest.metadata["note"] == "x"
-        _same(restore_zarr(store), state)
-        _same(restore_zarr(store, 2), _state(2))
+        assert_states_equal(restore_zarr(store), state)
+        assert_states_equal(restore_zarr(store, 2), _state(2))
         # one array per entry, each sharded
         meta = json.loads(bytes(store.restore(3)[0]["big"]["zarr.json"]))
         assert meta["codecs"][0]["name"] == "sharding_indexed"
@@ -77,7 +62,7 @@ def test_zarr_step_is_copied_to_the_object_tier_and_restored_from_it(s3_url, shm
         store.wait_until_finished()
         assert store.steps() == {7: ["ram", "s3"]}
         store.verify(7, "s3")
-        _same(restore_zarr(store, tiers=["s3"]), state)
+        assert_states_equal(restore_zarr(store, tiers=["s3"]), state)
 
 
 def test_the_store_keeps_the_shape_of_0d_numpy_arrays(shm_dir):
@@ -115,10 +100,10 @@ def test_zarr_on_a_tiered_url(backend, request, shm_dir):
     assert zstore.fs.pending() == []
     # durable: zarr reads the group straight from the target, without tierfs
     direct = zarr.storage.FsspecStore.from_url(f"{url}/arrays", storage_options={**opts})
-    _same(read_state(direct), state)
+    assert_states_equal(read_state(direct), state)
     # reads through tiered:: are served by RAM
     before = zstore.fs.stats()
-    _same(read_state(zstore), state)
+    assert_states_equal(read_state(zstore), state)
     after = zstore.fs.stats()
     assert after["ram_reads"] > before["ram_reads"] and after["target_reads"] == before["target_reads"]
     tfs, root = fsspec.url_to_fs(f"{url}/arrays", skip_instance_cache=True, **opts)
@@ -134,5 +119,5 @@ def test_zarr_on_a_tiered_url_reads_from_the_target_once_ram_lost_it(s3_url, shm
     zstore.fs.flush()
     other_node = {"tiered": {"path": str(tmp_path / "ram2")}, "s3": opts}
     cold = zarr.storage.FsspecStore.from_url(f"tiered::{url}/g", storage_options=other_node)
-    _same(read_state(cold), state)
+    assert_states_equal(read_state(cold), state)
     assert cold.fs.stats()["ram_reads"] == 0 and cold.fs.stats()["target_reads"] > 0

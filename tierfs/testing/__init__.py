@@ -1,2 +1,42 @@
-"""Test support shipped with tierfs: the conformance suite every tier passes, state comparison, and hooks
-at named points of tierfs's work (see :mod:`tierfs.testing.hooks`)."""
+"""Test support shipped with tierfs, for tierfs's own tests and for third-party tiers.
+
+:class:`TierTests` (:mod:`tierfs.testing.tiers`)
+    The conformance suite every :class:`~tierfs.tiers.Tier` passes: subclass it with a ``make_tier``
+    fixture for your backend.
+:class:`ReplicatorTests` (:mod:`tierfs.testing.replicators`)
+    The conformance suite of a :class:`~tierfs.tiers.base.Replicator` (the peer tier's role), run in a real
+    multi-process gloo job that :mod:`tierfs.testing.launch` starts: subclass it with the name of a
+    factory of your replicator.
+:func:`assert_states_equal` (:mod:`tierfs.testing.states`)
+    Bit-exact comparison of two states, naming the key path of the first difference.
+:mod:`tierfs.testing.hooks`
+    Run a function of yours at named points of tierfs's work (kill a process mid-transfer, inject a
+    failure), without patching internals.
+
+Importing this package imports neither torch nor pytest; the two suites import pytest when first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import hooks
+from .states import assert_states_equal
+
+if TYPE_CHECKING:
+    from .replicators import ReplicatorTests
+    from .tiers import TierTests
+
+__all__ = ["ReplicatorTests", "TierTests", "assert_states_equal", "hooks"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TierTests":
+        from .tiers import TierTests
+
+        return TierTests
+    if name == "ReplicatorTests":
+        from .replicators import ReplicatorTests
+
+        return ReplicatorTests
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
