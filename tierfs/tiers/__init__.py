@@ -1,8 +1,9 @@
-"""Storage tiers. Each implements `tierfs.tiers.base.Tier`."""
+"""Storage tiers: :class:`Tier` (holds files) and :class:`Replicator` (keeps other ranks' shards) are the
+interfaces, ``tierfs.testing`` the suites a tier passes."""
 
-from .base import Capacity, Tier
+from .base import Capacity, Holder, Replicator, Tier
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
 
-__all__ = ["Capacity", "MemoryTier", "ObjectTier", "PeerTier", "Tier"]
+__all__ = ["Capacity", "Holder", "MemoryTier", "ObjectTier", "PeerTier", "Replicator", "Tier"]
