@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from fastcrc import crc32 as _crc32
 
-from .errors import FormatError
+from .errors import ChecksumError, FormatError
 
 FORMAT_VERSION = 1
 MARKER = "COMMITTED"
@@ -222,6 +222,25 @@ class Marker:
         for name in m.manifests:
             validate_filename(name)
         return m
+
+
+def manifest_from_marker(marker: Marker, mbytes: bytes, step: int, rank: int) -> Manifest:
+    """Rank ``rank``'s manifest of ``step`` from its bytes, checked against the step's commit marker."""
+    mname = manifest_filename(rank)
+    listed_in(marker, step, mname)
+    if crc32c(mbytes) != marker.manifests[mname]:
+        raise ChecksumError(f"manifest {mname} does not match its commit marker")
+    m = Manifest.from_bytes(mbytes)
+    if m.step != step or m.rank != rank or m.world_size != marker.world_size:
+        raise FormatError(f"manifest {mname} is for step {m.step} rank {m.rank} of {m.world_size}, not step "
+                          f"{step} rank {rank} of {marker.world_size}")
+    return m
+
+
+def listed_in(marker: Marker, step: int, mname: str) -> None:
+    """Raise FormatError unless ``marker`` is step ``step``'s and lists manifest ``mname``."""
+    if marker.step != step or mname not in marker.manifests:
+        raise FormatError(f"the commit marker of step {step} does not list {mname}")
 
 
 def plan_files(sizes: Sequence[int], rank: int, file_size: int = DEFAULT_FILE_SIZE

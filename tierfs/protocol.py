@@ -1,7 +1,8 @@
 """The commit protocol's checks and copies, each written once and used by every caller (the store, the
 peer tier, ``tierfs cp``/``verify``/``gc``, the adapters).
 
-- :func:`checked_manifest`: a rank's manifest of a step, trusted only once it matches its commit marker.
+- :func:`checked_manifest`: a rank's manifest of a step on a tier, trusted only once it matches its commit
+  marker (:func:`tierfs.format.manifest_from_marker`, which the peer tier's wire protocol uses too).
 - :func:`step_manifests`: every rank's manifest of a committed step, each checked.
 - :func:`check_complete`: every file of a step is there, at its length, before its marker is written.
 - :func:`copy_shard` and :func:`commit`: a verified copy with the marker last (every block checked
@@ -15,8 +16,8 @@ from __future__ import annotations
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import _copy
-from .errors import ChecksumError, FormatError, StepNotFoundError
-from .format import MARKER, Manifest, Marker, crc32c, manifest_filename
+from .errors import FormatError, StepNotFoundError
+from .format import MARKER, Manifest, Marker, listed_in, manifest_filename, manifest_from_marker
 from .tiers.base import Tier
 
 #: bytes read at once while copying or checking a step: bounds memory, keeps object transfers concurrent
@@ -26,30 +27,12 @@ BATCH_FILES = 8
 Progress = Callable[[int], None]
 
 
-def manifest_from_marker(marker: Marker, mbytes: bytes, step: int, rank: int) -> Manifest:
-    """Rank ``rank``'s manifest of ``step`` from its bytes, checked against the step's commit marker."""
-    mname = manifest_filename(rank)
-    _listed(marker, step, mname)
-    if crc32c(mbytes) != marker.manifests[mname]:
-        raise ChecksumError(f"manifest {mname} does not match its commit marker")
-    m = Manifest.from_bytes(mbytes)
-    if m.step != step or m.rank != rank or m.world_size != marker.world_size:
-        raise FormatError(f"manifest {mname} is for step {m.step} rank {m.rank} of {m.world_size}, not step "
-                          f"{step} rank {rank} of {marker.world_size}")
-    return m
-
-
-def _listed(marker: Marker, step: int, mname: str) -> None:
-    if marker.step != step or mname not in marker.manifests:
-        raise FormatError(f"the commit marker of step {step} does not list {mname}")
-
-
 def checked_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
                      ) -> tuple[Manifest, bytes]:
     """Rank ``rank``'s manifest of ``step`` on ``tier`` and its bytes, checked against the marker (read
     from the tier unless given)."""
     marker = tier.read_marker(step) if marker is None else marker
-    _listed(marker, step, manifest_filename(rank))  # before reading: a wrong rank costs no download
+    listed_in(marker, step, manifest_filename(rank))  # before reading: a wrong rank costs no download
     mbytes = bytes(tier.read_file(step, manifest_filename(rank)))
     return manifest_from_marker(marker, mbytes, step, rank), mbytes
 

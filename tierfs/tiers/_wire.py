@@ -24,8 +24,7 @@ import numpy as np
 from .. import _copy
 from ..dist import framed
 from ..errors import ChecksumError, FormatError, TierfsError
-from ..format import Manifest, Marker, blocks, crc32c, validate_filename
-from ..protocol import manifest_from_marker
+from ..format import Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
 
 #: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
