@@ -194,10 +194,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             t.check_readable()
         with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
             t0 = time.perf_counter()
-            step = args.step if args.step is not None else store.latest_common_step(chosen)
-            total = 0
-            if step is not None and (args.step is None or step in store.common_steps(chosen)):
-                total = store.read_marker(step, tiers=chosen).nbytes
+            held = store.common_steps(chosen)
+            step = args.step if args.step is not None else (held[-1] if held else None)
+            total = store.read_marker(step, tiers=chosen).nbytes if step is not None and step in held else 0
             bar: Any = progress_bar(total, f"export step {step}", args)
             try:
                 md = export_dcp(store, args.directory, step, tiers=chosen, overwrite=args.overwrite,
