@@ -41,3 +41,23 @@ class BackgroundError(TierfsError):
 
 class StateMismatchError(TierfsError, ValueError):
     """The state given to restore into does not match the checkpoint (names, dtypes or shapes)."""
+
+
+class RankWaitError(TierfsError):
+    """A wait on another rank ended without it: it did not arrive within the timeout, or its process is
+    gone. ``stage`` names what this rank was doing, ``ranks`` the ranks it waited for (None: unknown)."""
+
+    def __init__(self, message: str, *, stage: str | None = None, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.stage, self.ranks = stage, ranks
+
+    @classmethod
+    def waiting(cls, stage: str | None, ranks: list[int] | None, timeout: float, why: str) -> "RankWaitError":
+        """The error of a wait that failed with backend message ``why``."""
+        gone = "closed by peer" in why or "reset by peer" in why
+        who = f"rank(s) {ranks}" if ranks else "another rank"
+        what = "is gone (its process ended)" if gone else f"did not arrive within {timeout:g} s"
+        where = f"{stage}: " if stage else ""
+        hint = ("; check its log" if gone else "; it may be stuck or dead: check its log, or raise timeout= if "
+                "it is only slow")
+        return cls(f"{where}{who} {what}{hint}", stage=stage, ranks=ranks)

@@ -16,11 +16,12 @@ marker last) live in :mod:`tierfs.protocol`, agreeing across ranks in :func:`tie
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import state as st
+from . import _stages, state as st
 from ._worker import BACKGROUND_NICE, DEFAULT_BACKGROUND_BANDWIDTH, Throttle, Worker
 from .core.ledger import StepLedger
 from .core.parts import Parts
@@ -28,7 +29,10 @@ from .core.reading import InPlace, NewArrays, Reader, Skipped
 from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath
-from .dist import Group, default_group
+from ._stages import stage
+from .dist import Group, agreement, default_group, seconds
+from .dist.groups import env_node_source
+from .dist.nodes import observe
 from .errors import BackgroundError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
@@ -69,13 +73,26 @@ class TieredStore:
         (default 256 MB/s; None: no cap), in bursts of up to 64 MiB, so training keeps its cores and memory
         bandwidth. The commit to the first tier is never capped. Background threads also run at a lower
         CPU priority.
+    timeout:
+        Seconds (or a ``timedelta``) any rank waits for the others in one of the store's collective or
+        point-to-point operations (default 600). Past it, or as soon as a rank's process is gone, the
+        waiting rank raises :class:`~tierfs.errors.RankWaitError` naming the stage and the rank(s) it
+        waited for. A failure on one rank (a full disk, a damaged copy) is not a wait: the other ranks hear
+        of it at once and raise naming the rank and the stage.
+
+    Notes
+    -----
+    When the store opens, the ranks observe which of them share the first tier's directory (host, device
+    and inode of its root): per-rank directories on one machine work as well as one directory per node.
+    Node numbers from ``TIERFS_NODE_RANK``, ``GROUP_RANK`` or ``PeerTier(node_rank=...)`` that put ranks
+    sharing a directory on different nodes are an error, raised on every rank.
     """
 
     def __init__(self, tiers: Sequence[Holder], *, group: Group | None = None, threads: int | None = None,
                  file_size: int = DEFAULT_FILE_SIZE, block_size: int = DEFAULT_BLOCK_SIZE,
                  clock: Callable[[], float] = time.time, cleanup: bool = True, max_in_flight: int = 2,
-                 when_busy: str = "wait",
-                 background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH) -> None:
+                 when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
+                 timeout: float | datetime.timedelta | None = None) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
@@ -91,28 +108,37 @@ class TieredStore:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.max_in_flight, self.when_busy = int(max_in_flight), when_busy
-        self.group = group if group is not None else default_group()
+        self.timeout = seconds(timeout)
+        self.group = (group.with_timeout(self.timeout) if group is not None else default_group(self.timeout))
         self.threads = threads
         self.file_size, self.block_size = int(file_size), int(block_size)
         ledger = StepLedger(names)
+        files = [t for t in tiers if t not in reps]
+        with agreement(self.group, "open the store"):  # a tier one rank cannot open fails every rank
+            for t in files:
+                with stage("open", tier=t.name):
+                    t.open()
+        layout = observe(self.group, files)
+        layout.check(self.group.nodes, env_node_source())
         # one group per thread role, so collectives of different threads never interleave
         commit_group = self.group.fork()  # a blocking save waits for the commit: full priority
-        copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in tiers[1:] if t not in reps}
+        copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
         for r in reps:
             r.bind(tiers[0], self.group)
+            layout.check(r.nodes, f"{r.name}'s node numbers")
         self._parts = Parts(
             tiers=tiers, group=self.group, ledger=ledger, throttle=Throttle(background_bandwidth),
             commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
             commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=self.file_size,
-            block_size=self.block_size, clock=clock)
+            block_size=self.block_size, clock=clock, layout=layout)
         self._reader = Reader(self._parts)
         self._retention = Retention(self._parts, self._reader)
-        self._saving = SavePath(self._parts, self._retention, self.wait_until_finished)
+        self._saving = SavePath(self._parts, self._retention, self.wait_until_finished, self.raise_background_errors)
         self._closed = False
-        for t in tiers:
-            t.open()
+        for r in reps:
+            r.open()
         if cleanup:
             self._cleanup_uncommitted()
         self.refresh()
@@ -190,7 +216,6 @@ class TieredStore:
         the last call.
         """
         self._check_open()
-        self.raise_background_errors()
         return self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
                                  when_busy=self.when_busy)
@@ -201,7 +226,9 @@ class TieredStore:
         errors = self._parts.ledger.take_errors()
         if errors:
             more = f" (and {len(errors) - 1} more, see the log)" if len(errors) > 1 else ""
-            raise BackgroundError(f"background copy failed: {errors[0]}{more}") from errors[0]
+            err = BackgroundError(f"background copy failed: {errors[0]}{more}")
+            err.tierfs_stage = _stages.of(errors[0])  # type: ignore[attr-defined]
+            raise err from errors[0]
 
     def wait_until_committed(self) -> None:
         """Block until every save so far is committed in the first tier (its copies to slower tiers may
@@ -275,8 +302,8 @@ class TieredStore:
     def _restore(self, step: int | None, tiers: Sequence[str] | None, sink: InPlace | NewArrays | None,
                  adopt: bool = False) -> RestoreInfo:
         self._check_open()
-        self.raise_background_errors()
-        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink).run(step, adopt=adopt)
+        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink,
+                       self.raise_background_errors).run(step, adopt=adopt)
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:

@@ -282,14 +282,14 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
             err = e
         views = outcomes(g, None, err, classify=ts.failure_kind)
-        failed = {r: (kind, why) for r, (kind, why) in enumerate(views) if kind is not None}
+        failed = {r: (kind, why, where) for r, (kind, why, where) in enumerate(views) if kind is not None}
         if failed:  # every rank takes the same way out: raise, or try an older step
-            if any(kind != RestoreError.__name__ for kind, _ in failed.values()):
+            if any(kind != RestoreError.__name__ for kind, _, _ in failed.values()):
                 if err is not None:
                     raise err
                 raise ranks_failed(f"step {step}: loading", {r: v for r, v in failed.items()
                                                             if v[0] != RestoreError.__name__})
-            raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why) in failed.items()])
+            raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why, _) in failed.items()])
         assert saved is not None
         reader = TieredReader(self.store, step, tiers=tiers)
         pg = g.process_group

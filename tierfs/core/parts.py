@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from .. import _hooks
 from .._worker import Throttle, Worker
 from ..dist import Group
+from ..dist.nodes import Layout
 from ..format import Marker, manifest_filename
 from ..tiers.base import Holder, Replicator, Tier
 from .ledger import StepLedger
@@ -39,6 +40,7 @@ class Parts:
     file_size: int
     block_size: int
     clock: Callable[[], float] = time.time
+    layout: Layout | None = None  # which ranks share each node-local tier's storage (None: each its own)
     first: Tier = field(init=False)  # where saves land and commit first
     replicator: Replicator | None = field(init=False)  # the tier keeping other ranks' shards, if any
     files: list[Tier] = field(init=False)  # every tier holding files, fastest first
@@ -83,13 +85,20 @@ class Parts:
         if tier is self.replicator:
             return True
         assert isinstance(tier, Tier)
-        return (self.group.local_rank if tier.is_local else self.group.rank) == 0
+        return (min(self.sharing(tier)) if tier.is_local else 0) == self.group.rank
+
+    def sharing(self, tier: Tier) -> tuple[int, ...]:
+        """The ranks whose ``tier`` is the same storage as this rank's: every rank for a shared tier, the
+        ranks using the same directory for a node-local one (as observed when the store opened)."""
+        if not tier.is_local:
+            return tuple(range(self.group.world_size))
+        return self.layout.sharing(tier.name) if self.layout is not None else (self.group.rank,)
 
     def expected_manifests(self, tier: Tier, marker: Marker) -> dict[str, int | None]:
         """The manifests that must be on ``tier`` before its marker: this node's ranks' on a local tier,
         every rank's on a shared one."""
         if tier.is_local:
-            return {manifest_filename(r): None for r in self.group.node_ranks}
+            return {manifest_filename(r): None for r in self.sharing(tier)}
         return {n: None for n in marker.manifests}
 
     def pace(self, step: int, tier: str) -> Callable[[int], None]:

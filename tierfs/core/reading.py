@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from .. import _copy, state as st
+from .._stages import stage
 from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import MARKER, Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
@@ -187,7 +188,7 @@ class Reader:
 
     def read_shard(self, tier: Tier, step: int, rank: int, sink: Sink | None) -> Shard:
         """Rank ``rank``'s shard of ``step`` from ``tier``, verified and delivered to ``sink``."""
-        with self.parts.ledger.pinned(tier.name, step):
+        with self.parts.ledger.pinned(tier.name, step), stage("read", step, tier.name):
             marker = bytes(tier.read_file(step, MARKER))
             manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
             if sink is not None:

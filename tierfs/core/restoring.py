@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _copy
+from .._stages import stage
 from ..dist import agree
 from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import Marker, manifest_filename
@@ -103,14 +104,22 @@ class RestorePlan:
                 if t not in self.holders.get((step, r), [])]
 
 
-def gather_plan(parts: Parts, usable: Sequence[Holder]) -> RestorePlan:
-    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others."""
-    parts.refresh()
-    before, rep, after = parts.roles(usable)
-    local = {t.name: parts.ledger.holding(t.name) for t in before + after}
-    mine = set().union(*local.values())
-    held = rep.holdings() if rep is not None else {}
-    views = parts.group.all_gather([sorted(mine), [[s, r] for s, rs in held.items() for r in rs]])
+def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None) -> RestorePlan:
+    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
+    ``check()`` runs first (the store raises background failures there); a rank that fails makes every
+    rank raise."""
+    view, failure, local = None, None, {}
+    try:
+        with stage("planning"):
+            check()
+            parts.refresh()
+            before, rep, after = parts.roles(usable)
+            local = {t.name: parts.ledger.holding(t.name) for t in before + after}
+            held = rep.holdings() if rep is not None else {}
+            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs]]
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+        failure = e
+    views = agree(parts.group, view, failure, "restore", outcome="nothing restored")
     holders: dict[tuple[int, int], list[int]] = {}
     for h, (_, kept) in enumerate(views):
         for s, r in kept:
@@ -121,8 +130,9 @@ def gather_plan(parts: Parts, usable: Sequence[Holder]) -> RestorePlan:
 class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
 
-    def __init__(self, parts: Parts, reader: Reader, usable: Sequence[Holder], sink: Sink | None) -> None:
-        self.parts, self.reader, self.sink = parts, reader, sink
+    def __init__(self, parts: Parts, reader: Reader, usable: Sequence[Holder], sink: Sink | None,
+                 check: Callable[[], None] = lambda: None) -> None:
+        self.parts, self.reader, self.sink, self.check = parts, reader, sink, check
         self.usable = list(usable)
         # this rank's own tiers, fastest first; the replicator (peers); the tiers after it
         self.before, self.replicator, self.after = parts.roles(self.usable)
@@ -130,7 +140,7 @@ class Restore:
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
         g = self.parts.group
-        plan = gather_plan(self.parts, self.usable)
+        plan = gather_plan(self.parts, self.usable, self.check)
         names = [t.name for t in self.usable]
         order = plan.steps(step, names)
         for s in order:
@@ -251,17 +261,18 @@ class Restore:
         wrote = False
         if info.tier != first.name:
             try:
-                bufs = first.stage(s, shard.manifest.files)
-                for name, data in _copy.shard_views(shard.manifest, shard.files).items():
-                    np.copyto(bufs[name], data)
-                first.write_staged(s)
-                first.write_file(s, manifest_filename(p.group.rank), shard.mbytes)
+                with stage("localize", s, first.name):
+                    bufs = first.stage(s, shard.manifest.files)
+                    for name, data in _copy.shard_views(shard.manifest, shard.files).items():
+                        np.copyto(bufs[name], data)
+                    first.write_staged(s)
+                    first.write_file(s, manifest_filename(p.group.rank), shard.mbytes)
                 wrote = True
             except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
                 first.discard_staged(s)
                 log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
         wrote_by = p.group.all_gather(wrote)
-        if p.owns(first) and any(wrote_by[r] for r in p.group.node_ranks):
+        if p.owns(first) and any(wrote_by[r] for r in p.sharing(first)):
             marker = Marker.from_bytes(shard.marker)
             try:
                 commit(first, s, shard.marker, p.expected_manifests(first, marker))
@@ -279,7 +290,13 @@ class Restore:
         if not pairs:
             return
         t0 = time.perf_counter()
-        failed = rep.replicate(s, shard.marker, shard.mbytes, shard.files, pairs=pairs, role="main")
+        error = None
+        try:
+            with stage("reseed", s, rep.name):  # this rank's part: its shard, as read, is what it sends
+                _copy.shard_views(shard.manifest, shard.files)
+        except (TierfsError, OSError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
+        failed = rep.replicate(s, shard.marker, shard.mbytes, shard.files, pairs=pairs, role="main", error=error)
         if failed:
             log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Mapping
 
+from .._stages import stage
 from ..errors import TierfsError
 from ..policies import StepInfo
 from ..tiers.base import Holder, Tier
@@ -75,11 +76,16 @@ class Retention:
         p = self.parts
         if not p.ledger.claim(tier.name, step):
             return
+        with stage("retention", step, tier.name):
+            self._delete(tier, step)
+
+    def _delete(self, tier: Holder, step: int) -> None:
+        p = self.parts
         if tier is p.replicator:
             tier.delete_step(step)  # the copies this rank keeps
             return
         assert isinstance(tier, Tier)
-        if tier.is_local and len(p.group.node_ranks) > 1:
+        if tier.is_local and len(p.sharing(tier)) > 1:
             tier.release(step, p.group.rank, marker=p.owns(tier))
         elif p.owns(tier):
             tier.delete_step(step)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .. import _copy, state as st
+from .._stages import stage
 from ..dist import agree, agreement
 from ..errors import StepExistsError, TierfsError
 from ..format import Entry, Manifest, Marker, crc32c, manifest_filename, plan_files
@@ -45,9 +46,11 @@ class Staged:
 class SavePath:
     """Saves of one store (see the module docstring)."""
 
-    def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None]) -> None:
+    def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None],
+                 raise_background_errors: Callable[[], None]) -> None:
         self.parts, self.retention = parts, retention
         self._wait_until_finished = wait_until_finished
+        self._raise_background_errors = raise_background_errors
 
     # -- choosing the tiers -------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
@@ -75,36 +78,41 @@ class SavePath:
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
              max_in_flight: int, when_busy: str) -> bool:
         p = self.parts
-        chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted), max_in_flight,
-                                 when_busy)
-        if p.ledger.busy(step):
-            raise StepExistsError(f"step {step} is still being saved; save a new step")
-        holders = p.ledger.holders(step)
-        if p.group.world_size > 1:  # every rank does what rank 0 decided (clocks and RAM tiers differ)
-            views = p.group.all_gather([[t.name for t in chosen], holders])
-            chosen = [p.tier(n) for n in views[0][0]]
-            holders = sorted({n for _, h in views for n in h})
+        mine, failure = None, None
+        try:  # this rank's view; every rank hears of a failure here before any of them goes on
+            self._raise_background_errors()
+            chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
+                                     max_in_flight, when_busy)
+            if p.ledger.busy(step):
+                raise StepExistsError(f"step {step} is still being saved; save a new step")
+            mine = [[t.name for t in chosen], p.ledger.holders(step)]
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+            failure = e
+        views = agree(p.group, mine, failure, f"save step {step}", outcome="nothing saved")
+        chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
+        holders = sorted({n for _, h in views for n in h})
         if not chosen:
             return False
         first = p.first
         if p.ledger.replaces(step) and holders:
             log.info("step %d: replacing the copies on %s left from before the restore", step, holders)
             overwrite = True
-        if holders and not overwrite:
-            raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
-                                  "replace it or save a new step")
-        if holders:
-            self._wait_until_finished()
-            for name in holders:
-                self.retention.delete(p.tier(name), step)
         try:
-            leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
-            staged = self._stage(step, leaves, metadata, metrics, checksum=blocking)
+            if holders and not overwrite:
+                raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
+                                      "replace it or save a new step")
+            if holders:
+                self._wait_until_finished()
+                for name in holders:
+                    self.retention.delete(p.tier(name), step)
+            with stage("staging", step, first.name):
+                leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
+                staged = self._stage(step, leaves, metadata, metrics, checksum=blocking)
         except BaseException as e:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
                     try:
-                        agree(p.commit_group, None, e, f"commit step {step}")
+                        agree(p.commit_group, None, e, f"commit step {step}", outcome="not committed")
                     except BaseException:  # noqa: BLE001 - already raised to the caller
                         pass
                 p.commits.submit(abort)
@@ -169,24 +177,24 @@ class SavePath:
             with agreement(p.commit_group, f"commit step {step}", outcome="not committed") as vote:
                 try:
                     arrays = [e for e in manifest.entries if e.kind == "array"]
-                    crcs = staged.crcs if staged.crcs is not None else _copy.run(
-                        [_copy.Job(e.name, buf, None, p.block_size) for e, buf in zip(arrays, staged.buffers)],
-                        1)  # leave training a core
+                    with stage("checksum", step, first.name):
+                        crcs = staged.crcs if staged.crcs is not None else _copy.run(
+                            [_copy.Job(e.name, buf, None, p.block_size) for e, buf in zip(arrays, staged.buffers)],
+                            1)  # leave training a core
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
-                    first.write_staged(step)
-                    mbytes = manifest.to_bytes()
-                    first.write_file(step, manifest_filename(rank), mbytes)
-                    check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
+                    with stage("manifest", step, first.name):
+                        first.write_staged(step)
+                        mbytes = manifest.to_bytes()
+                        first.write_file(step, manifest_filename(rank), mbytes)
+                        check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
                     vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes]
                 except BaseException:
                     first.discard_staged(step)
                     raise
             parts = vote.results
             marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
-            if p.owns(first):
-                commit(first, step, marker.to_bytes(), p.expected_manifests(first, marker))
-            p.commit_group.barrier()
+            self._mark(p.commit_group, first, step, marker, f"commit step {step}")
         except BaseException:
             p.ledger.abandon(step)
             raise
@@ -197,6 +205,25 @@ class SavePath:
         p.ledger.done(step)
         self.retention.apply(first)
         p.commits.submit(lambda: first.prepare(step, manifest.files))  # pre-fault the next step's buffers
+
+    def _mark(self, group: Any, tier: Tier, step: int, marker: Marker, what: str) -> None:
+        """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank
+        hears whether it did. If it did not, an owner whose marker went down takes it back, so no copy looks
+        committed that the others count as failed."""
+        wrote = False
+        try:
+            with agreement(group, what, outcome="not committed"):
+                if self.parts.owns(tier):
+                    with stage("marker", step, tier.name):
+                        commit(tier, step, marker.to_bytes(), self.parts.expected_manifests(tier, marker))
+                        wrote = True
+        except BaseException:
+            if wrote:
+                try:
+                    tier.delete_step(step)
+                except Exception as e:  # noqa: BLE001 - the caller's error says more; this one is logged
+                    log.warning("tier %s step %d: could not take back the marker (%s)", tier.name, step, e)
+            raise
 
     # -- hand on ------------------------------------------------------------------------------------
     def _hand_on(self, step: int, dst: Holder, marker: Marker) -> None:
@@ -226,13 +253,12 @@ class SavePath:
         group = p.copy_groups[dst.name]
         t0 = time.perf_counter()
         with agreement(group, f"copy step {step} to {dst.name}", outcome="not committed") as vote:
-            manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
-            # a damaged RAM copy must not become the durable one; verified and sent within the cap
-            vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.pace(step, dst.name),
-                                   batched=False)
-        if p.owns(dst):
-            commit(dst, step, marker.to_bytes(), p.expected_manifests(dst, marker))
-        group.barrier()
+            with stage("copy", step, dst.name):
+                manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
+                # a damaged RAM copy must not become the durable one; verified and sent within the cap
+                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.pace(step, dst.name),
+                                       batched=False)
+        self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
         log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name, vote.mine / 1e6,
                  time.perf_counter() - t0)
         return True
@@ -243,9 +269,10 @@ class SavePath:
         t0 = time.perf_counter()
         mbytes, files, error, nbytes = b"", {}, None, 0
         try:
-            mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
-            manifest = Manifest.from_bytes(mbytes)
-            files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
+            with stage("replication", step, dst.name):
+                mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
+                manifest = Manifest.from_bytes(mbytes)
+                files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
         except (TierfsError, OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
         # no check before sending: each receiver verifies every block as it lands

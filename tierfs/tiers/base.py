@@ -92,6 +92,11 @@ class Tier(ABC):
         """Where the tier keeps its steps, for people (a directory or a URL)."""
         return self.name
 
+    def identity(self) -> list[Any] | None:
+        """For a node-local tier, after ``open``: a JSON value equal on two ranks exactly when they use the
+        same storage (the RAM tier: host, device and inode of its root). None for a shared tier."""
+        return None
+
     @abstractmethod
     def capacity(self) -> Capacity: ...
 
@@ -244,6 +249,8 @@ class Replicator(ABC):
     kind: str = "replicator"
     #: for every rank, the ranks that keep copies of its shard (set by ``bind``)
     targets: list[list[int]]
+    #: the node (machine) of every rank, as the replicator places copies (set by ``bind``)
+    nodes: list[int]
 
     def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
         self.name = name

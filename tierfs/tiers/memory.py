@@ -13,9 +13,10 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
+import socket
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -78,6 +79,10 @@ class MemoryTier(Tier):
     @property
     def location(self) -> str:
         return str(self.path)
+
+    def identity(self) -> list[Any]:
+        st = os.stat(self.path)
+        return [socket.gethostname(), st.st_dev, st.st_ino]
 
     def capacity(self) -> Capacity:
         used = 0

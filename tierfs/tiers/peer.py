@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from .._fileio import make_private_dir
+from .._stages import stage
 from .._worker import BACKGROUND_NICE
 from ..errors import TierfsError
 from ..format import MARKER, Manifest, manifest_filename
@@ -169,6 +170,7 @@ class PeerTier(Replicator):
         self._node_rank = node_rank
         self._local: _Replicas | None = None
         self.targets: list[list[int]] = []
+        self.nodes: list[int] = []
         self.sources: list[list[int]] = []
 
     # -- binding ------------------------------------------------------------------------------------
@@ -188,6 +190,7 @@ class PeerTier(Replicator):
             if len({v[k] for v in views}) > 1:
                 raise TierfsError(f"ranks disagree on PeerTier {what}: {[v[k] for v in views]}; give every "
                                   "rank the same value")
+        self.nodes = [int(n) for n in nodes]
         self.targets = replica_targets(nodes, self.replicas, self.strategy)
         self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
         self.rank = group.rank
@@ -320,9 +323,10 @@ class PeerTier(Replicator):
             if h != me:
                 continue
             try:
-                marker = bytes(self.local.read_file(step, MARKER))
-                mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
-                files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
+                with stage("fetch", step, self.name):  # this holder's copy of rank q's shard
+                    marker = bytes(self.local.read_file(step, MARKER))
+                    mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
+                    files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
                 sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files))
             except (TierfsError, OSError, ValueError) as e:
                 why = f"{type(e).__name__}: {e}"

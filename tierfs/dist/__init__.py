@@ -1,0 +1,9 @@
+"""Who else is saving: the ranks of the job (:mod:`~tierfs.dist.groups`), agreeing or raising across them
+(:mod:`~tierfs.dist.agree`), and which of them share a RAM directory (:mod:`~tierfs.dist.nodes`)."""
+
+from .agree import agree, agreement, outcomes, ranks_failed
+from .groups import (DEFAULT_TIMEOUT, GATHER_WIDTH, Group, SingleProcess, TorchGroup, default_group, env_node_rank,
+                     framed, seconds)
+
+__all__ = ["DEFAULT_TIMEOUT", "GATHER_WIDTH", "Group", "SingleProcess", "TorchGroup", "agree", "agreement",
+           "default_group", "env_node_rank", "framed", "outcomes", "ranks_failed", "seconds"]
