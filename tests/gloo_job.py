@@ -16,26 +16,33 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def start_job(world: int, script: str | Path, *args: str, same_node: bool = False) -> list[subprocess.Popen]:
-    """Start the processes; ``same_node``: all are one node (node rank 0, local ranks 0..world-1)."""
+def start_job(world: int, script: str | Path, *args: str, same_node: bool = False,
+              env: dict[str, str | None] | None = None) -> list[subprocess.Popen]:
+    """Start the processes; ``same_node``: all are one node (node rank 0, local ranks 0..world-1); ``env``:
+    variables to set, or to remove where the value is None."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(world):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env_r = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                             "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank if same_node else 0),
                             "TIERFS_NODE_RANK": str(0 if same_node else rank),
                             "PYTHONPATH": str(HERE.parent)}
+        for k, v in (env or {}).items():
+            if v is None:
+                env_r.pop(k, None)
+            else:
+                env_r[k] = v
         procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
+                                      stderr=subprocess.PIPE, text=True, env=env_r))
     return procs
 
 
-def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, same_node: bool = False
-            ) -> list[dict]:
+def run_job(world: int, script: str | Path, *args: str, timeout: float = 180, same_node: bool = False,
+            env: dict[str, str | None] | None = None) -> list[dict]:
     """Run the job to the end; every process must succeed. Results come back sorted by rank."""
-    procs = start_job(world, script, *args, same_node=same_node)
+    procs = start_job(world, script, *args, same_node=same_node, env=env)
     outs = []
     try:
         for p in procs:

@@ -55,6 +55,17 @@ def stage(name: str, step: int | None = None, tier: str | None = None) -> Iterat
         _local.label = before
 
 
+@contextlib.contextmanager
+def waiting(label: str) -> Iterator[None]:
+    """Name what this thread waits for while the block runs (no hook: the ranks agreeing on ``label``)."""
+    before = getattr(_local, "label", None)
+    _local.label = label if before is None else f"{before}: {label}"
+    try:
+        yield
+    finally:
+        _local.label = before
+
+
 def current() -> str | None:
     """The stage this thread is in, described (None: none)."""
     return getattr(_local, "label", None)

@@ -9,7 +9,7 @@ them after every save on the tiers it touched, and ``tierfs gc`` on every tier a
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .._stages import stage
 from ..errors import TierfsError
@@ -42,11 +42,17 @@ class Retention:
     def __init__(self, parts: Parts, reader: Reader) -> None:
         self.parts, self.reader = parts, reader
 
-    def apply(self, tier: Holder) -> None:
-        """Delete what ``tier``'s keep policy lets go now."""
-        for s in doomed(tier, self.parts.ledger.snapshot()):
-            log.debug("tier %s: retention deletes step %d", tier.name, s)
-            self.delete(tier, s)
+    def apply(self, tier: Holder, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Delete what ``tier``'s keep policy lets go now; a failure is raised, or handed to ``on_error``."""
+        try:
+            for s in doomed(tier, self.parts.ledger.snapshot()):
+                log.debug("tier %s: retention deletes step %d", tier.name, s)
+                self.delete(tier, s)
+        except Exception as e:
+            if on_error is None:
+                raise
+            log.error("tier %s: retention failed (%s); raised by the next call", tier.name, e)
+            on_error(e)
 
     def plan(self) -> dict[str, list[int]]:
         """``{tier: [steps its keep policy would delete now]}``, deleting nothing, for every tier, as the

@@ -203,7 +203,8 @@ class SavePath:
             p.ledger.pin(first.name, step)
             p.copies[t.name].submit(lambda t=t: self._hand_on(step, t, marker))  # type: ignore[misc]
         p.ledger.done(step)
-        self.retention.apply(first)
+        # the step is committed whatever retention does: a failure there is the next call's to raise
+        self.retention.apply(first, on_error=p.ledger.fail)
         p.commits.submit(lambda: first.prepare(step, manifest.files))  # pre-fault the next step's buffers
 
     def _mark(self, group: Any, tier: Tier, step: int, marker: Marker, what: str) -> None:

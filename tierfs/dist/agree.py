@@ -16,7 +16,7 @@ Classify = Callable[[BaseException], "type[_errors.TierfsError]"]
 
 
 def outcomes(group: Group, mine: Any = None, failure: BaseException | None = None, *,
-             classify: Classify | None = None) -> list[list[Any]]:
+             classify: Classify | None = None, what: str = "agreeing with the other ranks") -> list[list[Any]]:
     """Every rank's outcome of a step, in rank order (collective): ``[None, mine, None]`` where the rank got
     through it, ``[kind, reason, stage]`` where it failed with ``failure`` (``kind``: the name of the error
     class ``classify(failure)`` gives, TierfsError by default; ``reason``: ``"Type: message"``; ``stage``:
@@ -26,7 +26,10 @@ def outcomes(group: Group, mine: Any = None, failure: BaseException | None = Non
     else:
         kind = (classify or (lambda e: _errors.TierfsError))(failure)
         payload = [kind.__name__, f"{type(failure).__name__}: {failure}", _stages.of(failure)]
-    return group.all_gather(payload) if group.world_size > 1 else [payload]
+    if group.world_size == 1:
+        return [payload]
+    with _stages.waiting(what):
+        return group.all_gather(payload)
 
 
 def agree(group: Group, mine: Any = None, failure: BaseException | None = None, what: str = "", *,
@@ -40,7 +43,7 @@ def agree(group: Group, mine: Any = None, failure: BaseException | None = None, 
     names ``what``, the ranks that failed, the stage and the reason of the first, then ``outcome`` (e.g.
     "not committed"). The exception's ``failed_ranks`` maps each failed rank to its reason.
     """
-    views = outcomes(group, mine, failure, classify=classify)
+    views = outcomes(group, mine, failure, classify=classify, what=what)
     if failure is not None:
         raise failure
     failed = {r: (v[0], v[1], v[2]) for r, v in enumerate(views) if v[0] is not None}

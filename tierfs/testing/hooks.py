@@ -10,6 +10,12 @@ Points (keyword arguments passed):
 
 ``block`` (``name``, ``nbytes``)
     Before each block of an entry is copied or checked (staging a save, verifying, restoring).
+``stage`` (``stage``, ``step``, ``tier``)
+    A stage of a save or a restore starts on this rank (see :mod:`tierfs._stages` for the stages:
+    ``staging``, ``checksum``, ``manifest``, ``marker``, ``copy``, ``replication``, ``planning``,
+    ``read``, ``fetch``, ``localize``, ``reseed``, ``retention``, ``open``). A hook that raises fails that
+    stage on this rank, as a real failure there would: fault tests use it to check that every rank hears
+    of it, naming the rank and the stage, and that the store stays usable.
 ``rename`` (``path``)
     A local file (a manifest, a marker, a file on a ``file://`` tier) is written whole under its temporary
     name and is about to be renamed to ``path``.
@@ -28,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 from .._hooks import _registry
 
-POINTS = ("block", "rename", "transfer")
+POINTS = ("block", "rename", "stage", "transfer")
 
 
 @contextlib.contextmanager
