@@ -123,3 +123,29 @@ def test_a_rank_that_stops_answering_is_a_timeout_naming_it(tmp_path):
     kind, why, ranks = json.loads(out0.strip().splitlines()[-1])["calls"]["save2"]
     assert kind == "RankWaitError" and "within 3 s" in why and "commit step 2" in why, why
     assert ranks == [1]
+
+
+def test_timeouts_are_accepted_in_every_form_and_checked():
+    """``timeout`` takes seconds or a timedelta everywhere it is accepted; a bad one is a clear error."""
+    import datetime
+
+    import fsspec
+
+    from tierfs import CheckpointManager, TieredStore
+    from tierfs.adapters.dcp import TieredReader, TieredWriter
+    from tierfs.tiers import MemoryTier
+
+    import tempfile
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        with TieredStore([MemoryTier(f"{d}/a")], timeout=datetime.timedelta(seconds=90)) as store:
+            assert store.timeout == 90.0
+            assert TieredWriter(store, 1, timeout=5).timeout == 5.0
+            assert TieredReader(store, timeout=datetime.timedelta(minutes=1)).timeout == 60.0
+        with CheckpointManager([MemoryTier(f"{d}/b")], timeout=30) as mgr:
+            assert mgr.store.timeout == 30.0
+        fs = fsspec.filesystem("tiered", path=f"{d}/c", target_protocol="file", timeout="12",
+                               skip_instance_cache=True)
+        assert fs.timeout == 12.0
+        for bad in (0, -1, "soon", True):
+            with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+                TieredStore([MemoryTier(f"{d}/e")], timeout=bad)

@@ -43,6 +43,10 @@ __all__ = ["DEFAULT_BACKGROUND_BANDWIDTH", "RestoreInfo", "TieredStore"]
 log = logging.getLogger("tierfs")
 
 
+def _seconds_or_none(timeout: float | datetime.timedelta | None) -> float | None:
+    return None if timeout is None else seconds(timeout)
+
+
 class TieredStore:
     """A checkpoint store over ``tiers``, given fastest first (e.g. RAM, then object storage).
 
@@ -184,19 +188,23 @@ class TieredStore:
         """Whether ``step`` is being saved or is committed on some tier, as this process knows (no listing)."""
         return self._parts.ledger.known(step)
 
-    def common_steps(self, tiers: Sequence[str] | None = None) -> list[int]:
+    def common_steps(self, tiers: Sequence[str] | None = None, *,
+                     timeout: float | datetime.timedelta | None = None) -> list[int]:
         """The committed steps every rank of the job holds on ``tiers`` (default: any tier), oldest first.
 
-        Collective: every rank must call it. Each rank counts a step when one of the named tiers lists it
-        (a peer tier lists the steps of the copies it keeps for others)."""
+        Collective: every rank must call it (``timeout``: how long to wait for the others, default the
+        store's). Each rank counts a step when one of the named tiers lists it (a peer tier lists the steps
+        of the copies it keeps for others)."""
         names = set(tiers) if tiers is not None else None
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
-        views = self.group.all_gather(mine) if self.group.world_size > 1 else [mine]
+        g = self.group if timeout is None else self.group.with_timeout(timeout)
+        views = g.all_gather(mine) if g.world_size > 1 else [mine]
         return sorted(common_steps(views))
 
-    def latest_common_step(self, tiers: Sequence[str] | None = None) -> int | None:
+    def latest_common_step(self, tiers: Sequence[str] | None = None, *,
+                           timeout: float | datetime.timedelta | None = None) -> int | None:
         """The newest of :meth:`common_steps` (collective), or None when there is none."""
-        steps = self.common_steps(tiers)
+        steps = self.common_steps(tiers, timeout=timeout)
         return steps[-1] if steps else None
 
     # -- save ---------------------------------------------------------------------------------------
@@ -206,19 +214,20 @@ class TieredStore:
 
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
-             preempted: bool = False, blocking: bool = True) -> bool:
+             preempted: bool = False, blocking: bool = True,
+             timeout: float | datetime.timedelta | None = None) -> bool:
         """Save ``state`` as ``step`` to the tiers whose policies take it; False when none does.
 
         With ``blocking=True`` it returns once the first tier holds a committed copy. With
         ``blocking=False`` it returns as soon as the state is copied into the first tier's buffers (the
         caller may change the state right away); checksums and the commit follow in the background.
         Slower tiers are always written in the background. Raises any error background work hit since
-        the last call.
+        the last call. ``timeout`` bounds this save's waits on the other ranks instead of the store's.
         """
         self._check_open()
         return self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                 when_busy=self.when_busy)
+                                 when_busy=self.when_busy, timeout=_seconds_or_none(timeout))
 
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
@@ -269,41 +278,46 @@ class TieredStore:
                 self._retention.delete(t, step)
 
     # -- restore (collective) -----------------------------------------------------------------------
-    def restore(self, step: int | None = None, *, tiers: Sequence[str] | None = None,
-                zero_copy: bool = False) -> tuple[dict[str, Any], RestoreInfo]:
+    def restore(self, step: int | None = None, *, tiers: Sequence[str] | None = None, zero_copy: bool = False,
+                timeout: float | datetime.timedelta | None = None) -> tuple[dict[str, Any], RestoreInfo]:
         """Read a step (default: the newest) into new arrays/tensors; returns ``(state, info)``.
 
         With ``zero_copy=True`` arrays served by the RAM tier are read-only views of its files.
+        ``timeout`` bounds this restore's waits on the other ranks instead of the store's (transfers from
+        peers keep the store's).
         """
         sink = NewArrays(zero_copy)
-        info = self._restore(step, tiers, sink)
+        info = self._restore(step, tiers, sink, timeout=timeout)
         return st.unflatten(sink.values), info
 
     def restore_into(self, state: Mapping[str, Any], step: int | None = None, *,
-                     tiers: Sequence[str] | None = None) -> RestoreInfo:
+                     tiers: Sequence[str] | None = None,
+                     timeout: float | datetime.timedelta | None = None) -> RestoreInfo:
         """Read a step (default: the newest) in place into the arrays/tensors of ``state``.
 
         Each block is verified before it is copied; if a tier fails midway the next one overwrites every
         entry. If every source fails, RestoreError is raised and ``state`` may hold a mix of values: do
-        not train on it.
+        not train on it. ``timeout``: as for :meth:`restore`.
         """
-        return self._restore(step, tiers, InPlace(state))
+        return self._restore(step, tiers, InPlace(state), timeout=timeout)
 
-    def localize(self, step: int | None = None, *, tiers: Sequence[str] | None = None) -> RestoreInfo:
+    def localize(self, step: int | None = None, *, tiers: Sequence[str] | None = None,
+                 timeout: float | datetime.timedelta | None = None) -> RestoreInfo:
         """Bring this rank's shard of a step (default: the newest every rank can get) into the first tier.
 
         Collective. Picks the step as ``restore`` does; a rank whose first tier lacks it gets its shard
         from a peer or a slower tier, verifies it and writes it into the first tier (committed once every
         rank of its node has it). Readers that read tiers directly, without collectives (the DCP reader),
         then find it in RAM. Returns what ``restore`` would: per rank, where the shard came from.
+        ``timeout``: as for :meth:`restore`.
         """
-        return self._restore(step, tiers, None, adopt=True)
+        return self._restore(step, tiers, None, adopt=True, timeout=timeout)
 
     def _restore(self, step: int | None, tiers: Sequence[str] | None, sink: InPlace | NewArrays | None,
-                 adopt: bool = False) -> RestoreInfo:
+                 adopt: bool = False, timeout: float | datetime.timedelta | None = None) -> RestoreInfo:
         self._check_open()
-        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink,
-                       self.raise_background_errors).run(step, adopt=adopt)
+        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink, self.raise_background_errors,
+                       _seconds_or_none(timeout)).run(step, adopt=adopt)
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:

@@ -65,6 +65,7 @@ Non-tensor values in a state dict are serialised by DCP's planner (``torch.save`
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import logging
 import os
@@ -79,6 +80,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..dist import seconds
 from ..errors import FormatError, StepNotFoundError, TierfsError
 from ..store import TieredStore
 from ._dcpmeta import (META_VERSION, as_tensor, entry_name, metadata_from_json, metadata_from_plans,
@@ -140,12 +142,17 @@ class TieredWriter(StorageWriter):
         other nodes' shards. DCP's metadata is unchanged; ``TieredReader`` reads such items from the
         rank's own shard. ``"dedup"``: each item is written once, as DCP plans it (less to copy; a load
         on several nodes then reads replicated items from the durable tier).
+    timeout:
+        Seconds (or a ``timedelta``) the save waits for the other ranks (default: the store's timeout);
+        past it a RankWaitError names the stage and the rank(s) waited for.
     """
 
     def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False, force: bool = True,
                  preempted: bool = False, metrics: Mapping[str, Any] | None = None, blocking: bool = True,
-                 extra: Mapping[str, Any] | None = None, replicated: str = "local") -> None:
+                 extra: Mapping[str, Any] | None = None, replicated: str = "local",
+                 timeout: float | datetime.timedelta | None = None) -> None:
         super().__init__()
+        self.timeout = None if timeout is None else seconds(timeout)
         if replicated not in ("local", "dedup"):
             raise ValueError(f"replicated must be 'local' or 'dedup', got {replicated!r}")
         self.replicated = replicated
@@ -251,7 +258,8 @@ class TieredWriter(StorageWriter):
             meta[META_KEY] = self._metadata_json
         # collective over the store's ranks: the marker is written once every rank's shard is
         self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
-                                     overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking)
+                                     overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
+                                     timeout=self.timeout)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -276,11 +284,14 @@ class TieredReader(StorageReader):
     the tier that served it, ``skipped`` lists ``(tier, step, reason)`` of copies that failed checks and
     ``resolved_step`` is the step loaded. ``collective=False`` lets one process read alone (no
     collective over the store's ranks, e.g. an export after the job); the step must then be given.
+    ``timeout`` (seconds or a ``timedelta``) bounds the load's waits on the other ranks (default: the
+    store's).
     """
 
     def __init__(self, store: TieredStore, step: int | None = None, *, tiers: list[str] | None = None,
-                 collective: bool = True) -> None:
+                 collective: bool = True, timeout: float | datetime.timedelta | None = None) -> None:
         super().__init__()
+        self.timeout = None if timeout is None else seconds(timeout)
         if not isinstance(store, TieredStore):
             raise TypeError(f"TieredReader needs a TieredStore, got {type(store).__name__}")
         self.store, self.tiers = store, tiers
@@ -321,11 +332,11 @@ class TieredReader(StorageReader):
     def _pick_step(self) -> int:
         if self._collective and self.tiers is None and self.store.replicator is not None:
             # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
-            self.localized = self.store.localize(self.step)
+            self.localized = self.store.localize(self.step, timeout=self.timeout)
             return self.localized.step
         if self.step is not None:
             return self.step
-        step = self.store.latest_common_step(self.tiers)  # every rank loads the same step
+        step = self.store.latest_common_step(self.tiers, timeout=self.timeout)  # every rank loads the same step
         if step is None:
             raise StepNotFoundError("nothing to load: no step is committed for every rank")
         return step
@@ -341,7 +352,7 @@ class TieredReader(StorageReader):
             raw = self._read_metadata_json(step)
         except (TierfsError, OSError) as e:
             err = e
-        g = self.store.group
+        g = self.store.group if self.timeout is None else self.store.group.with_timeout(self.timeout)
         if self._collective and g.world_size > 1:
             # DCP reads the metadata on every rank; a rank whose tiers lack the coordinator's manifest (a
             # RAM-only store: each node's RAM holds its own ranks' manifests) gets it from a rank that has it

@@ -22,6 +22,7 @@ and target (fsspec makes separate instances per thread and for async use, and za
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import shutil
 from glob import has_magic
@@ -35,6 +36,7 @@ from fsspec.utils import stringify_path, tokenize
 
 from .._fileio import make_private_dir
 from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
+from ..dist import seconds
 from ..tiers.memory import default_path
 from ._listing import TieredListing
 from ._ramdir import rel_path
@@ -90,6 +92,10 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         Attempts per upload on transient errors, with backoff.
     when_full:
         ``"wait"`` or ``"raise"``, see ``budget``.
+    timeout:
+        Seconds (or a ``timedelta``) ``flush()`` waits at most for the uploads before it raises
+        ``TimeoutError`` (default: until they end, each bounded by the target's own timeouts and
+        ``retries``). This filesystem has no collectives across ranks: each process flushes its own files.
 
     Notes
     -----
@@ -108,8 +114,12 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
                  fs: fsspec.AbstractFileSystem | None = None, *, budget: int | None = None,
                  drain: str = "background", drain_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  drain_concurrency: int = 4, retries: int = 4, when_full: str = "wait",
+                 timeout: float | datetime.timedelta | str | None = None,
                  asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
+        # options may come from fsspec's config as strings (FSSPEC_TIERED_TIMEOUT=...)
+        self.timeout = None if timeout in (None, "", "none", "None") else seconds(
+            float(timeout) if isinstance(timeout, str) else timeout)
         if drain not in ("background", "manual"):
             raise ValueError(f"drain must be 'background' or 'manual', got {drain!r}")
         if when_full not in ("wait", "raise"):
@@ -187,11 +197,12 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
     # -- durability ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every file written through any instance for this RAM directory and target is
-        durable on the target. Raises ``BackgroundError`` (one line) naming a file that is not."""
-        self._drain.flush(timeout)
+        durable on the target (at most ``timeout`` seconds, default the filesystem's ``timeout``). Raises
+        ``BackgroundError`` (one line) naming a file that is not, ``TimeoutError`` past the timeout."""
+        self._drain.flush(self.timeout if timeout is None else timeout)
 
     async def _flush(self, timeout: float | None = None) -> None:
-        await asyncio.to_thread(self._drain.flush, timeout)
+        await asyncio.to_thread(self._drain.flush, self.timeout if timeout is None else timeout)
 
     def pending(self) -> list[str]:
         """Target paths written but not (yet) durable on the target."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _copy
 from .._stages import stage
-from ..dist import agree
+from ..dist import Group, agree
 from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import Marker, manifest_filename
 from ..protocol import commit, common_steps
@@ -104,7 +104,8 @@ class RestorePlan:
                 if t not in self.holders.get((step, r), [])]
 
 
-def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None) -> RestorePlan:
+def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,
+                group: Group | None = None) -> RestorePlan:
     """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
     ``check()`` runs first (the store raises background failures there); a rank that fails makes every
     rank raise."""
@@ -119,7 +120,7 @@ def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None
             view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs]]
     except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
         failure = e
-    views = agree(parts.group, view, failure, "restore", outcome="nothing restored")
+    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored")
     holders: dict[tuple[int, int], list[int]] = {}
     for h, (_, kept) in enumerate(views):
         for s, r in kept:
@@ -131,16 +132,18 @@ class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
 
     def __init__(self, parts: Parts, reader: Reader, usable: Sequence[Holder], sink: Sink | None,
-                 check: Callable[[], None] = lambda: None) -> None:
+                 check: Callable[[], None] = lambda: None, timeout: float | None = None) -> None:
         self.parts, self.reader, self.sink, self.check = parts, reader, sink, check
+        # this restore's collectives wait at most ``timeout`` (peer transfers: the store's timeout)
+        self.group = parts.group if timeout is None else parts.group.with_timeout(timeout)
         self.usable = list(usable)
         # this rank's own tiers, fastest first; the replicator (peers); the tiers after it
         self.before, self.replicator, self.after = parts.roles(self.usable)
         self.skipped: Skipped = []
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
-        g = self.parts.group
-        plan = gather_plan(self.parts, self.usable, self.check)
+        g = self.group
+        plan = gather_plan(self.parts, self.usable, self.check, self.group)
         names = [t.name for t in self.usable]
         order = plan.steps(step, names)
         for s in order:
@@ -189,7 +192,7 @@ class Restore:
                     ) -> tuple[Any, BaseException | None]:
         """Ranks still without their shard get it from a peer that keeps a copy; every rank takes part
         (holders send). Holders that fail are dropped and the next one tried."""
-        g = self.parts.group
+        g = self.group
         needs = g.all_gather(got is None and mismatch is None)
         tried: set[tuple[int, int]] = set()
         while True:
@@ -236,7 +239,7 @@ class Restore:
     # -- after the step is chosen -------------------------------------------------------------------
     def _finish(self, s: int, plan: RestorePlan, info: RestoreInfo, shard: Shard, *, adopt: bool,
                 newest: bool) -> RestoreInfo:
-        g = self.parts.group
+        g = self.group
         if g.world_size > 1:
             info.ranks = g.all_gather({"rank": g.rank, "tier": info.tier, "peer": info.peer,
                                        "nbytes": info.nbytes, "seconds": info.seconds})
@@ -271,14 +274,14 @@ class Restore:
             except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
                 first.discard_staged(s)
                 log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
-        wrote_by = p.group.all_gather(wrote)
+        wrote_by = self.group.all_gather(wrote)
         if p.owns(first) and any(wrote_by[r] for r in p.sharing(first)):
             marker = Marker.from_bytes(shard.marker)
             try:
                 commit(first, s, shard.marker, p.expected_manifests(first, marker))
             except (TierfsError, OSError) as e:
                 log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
-        p.group.barrier()
+        self.group.barrier()
         p.refresh()
 
     def _reseed(self, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:

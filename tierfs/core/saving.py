@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import _copy, state as st
 from .._stages import stage
-from ..dist import agree, agreement
+from ..dist import Group, agree, agreement
 from ..errors import StepExistsError, TierfsError
 from ..format import Entry, Manifest, Marker, crc32c, manifest_filename, plan_files
 from ..policies import SaveContext, StepInfo
@@ -76,8 +76,10 @@ class SavePath:
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
-             max_in_flight: int, when_busy: str) -> bool:
+             max_in_flight: int, when_busy: str, timeout: float | None = None) -> bool:
         p = self.parts
+        group = p.group if timeout is None else p.group.with_timeout(timeout)
+        commit_group = p.commit_group if timeout is None else p.commit_group.with_timeout(timeout)
         mine, failure = None, None
         try:  # this rank's view; every rank hears of a failure here before any of them goes on
             self._raise_background_errors()
@@ -88,7 +90,7 @@ class SavePath:
             mine = [[t.name for t in chosen], p.ledger.holders(step)]
         except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
             failure = e
-        views = agree(p.group, mine, failure, f"save step {step}", outcome="nothing saved")
+        views = agree(group, mine, failure, f"save step {step}", outcome="nothing saved")
         chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
         holders = sorted({n for _, h in views for n in h})
         if not chosen:
@@ -112,7 +114,7 @@ class SavePath:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
                     try:
-                        agree(p.commit_group, None, e, f"commit step {step}", outcome="not committed")
+                        agree(commit_group, None, e, f"commit step {step}", outcome="not committed")
                     except BaseException:  # noqa: BLE001 - already raised to the caller
                         pass
                 p.commits.submit(abort)
@@ -121,16 +123,16 @@ class SavePath:
                        transient=first not in chosen)
         slow = [t for t in chosen if t is not first]
         if not blocking:
-            p.commits.submit(lambda: self._commit(staged, slow))
+            p.commits.submit(lambda: self._commit(staged, slow, commit_group))
         elif p.group.world_size == 1:
-            self._commit(staged, slow)
+            self._commit(staged, slow, commit_group)
         else:  # commits of all ranks go through the commit worker, in order
             failed: list[BaseException] = []
             done = threading.Event()
 
             def commit_now() -> None:
                 try:
-                    self._commit(staged, slow)
+                    self._commit(staged, slow, commit_group)
                 except BaseException as e:  # noqa: BLE001 - raised in the caller below
                     failed.append(e)
                 finally:
@@ -169,12 +171,13 @@ class SavePath:
                             metrics=mets)
         return Staged(manifest, [j.dst for j in jobs if j.dst is not None], crcs if checksum else None)
 
-    def _commit(self, staged: Staged, slow: list[Holder]) -> None:
-        """Checksums (if not done while copying), manifest, marker; then hand on to the slow tiers."""
+    def _commit(self, staged: Staged, slow: list[Holder], group: Group) -> None:
+        """Checksums (if not done while copying), manifest, marker, agreed over ``group`` (the commit
+        worker's); then hand on to the slow tiers."""
         p, first, manifest = self.parts, self.parts.first, staged.manifest
         step, rank = manifest.step, manifest.rank
         try:
-            with agreement(p.commit_group, f"commit step {step}", outcome="not committed") as vote:
+            with agreement(group, f"commit step {step}", outcome="not committed") as vote:
                 try:
                     arrays = [e for e in manifest.entries if e.kind == "array"]
                     with stage("checksum", step, first.name):
@@ -194,7 +197,7 @@ class SavePath:
                     raise
             parts = vote.results
             marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
-            self._mark(p.commit_group, first, step, marker, f"commit step {step}")
+            self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             p.ledger.abandon(step)
             raise
@@ -207,7 +210,7 @@ class SavePath:
         self.retention.apply(first, on_error=p.ledger.fail)
         p.commits.submit(lambda: first.prepare(step, manifest.files))  # pre-fault the next step's buffers
 
-    def _mark(self, group: Any, tier: Tier, step: int, marker: Marker, what: str) -> None:
+    def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank
         hears whether it did. If it did not, an owner whose marker went down takes it back, so no copy looks
         committed that the others count as failed."""

@@ -279,7 +279,7 @@ class PeerTier(Replicator):
             return m, {n: bufs[n] for n in m.files}  # in the order the sender sends them
 
         errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
-        self.local.discard_staged(step)  # the bytes are in the mapped files already
+        self.local.write_staged(step)  # the bytes are in the mapped files already
         for s in incoming:  # manifests now; the marker only once every copy of the job is in place
             if errors[s] is None:
                 try:
