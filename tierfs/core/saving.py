@@ -199,6 +199,8 @@ class SavePath:
             marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
+            # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
+            first.discard_staged(step)
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))

@@ -8,6 +8,7 @@ step and copied into at memory speed (its pages already exist). New files are re
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -18,6 +19,11 @@ import numpy as np
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+
+
+def no_space(e: OSError) -> bool:
+    """Whether an error means the tmpfs is full: no bytes or no inodes left, or a quota reached."""
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class MappedFile:

@@ -5,7 +5,8 @@ file it wrote mapped, and when retention deletes a step its shard files move to 
 instead of being unlinked; the next save renames pooled files into the new step (a mapping follows its
 file) and copies straight into pages that are already there. New files are reserved with
 ``posix_fallocate`` (a full tmpfs becomes a clean CapacityError, never a SIGBUS) and pre-faulted with
-``MADV_POPULATE_WRITE``.
+``MADV_POPULATE_WRITE``. A staged step that fails (no bytes or no inodes left) or that the store
+discards gives its buffers back to the pool and leaves no file behind.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from .._fileio import atomic_write, make_private_dir, process_alive
 from ..errors import CapacityError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
-from ._mapped import MappedFile, Pool, open_mapped
+from ._mapped import MappedFile, Pool, no_space, open_mapped
 from .base import Bytes, Capacity, Tier
 
 __all__ = ["MemoryTier", "default_path"]
+
+_FULL_ADVICE = "free memory on its tmpfs (other files or processes use it) or keep fewer steps"
 
 
 def default_path() -> str:
@@ -204,24 +207,52 @@ class MemoryTier(Tier):
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
         self._make_room(step, new_bytes, keep={id(b) for b in plan.values() if b is not None})
         d = self._dir(step)
-        make_private_dir(d)
         out: dict[str, np.ndarray] = {}
         try:
+            make_private_dir(d)
             for name, b in plan.items():
                 path, size = d / name, sizes[name]
                 b = self._pool.new(path, size) if b is None else self._pool.take(b, path, size)
                 self._bufs[path] = b
                 out[name] = b.array()
         except OSError as e:
-            self.discard_staged(step)
-            for name in plan:
-                self._forget(d / name, unlink=True)
-            if e.errno == 28:
-                raise CapacityError(f"RAM tier {self.path}: out of space staging step {step}; free memory "
-                                    "or keep fewer steps") from None
+            self._staged.pop(step, None)
+            self._take_back(step, {_rank_prefix(n) for n in plan})
+            if no_space(e):
+                raise self._full(f"staging step {step}") from None
             raise
         self._staged[step] = out
         return out
+
+    def discard_staged(self, step: int) -> None:
+        """``step`` will not be committed: this process's buffers of it go back to the pool and its manifest,
+        if written, is removed (the directory too once empty), so that a failed save holds no space."""
+        with self._lock:
+            self._staged.pop(step, None)
+            d = self._dir(step)
+            mine = {_rank_prefix(p.name) for p, b in self._bufs.items() if p.parent == d and b.writable}
+            self._take_back(step, mine)
+
+    def _take_back(self, step: int, prefixes: set[str]) -> None:
+        """Remove the files of an uncommitted ``step`` that start with one of ``prefixes`` (one rank's
+        files), their buffers to the pool, and the step's directory if nothing else is left in it."""
+        if (self._dir(step) / MARKER).exists():
+            return  # committed after all: only retention or the caller deletes it
+        for prefix in sorted(prefixes):
+            self._delete_step(step, prefix=prefix, marker=False)
+        try:
+            os.rmdir(self._dir(step))
+        except OSError:  # gone already, or another rank's files are in it
+            pass
+
+    def _full(self, what: str) -> CapacityError:
+        """The error of a write that found the tmpfs full (no bytes or no inodes left)."""
+        try:
+            sv = os.statvfs(self.path)
+            left = f"{sv.f_bavail * sv.f_frsize / 1e6:.1f} MB and {sv.f_favail} inodes free"
+        except OSError:
+            left = "free space unknown"
+        return CapacityError(f"RAM tier {self.path}: out of space {what} ({left}); {_FULL_ADVICE}")
 
     def _make_room(self, step: int, new_bytes: int, keep: set[int]) -> None:
         """Raise CapacityError unless ``new_bytes`` more fit; pooled buffers not in ``keep`` (ids) are
@@ -233,11 +264,13 @@ class MemoryTier(Tier):
             self._pool.drop(b)
         cap = self.capacity()
         if cap.available is None or new_bytes > cap.available:
+            by_budget = cap.budget is not None and (cap.free is None or cap.budget - cap.used <= cap.free)
             raise CapacityError(
                 f"RAM tier {self.path}: step {step} needs {new_bytes / 1e6:.1f} MB more but only "
                 f"{max(0, cap.available or 0) / 1e6:.1f} MB is left (budget "
                 f"{'none' if self.budget is None else f'{self.budget / 1e6:.1f} MB'}, used "
-                f"{cap.used / 1e6:.1f} MB); raise budget= or keep fewer steps (need about "
+                f"{cap.used / 1e6:.1f} MB, {'unknown' if cap.free is None else f'{cap.free / 1e6:.1f} MB'} free "
+                f"on the tmpfs); {'raise budget= or keep fewer steps' if by_budget else _FULL_ADVICE} (need about "
                 f"(kept steps + 1) x step size)")
 
     def write_staged(self, step: int) -> None:
@@ -258,7 +291,10 @@ class MemoryTier(Tier):
             avail = self.capacity().available
             if not missing or (avail is not None and sum(missing) > avail):
                 return
-            paths = [self._pool.path() for _ in missing]
+            try:
+                paths = [self._pool.path() for _ in missing]
+            except OSError:  # no inode for the pool's directory: spare buffers are only an optimisation
+                return
             self._idle.clear()
         try:
             for path, size in zip(paths, missing):  # the slow part, outside the lock
@@ -283,13 +319,13 @@ class MemoryTier(Tier):
 
     def write_file(self, step: int, name: str, data: Bytes) -> None:
         path = self._file(step, name)
-        make_private_dir(path.parent)
         self._forget(path, unlink=False)
         try:
+            make_private_dir(path.parent)
             atomic_write(path, data)
         except OSError as e:
-            if e.errno == 28:
-                raise CapacityError(f"RAM tier {self.path}: out of space writing {name}") from None
+            if no_space(e):
+                raise self._full(f"writing {name} of step {step}") from None
             raise
 
     def write_marker(self, step: int, data: bytes) -> None:
@@ -356,3 +392,8 @@ class MemoryTier(Tier):
 
     def __repr__(self) -> str:
         return f"MemoryTier({str(self.path)!r})"
+
+
+def _rank_prefix(name: str) -> str:
+    """``"rank_00003."`` for any of rank 3's files (``rank_00003.0001.bin``, ``rank_00003.manifest.json``)."""
+    return name.split(".", 1)[0] + "."
