@@ -1,6 +1,6 @@
 """tierfs: fast, safe checkpointing across RAM, peer and object-storage tiers."""
 
-from .errors import (BackgroundError, CapacityError, ChecksumError, FormatError, RestoreError,
+from .errors import (ArgumentError, BackgroundError, CapacityError, ChecksumError, FormatError, RestoreError,
                      StateMismatchError, StepExistsError, StepNotFoundError, TierfsError,
                      TierUnavailableError)
 from .store import RestoreInfo, TieredStore
@@ -9,8 +9,8 @@ from .adapters.manager import CheckpointManager, CheckpointManagerOptions
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError", "ChecksumError",
-    "FormatError", "RestoreError", "RestoreInfo",
+    "ArgumentError", "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError",
+    "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
     "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
     "TierfsError",
 ]

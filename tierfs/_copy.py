@@ -38,7 +38,8 @@ def _executor(n: int) -> ThreadPoolExecutor:
 class Job:
     """One entry: copy ``src`` into ``dst`` (if given), checksumming per block.
 
-    With ``expected`` set, each block of ``src`` is verified *before* it is copied.
+    With ``expected`` set, each block of ``src`` is verified *before* it is copied. ``label`` names the
+    entry in messages, as its user knows it (default: ``name``, quoted; see :meth:`Manifest.key`).
     """
 
     name: str
@@ -46,6 +47,7 @@ class Job:
     dst: np.ndarray | None
     block_size: int
     expected: list[int] | None = None
+    label: str | None = None
 
 
 def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None] | None = None,
@@ -74,8 +76,8 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
                     c = crc32c(src)
                     if c != job.expected[b]:
                         raise ChecksumError(
-                            f"checksum mismatch in {job.name!r} bytes {s}-{e}: stored {job.expected[b]:#010x}, "
-                            f"read {c:#010x}")
+                            f"checksum mismatch in {job.label or repr(job.name)} bytes {s}-{e}: stored "
+                            f"{job.expected[b]:#010x}, read {c:#010x}")
                     if job.dst is not None:
                         np.copyto(job.dst[s:e], src)
                 elif not checksum:
@@ -125,5 +127,5 @@ def verify(manifest: Manifest, files, threads: int | None = None,
            pace: Callable[[int], None] | None = None) -> None:
     """Check every block of the array entries that live in ``files`` (a subset of the shard's files)."""
     raw = shard_views(manifest, files)
-    run([Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size, e.crc32c)
-         for e in manifest.entries if e.kind == "array" and e.file in raw], threads, pace)
+    run([Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size, e.crc32c,
+             manifest.key(e.name)) for e in manifest.entries if e.kind == "array" and e.file in raw], threads, pace)

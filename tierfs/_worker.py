@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
 import time
 from typing import Callable
+
+from . import _args
+from .errors import ArgumentError
 
 log = logging.getLogger("tierfs")
 
@@ -89,10 +93,11 @@ class Throttle:
 
     def __init__(self, rate: float | None, burst: int = THROTTLE_BURST, *,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        if rate is not None and rate <= 0:
-            raise ValueError(f"background bandwidth must be positive bytes/s or None, got {rate!r}")
-        if burst < 0:
-            raise ValueError(f"throttle burst must be >= 0 bytes, got {burst!r}")
+        number = (int, float)
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, number) or not 0 < rate < math.inf):
+            raise ArgumentError(f"background bandwidth must be positive bytes/s or None, got {_args.shown(rate)}")
+        if isinstance(burst, bool) or not isinstance(burst, number) or not 0 <= burst < math.inf:
+            raise ArgumentError(f"throttle burst must be >= 0 bytes, got {_args.shown(burst)}")
         self.rate, self.burst = rate, burst
         self._clock, self._sleep = clock, sleep
         self._due = clock()  # when every byte booked so far is due at ``rate``

@@ -39,6 +39,11 @@ class BackgroundError(TierfsError):
     """A background copy or deletion failed; raised by the next call on the store."""
 
 
+class ArgumentError(TierfsError, TypeError, ValueError):
+    """An argument given to tierfs has the wrong type or value; the message names it and says what is
+    expected. It is also a TypeError and a ValueError, so code catching either keeps working."""
+
+
 class StateMismatchError(TierfsError, ValueError):
     """The state given to restore into does not match the checkpoint (names, dtypes or shapes)."""
 

@@ -92,6 +92,54 @@ def validate_entry_name(name: object) -> str:
     return name
 
 
+# -- entry names of DCP steps, and the keys users know entries by ----------------------------------------
+#: in every rank's manifest metadata of a step written through DCP (``TieredWriter``)
+DCP_SHARD_KEY = "dcp_shard"
+#: entries ``TieredWriter(extra=...)`` stores beside DCP's items (a ``CheckpointManager``'s non-tensor values)
+DCP_EXTRA_PREFIX = "x|"
+_DCP_CHUNK_RE = re.compile(r"^(\d+(?:,\d+)*)?\|(.+)$", re.S)
+
+
+def dcp_entry_name(fqn: str, offset: Sequence[int] | None, is_bytes: bool) -> str:
+    """The entry name of a DCP write item: ``"<offsets joined by ,>|<fqn>"`` for a tensor chunk
+    (``"0,128|layer.weight"``; ``"|fqn"`` for a 0-d tensor), ``"b|<fqn>"`` for a bytes item. The part
+    before the first ``|`` is never a valid prefix of another kind, so names are unique within a rank."""
+    if is_bytes:
+        return f"b|{fqn}"
+    return ",".join(str(int(o)) for o in (offset or ())) + "|" + fqn
+
+
+def user_key(name: str, dcp: bool = False) -> str:
+    """How messages name an entry: by the key its user knows, quoted.
+
+    Parameters
+    ----------
+    name : str
+        The entry's name in the manifest.
+    dcp : bool
+        Whether the entry is part of a step written through DCP (its manifest's metadata holds
+        :data:`DCP_SHARD_KEY`; :attr:`Manifest.is_dcp`).
+
+    Returns
+    -------
+    str
+        The store's own entries are named by the user's keys (nested keys joined by ``/``), shown as they
+        are: ``'layer0.weight'``. A DCP step's entries are named after DCP's items
+        (:func:`dcp_entry_name`); messages show the fqn and which chunk: ``'0,0|model.0.weight'`` ->
+        ``'model.0.weight' (the chunk at 0,0)``, ``'|step'`` -> ``'step'``, ``'b|fqn'`` -> ``'fqn'``,
+        ``'x|name'`` -> ``'name' (a value saved beside the DCP tensors)``.
+    """
+    if dcp:
+        if name.startswith("b|"):
+            return repr(name[2:])
+        if name.startswith(DCP_EXTRA_PREFIX):
+            return f"{name[len(DCP_EXTRA_PREFIX):]!r} (a value saved beside the DCP tensors)"
+        m = _DCP_CHUNK_RE.match(name)
+        if m is not None:
+            return repr(m.group(2)) + (f" (the chunk at {m.group(1)})" if m.group(1) else "")
+    return repr(name)
+
+
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -134,13 +182,23 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(self.files.values())
 
+    @property
+    def is_dcp(self) -> bool:
+        """Whether this shard was written through DCP (``TieredWriter``): its entries are DCP's items."""
+        return DCP_SHARD_KEY in self.metadata
+
+    def key(self, name: str) -> str:
+        """Entry ``name`` as messages show it: the user's key (:func:`user_key`)."""
+        return user_key(name, self.is_dcp)
+
     def subset(self, files: Iterable[str]) -> "Manifest":
         """The part of this manifest in the given shard files (their array entries), e.g. to check a
         batch of files on its own."""
         names = set(files)
         return Manifest(self.step, self.rank, self.world_size,
                         [e for e in self.entries if e.kind == "array" and e.file in names],
-                        {n: size for n, size in self.files.items() if n in names}, self.block_size)
+                        {n: size for n, size in self.files.items() if n in names}, self.block_size,
+                        metadata={k: v for k, v in self.metadata.items() if k == DCP_SHARD_KEY})
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
@@ -180,11 +238,11 @@ class Manifest:
             if e.kind == "json":
                 continue
             if e.kind != "array" or e.lib not in ("numpy", "torch"):
-                raise FormatError(f"entry {e.name!r} has unknown kind/lib {e.kind!r}/{e.lib!r}")
+                raise FormatError(f"entry {self.key(e.name)} has unknown kind/lib {e.kind!r}/{e.lib!r}")
             if e.file not in self.files or e.offset < 0 or e.offset + e.length > self.files[e.file]:
-                raise FormatError(f"entry {e.name!r} points outside its shard file {e.file!r}")
+                raise FormatError(f"entry {self.key(e.name)} points outside its shard file {e.file!r}")
             if len(e.crc32c) != nblocks(e.length, self.block_size):
-                raise FormatError(f"entry {e.name!r} has {len(e.crc32c)} checksums, expected "
+                raise FormatError(f"entry {self.key(e.name)} has {len(e.crc32c)} checksums, expected "
                                   f"{nblocks(e.length, self.block_size)}")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .errors import FormatError, StateMismatchError
+from .errors import ArgumentError, FormatError, StateMismatchError
 
 SEP = "/"
 _NUMPY_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
@@ -36,10 +36,10 @@ def is_tensor(x: Any) -> bool:
 def flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(name, leaf)`` pairs of a nested mapping, depth first, keys joined by ``/``."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to arrays, got {type(state).__name__}")
+        raise ArgumentError(f"state must be a mapping of names to arrays, got {type(state).__name__}")
     for k, v in state.items():
         if not isinstance(k, str):
-            raise TypeError(f"state keys must be strings, got {k!r} under {prefix or 'the root'!r}")
+            raise ArgumentError(f"state keys must be strings, got {k!r} under {prefix or 'the root'!r}")
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
             yield from flatten(v, name + SEP)
@@ -75,12 +75,37 @@ class Leaf:
         return 0 if self.data is None else self.data.nbytes
 
 
-def to_leaf(name: str, v: Any) -> Leaf:
-    """Describe one leaf; arrays become a uint8 view of their bytes (a copy only if non-contiguous)."""
+def check_state(state: Mapping[str, Any]) -> None:
+    """Check every key and leaf of a state as :func:`to_leaf` would, copying nothing (a save checks its
+    state first, so that a bad leaf fails before anything is written or replaced)."""
+    for name, v in flatten(state):
+        check_leaf(name, v)
+
+
+def check_leaf(name: str, v: Any) -> None:
+    """Raise ArgumentError, naming the leaf, unless :func:`to_leaf` can store ``v``; copies nothing."""
     if isinstance(v, np.ndarray):
         if not _NUMPY_DTYPE_RE.match(v.dtype.str):
-            raise TypeError(f"{name!r}: numpy dtype {v.dtype} is not supported (object/structured arrays "
-                            "would need pickle); convert it to a numeric dtype")
+            raise ArgumentError(f"{name!r}: numpy dtype {v.dtype} is not supported (object/structured arrays "
+                                "would need pickle); convert it to a numeric dtype")
+    elif is_tensor(v):
+        if str(v.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+            raise ArgumentError(f"{name!r}: torch dtype {v.dtype} is not supported")
+    elif isinstance(v, np.generic) or v is None or isinstance(v, (bool, int, float, str, list, tuple)):
+        try:
+            json.dumps(v.item() if isinstance(v, np.generic) else v, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"{name!r}: value is not JSON-serialisable without loss; store it as an array "
+                                "or a string") from None
+    elif not isinstance(v, (bytes, bytearray, memoryview)):
+        raise ArgumentError(f"{name!r}: unsupported leaf type {type(v).__name__}; use numpy arrays, torch "
+                            "tensors, numbers, strings or nested dicts of them")
+
+
+def to_leaf(name: str, v: Any) -> Leaf:
+    """Describe one leaf; arrays become a uint8 view of their bytes (a copy only if non-contiguous)."""
+    check_leaf(name, v)
+    if isinstance(v, np.ndarray):
         a = np.asarray(v, order="C")  # (np.ascontiguousarray would turn a 0-d array into shape (1,))
         return Leaf(name, "array", "numpy", a.dtype.str, tuple(a.shape), a.reshape(-1).view(np.uint8))
     if is_tensor(v):
@@ -89,25 +114,15 @@ def to_leaf(name: str, v: Any) -> Leaf:
             t = t.cpu()
         t = t.contiguous()
         dt = str(t.dtype).removeprefix("torch.")
-        if dt not in _TORCH_DTYPES:
-            raise TypeError(f"{name!r}: torch dtype {t.dtype} is not supported")
         flat = t.reshape(-1)
         data = flat.view(_torch().uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
         return Leaf(name, "array", "torch", dt, tuple(t.shape), data)
     if isinstance(v, np.generic):
         v = v.item()
-    if v is None or isinstance(v, (bool, int, float, str, list, tuple)):
-        try:
-            json.dumps(v, allow_nan=False)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name!r}: value is not JSON-serialisable without loss; store it as an array "
-                            "or a string") from None
-        return Leaf(name, "json", value=v)
     if isinstance(v, (bytes, bytearray, memoryview)):
         a = np.frombuffer(v, dtype=np.uint8)
         return Leaf(name, "array", "numpy", "|u1", (a.size,), a)
-    raise TypeError(f"{name!r}: unsupported leaf type {type(v).__name__}; use numpy arrays, torch tensors, "
-                    "numbers, strings or nested dicts of them")
+    return Leaf(name, "json", value=v)
 
 
 def allocate(lib: str, dtype: str, shape: list[int] | tuple[int, ...]) -> tuple[Any, np.ndarray]:
@@ -136,21 +151,45 @@ def view_as(lib: str, dtype: str, shape, raw: np.ndarray) -> Any:
     return raw.view(np.dtype(dtype)).reshape(shape)
 
 
-def target_view(name: str, target: Any, lib: str, dtype: str, shape) -> np.ndarray | None:
-    """A writable uint8 view of a preallocated target, or None when it cannot be written in place."""
+def dtype_name(lib: str, dtype: str) -> str:
+    """A dtype as messages name it, the same for numpy and torch when the bytes are the same
+    (``"<f8"`` and torch's ``"float64"`` are both ``"float64"``)."""
+    if lib == "torch":
+        return dtype
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        return dtype
+    return d.name if d.byteorder in ("=", "|") or d.byteorder == ("<" if sys.byteorder == "little" else ">") \
+        else d.str
+
+
+def check_target(label: str, target: Any, lib: str, dtype: str, shape: Any) -> None:
+    """Raise StateMismatchError (naming the entry by ``label``) when an array/tensor ``target`` cannot take
+    an entry of this dtype and shape in place; other targets are replaced, not checked."""
     if isinstance(target, np.ndarray):
-        ok = target.dtype.str == dtype and tuple(target.shape) == tuple(shape)
-        if not ok:
-            raise StateMismatchError(f"{name!r}: target has dtype {target.dtype.str} shape {tuple(target.shape)}, "
-                             f"checkpoint has {dtype} {tuple(shape)}")
+        have = (dtype_name("numpy", target.dtype.str), tuple(target.shape))
+    elif is_tensor(target):
+        have = (str(target.dtype).removeprefix("torch."), tuple(target.shape))
+    else:
+        return
+    want = (dtype_name(lib, dtype), tuple(int(s) for s in shape))
+    if have != want:
+        raise StateMismatchError(f"{label}: the target has dtype {have[0]} and shape {have[1]}, the checkpoint "
+                                 f"{want[0]} and shape {want[1]}; give a target of the checkpoint's dtype and shape")
+    if isinstance(target, np.ndarray) and not target.flags.writeable:
+        raise StateMismatchError(f"{label}: the target array is read-only; give a writable array (or restore "
+                                 "into new arrays with restore())")
+
+
+def target_view(name: str, target: Any, lib: str, dtype: str, shape: Any) -> np.ndarray | None:
+    """A writable uint8 view of a preallocated target, or None when it cannot be written in place."""
+    check_target(repr(name), target, lib, dtype, shape)
+    if isinstance(target, np.ndarray):
         if target.flags.c_contiguous and target.flags.writeable:
             return target.reshape(-1).view(np.uint8)
         return None
     if is_tensor(target):
-        dt = str(target.dtype).removeprefix("torch.")
-        if dt != dtype or tuple(target.shape) != tuple(shape):
-            raise StateMismatchError(f"{name!r}: target has dtype {dt} shape {tuple(target.shape)}, "
-                             f"checkpoint has {dtype} {tuple(shape)}")
         if target.device.type == "cpu" and target.is_contiguous() and target.numel():
             return target.detach().reshape(-1).view(_torch().uint8).numpy()
         return None

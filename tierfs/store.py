@@ -21,10 +21,10 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _stages, state as st
+from . import _args, _stages, state as st
 from ._worker import BACKGROUND_NICE, DEFAULT_BACKGROUND_BANDWIDTH, Throttle, Worker
 from .core.ledger import StepLedger
-from .core.parts import Parts
+from .core.parts import Parts, check_tiers
 from .core.reading import InPlace, NewArrays, Reader, Skipped
 from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
@@ -33,7 +33,7 @@ from ._stages import stage
 from .dist import Group, agreement, default_group, seconds
 from .dist.groups import env_node_source
 from .dist.nodes import observe
-from .errors import BackgroundError, TierfsError
+from .errors import ArgumentError, BackgroundError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
 from .tiers.base import Holder, Replicator, Tier
@@ -97,27 +97,21 @@ class TieredStore:
                  clock: Callable[[], float] = time.time, cleanup: bool = True, max_in_flight: int = 2,
                  when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  timeout: float | datetime.timedelta | None = None) -> None:
-        tiers = list(tiers)
-        if not tiers:
-            raise ValueError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
+        tiers, reps = check_tiers(tiers)
         names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}; pass name=... to tell them apart")
-        reps = [t for t in tiers if isinstance(t, Replicator)]
-        if len(reps) > 1 or not isinstance(tiers[0], Tier):
-            raise ValueError("use at most one PeerTier, after the RAM tier: "
-                             "[MemoryTier(...), PeerTier(), ObjectTier(url)]")
-        if when_busy not in ("wait", "skip"):
-            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
-        self.max_in_flight, self.when_busy = int(max_in_flight), when_busy
+        self.max_in_flight = _args.integer(max_in_flight, "max_in_flight")
+        self.when_busy = _args.choice(when_busy, "when_busy", ("wait", "skip"))
+        self.threads = _args.optional_integer(threads, "threads")
+        self.file_size = _args.integer(file_size, "file_size (bytes)")
+        self.block_size = _args.integer(block_size, "block_size (bytes)")
+        _args.flag(cleanup, "cleanup")
+        if not callable(clock):
+            raise ArgumentError(f"clock must be a function returning seconds, got {_args.shown(clock)}")
+        throttle = Throttle(background_bandwidth)
         self.timeout = seconds(timeout)
         self.group = (group.with_timeout(self.timeout) if group is not None else default_group(self.timeout))
-        self.threads = threads
-        self.file_size, self.block_size = int(file_size), int(block_size)
         ledger = StepLedger(names)
-        files = [t for t in tiers if t not in reps]
+        files = [t for t in tiers if isinstance(t, Tier)]
         with agreement(self.group, "open the store"):  # a tier one rank cannot open fails every rank
             for t in files:
                 with stage("open", tier=t.name):
@@ -128,10 +122,10 @@ class TieredStore:
         commit_group = self.group.fork()  # a blocking save waits for the commit: full priority
         copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
         for r in reps:
-            r.bind(tiers[0], self.group)
+            r.bind(files[0], self.group)
             layout.check(r.nodes, f"{r.name}'s node numbers")
         self._parts = Parts(
-            tiers=tiers, group=self.group, ledger=ledger, throttle=Throttle(background_bandwidth),
+            tiers=tiers, group=self.group, ledger=ledger, throttle=throttle,
             commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
@@ -195,7 +189,7 @@ class TieredStore:
         Collective: every rank must call it (``timeout``: how long to wait for the others, default the
         store's). Each rank counts a step when one of the named tiers lists it (a peer tier lists the steps
         of the copies it keeps for others)."""
-        names = set(tiers) if tiers is not None else None
+        names = set(_args.names(tiers, "tiers", self._parts.names) or ()) if tiers is not None else None
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
         views = g.all_gather(mine) if g.world_size > 1 else [mine]
@@ -210,7 +204,8 @@ class TieredStore:
     # -- save ---------------------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
         """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
-        return self._saving.should_save(step, force=force, preempted=preempted)
+        return self._saving.should_save(_args.step(step), force=_args.flag(force, "force"),
+                                        preempted=_args.flag(preempted, "preempted"))
 
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
@@ -223,11 +218,13 @@ class TieredStore:
         caller may change the state right away); checksums and the commit follow in the background.
         Slower tiers are always written in the background. Raises any error background work hit since
         the last call. ``timeout`` bounds this save's waits on the other ranks instead of the store's.
+        Every argument is checked first (an :class:`~tierfs.errors.ArgumentError`, or a bad leaf of
+        ``state``, raised on every rank), before anything is written or replaced.
         """
         self._check_open()
         return self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                 when_busy=self.when_busy, timeout=_seconds_or_none(timeout))
+                                 when_busy=self.when_busy, timeout=timeout)
 
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
@@ -272,6 +269,7 @@ class TieredStore:
 
     def delete(self, step: int, tiers: Sequence[str] | None = None) -> None:
         """Delete ``step`` from the named tiers (default: all)."""
+        step, tiers = _args.step(step), _args.names(tiers, "tiers", self._parts.names)
         self.wait_until_finished()
         for t in self.tiers:
             if tiers is None or t.name in tiers:
@@ -287,7 +285,7 @@ class TieredStore:
         peers keep the store's).
         """
         sink = NewArrays(zero_copy)
-        info = self._restore(step, tiers, sink, timeout=timeout)
+        info = self._restore(step, tiers, sink, timeout, lambda: _args.flag(zero_copy, "zero_copy"))
         return st.unflatten(sink.values), info
 
     def restore_into(self, state: Mapping[str, Any], step: int | None = None, *,
@@ -299,7 +297,8 @@ class TieredStore:
         entry. If every source fails, RestoreError is raised and ``state`` may hold a mix of values: do
         not train on it. ``timeout``: as for :meth:`restore`.
         """
-        return self._restore(step, tiers, InPlace(state), timeout=timeout)
+        sink = InPlace(state) if isinstance(state, Mapping) else None
+        return self._restore(step, tiers, sink, timeout, lambda: _args.mapping(state, "state"))
 
     def localize(self, step: int | None = None, *, tiers: Sequence[str] | None = None,
                  timeout: float | datetime.timedelta | None = None) -> RestoreInfo:
@@ -311,18 +310,30 @@ class TieredStore:
         then find it in RAM. Returns what ``restore`` would: per rank, where the shard came from.
         ``timeout``: as for :meth:`restore`.
         """
-        return self._restore(step, tiers, None, adopt=True, timeout=timeout)
+        return self._restore(step, tiers, None, timeout, adopt=True)
 
-    def _restore(self, step: int | None, tiers: Sequence[str] | None, sink: InPlace | NewArrays | None,
-                 adopt: bool = False, timeout: float | datetime.timedelta | None = None) -> RestoreInfo:
+    def _restore(self, step: Any, tiers: Any, sink: InPlace | NewArrays | None, timeout: Any,
+                 check: Callable[[], Any] = lambda: None, adopt: bool = False) -> RestoreInfo:
+        """One restore. Its arguments (and ``check()``) are checked where every rank hears of a bad one."""
         self._check_open()
-        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink, self.raise_background_errors,
-                       _seconds_or_none(timeout)).run(step, adopt=adopt)
+        error: ArgumentError | None = None
+        try:
+            check()
+            step, tiers = _args.optional_step(step), _args.names(tiers, "tiers", self._parts.names)
+            timeout = _seconds_or_none(timeout)
+        except ArgumentError as e:
+            step, tiers, timeout, error = None, None, None, e
+
+        def first() -> None:  # in the plan's gather: every rank raises
+            if error is not None:
+                raise error
+            self.raise_background_errors()
+        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink, first, timeout).run(step, adopt)
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:
         """The commit marker of ``step`` from the fastest tier holding a readable one."""
-        return self._reader.read_marker(step, tiers)
+        return self._reader.read_marker(_args.step(step), _args.names(tiers, "tiers", self._parts.names))
 
     def read_manifest(self, step: int, rank: int, *, tiers: Sequence[str] | None = None
                       ) -> tuple[Manifest, str]:
@@ -330,7 +341,8 @@ class TieredStore:
 
         Returns ``(manifest, tier name)``. Needs no collective (any rank may call it alone).
         """
-        return self._reader.read_manifest(step, rank, tiers)
+        return self._reader.read_manifest(_args.step(step), _args.integer(rank, "rank", 0),
+                                          _args.names(tiers, "tiers", self._parts.names))
 
     def read_entries(self, step: int, rank: int, names: Sequence[str] | None = None, *,
                      tiers: Sequence[str] | None = None,
@@ -345,7 +357,8 @@ class TieredStore:
         next one tried. Returns ``(tier name, skipped)`` with ``skipped`` as in :class:`RestoreInfo`.
         Needs no collective (any rank may read any rank's shard, e.g. to reshard).
         """
-        return self._reader.read_entries(step, rank, names, tiers, consume)
+        return self._reader.read_entries(_args.step(step), _args.integer(rank, "rank", 0), names,
+                                         _args.names(tiers, "tiers", self._parts.names), consume)
 
     def manifest(self, step: int) -> Manifest:
         """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
@@ -353,7 +366,7 @@ class TieredStore:
 
     def verify(self, step: int, tier: str) -> Manifest:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
-        t = self.tier(tier)
+        step, t = _args.step(step), self.tier(_args.name(tier, "tier"))
         if not isinstance(t, Tier):
             raise TierfsError(f"tier {tier!r} keeps other ranks' copies; verify a tier that holds files")
         return self._reader.verify(step, t)

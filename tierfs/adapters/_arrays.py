@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .. import state as st
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 
 #: bytes per chunk inside a shard (a read of part of an array fetches whole chunks)
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -29,9 +29,9 @@ def leaves(state: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray | None, d
     for name, v in st.flatten(state):
         parts = name.split(st.SEP)
         if any(p in ("", ".", "..") or p.startswith("__") for p in parts):
-            raise ValueError(f"state name {name!r} cannot be an array path: no empty, '.', '..' or '__*' parts")
+            raise ArgumentError(f"state name {name!r} cannot be an array path: no empty, '.', '..' or '__*' parts")
         if isinstance(v, (bytes, bytearray, memoryview)):
-            raise TypeError(f"{name!r}: wrap bytes as an array, e.g. np.frombuffer(data, np.uint8)")
+            raise ArgumentError(f"{name!r}: wrap bytes as an array, e.g. np.frombuffer(data, np.uint8)")
         leaf = st.to_leaf(name, v)  # the store's dtype allowlist; tensors are detached and on the CPU
         if leaf.kind == "json":
             yield name, None, {"value": leaf.value}

@@ -12,9 +12,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from .._fileio import atomic_write
-from ..errors import StepNotFoundError
+from .. import _args
+from ..errors import ArgumentError, StepNotFoundError
 from ..store import TieredStore
-from ._dcpmeta import as_tensor, parse_step
+from ._dcpmeta import as_tensor
 
 log = logging.getLogger("tierfs")
 
@@ -43,8 +44,11 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
 
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 
-    if not isinstance(store, TieredStore):
-        raise TypeError(f"export_dcp needs a TieredStore, got {type(store).__name__}")
+    _args.instance(store, "export_dcp store", TieredStore, "a TieredStore")
+    step = _args.optional_step(step)
+    tiers = _args.names(tiers, "tiers", [t.name for t in store.tiers])
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise ArgumentError(f"export_dcp directory must be a path, got {_args.shown(directory)}")
     if step is None:
         steps = store.steps()
         if tiers is not None:
@@ -52,8 +56,9 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
         if not steps:
             raise StepNotFoundError("nothing to export: no committed step")
         step = max(steps)
-    step = parse_step(step)
     directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ArgumentError(f"export_dcp directory {directory} is a file; give a directory")
     meta_path = os.path.join(directory, ".metadata")
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(meta_path) and not overwrite:

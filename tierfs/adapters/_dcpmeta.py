@@ -9,6 +9,7 @@ exactly as DCP's default planner does.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -19,12 +20,17 @@ import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.futures import Future
 
-from .. import state as st
-from ..errors import FormatError
+from .. import _args, state as st
+from ..errors import ArgumentError, FormatError
+from ..format import dcp_entry_name, user_key
+
+log = logging.getLogger("tierfs")
 
 META_FORMAT = "tierfs.dcp"
 META_VERSION = 1
+META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
 
 _STEP_ID_RE = re.compile(r"^(?:step_)?(\d{1,12})$")
 _LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
@@ -32,29 +38,43 @@ _MEMORY_FORMATS = {"torch.contiguous_format": torch.contiguous_format,
                    "torch.channels_last": torch.channels_last, "torch.preserve_format": torch.preserve_format}
 
 
+def check_kwargs(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Log arguments DCP passes that this version of tierfs does not know."""
+    if args or kwargs:
+        log.warning("tierfs %s: ignoring arguments this version does not know: %r %r", where, args, sorted(kwargs))
+
+
+def done(value: Any) -> Future:
+    """A future that holds ``value`` already."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
 def entry_name(index: MetadataIndex, is_bytes: bool) -> str:
-    """The tierfs entry name of a DCP write item."""
-    if is_bytes:
-        return f"b|{index.fqn}"
-    return ",".join(str(int(o)) for o in (index.offset or ())) + "|" + index.fqn
+    """The tierfs entry name of a DCP write item (:func:`tierfs.format.dcp_entry_name`; messages show it by
+    the user's key, :func:`tierfs.format.user_key`)."""
+    return dcp_entry_name(index.fqn, index.offset, is_bytes)
 
 
-def parse_step(checkpoint_id: Any) -> int:
-    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and 0 <= checkpoint_id < 10**12:
-        return checkpoint_id
-    m = _STEP_ID_RE.match(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, (str, os.PathLike)) else None
-    if m is None:
-        raise ValueError(f"checkpoint_id {checkpoint_id!r} is not a tierfs step: pass the step number "
-                         "(e.g. '42' or 'step_000000000042'), or None to keep the writer's/reader's step")
-    return int(m.group(1))
+def parse_step(checkpoint_id: Any, what: str = "checkpoint_id") -> int:
+    """A step number from a step or a DCP ``checkpoint_id`` (``42``, ``"42"``, ``"step_000000000042"``)."""
+    if isinstance(checkpoint_id, (str, os.PathLike)) and not isinstance(checkpoint_id, bytes):
+        m = _STEP_ID_RE.match(os.fspath(checkpoint_id))
+        if m is not None:
+            return int(m.group(1))
+        raise ArgumentError(f"{what} {checkpoint_id!r} is not a tierfs step: pass the step number "
+                            "(e.g. 42, '42' or 'step_000000000042')")
+    return _args.step(checkpoint_id, what)
 
 
-def _props_to_json(p: TensorProperties) -> dict[str, Any]:
+def _props_to_json(p: TensorProperties, fqn: str) -> dict[str, Any]:
     dtype = str(p.dtype).removeprefix("torch.")
     if dtype not in st._TORCH_DTYPES:
-        raise TypeError(f"torch dtype {p.dtype} is not supported by tierfs")
+        raise ArgumentError(f"{fqn!r}: torch dtype {p.dtype} is not supported by tierfs")
     if str(p.layout) not in _LAYOUTS or str(p.memory_format) not in _MEMORY_FORMATS:
-        raise TypeError(f"tensor layout {p.layout} / memory format {p.memory_format} not supported by tierfs")
+        raise ArgumentError(f"{fqn!r}: tensor layout {p.layout} / memory format {p.memory_format} is not "
+                            "supported by tierfs")
     return {"dtype": dtype, "layout": str(p.layout), "requires_grad": bool(p.requires_grad),
             "memory_format": str(p.memory_format), "pin_memory": bool(p.pin_memory)}
 
@@ -82,7 +102,7 @@ def _planner_data_to_json(pd: Any) -> Any:
         isinstance(k, str) and isinstance(v, (tuple, list)) and
         all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v) for k, v in pd.items())
     if not ok:
-        raise TypeError("the save planner's planner_data is not the default planner's flatten mapping "
+        raise ArgumentError("the save planner's planner_data is not the default planner's flatten mapping "
                         "(fqn -> tuple of str/int keys); tierfs stores DCP metadata without pickle and cannot "
                         "store it: use DefaultSavePlanner or a planner whose planner_data is such a mapping")
     return {k: list(v) for k, v in pd.items()}
@@ -95,10 +115,10 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
         if isinstance(m, BytesStorageMetadata):
             sdm[fqn] = {"type": "bytes"}
         elif isinstance(m, TensorStorageMetadata):
-            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties), "size": list(m.size),
+            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties, fqn), "size": list(m.size),
                         "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
         else:
-            raise TypeError(f"{fqn!r}: unknown DCP storage metadata {type(m).__name__}")
+            raise ArgumentError(f"{fqn!r}: unknown DCP storage metadata {type(m).__name__}")
     storage = sorted(([idx.fqn, None if idx.offset is None else list(idx.offset), int(v["rank"]),
                        str(v["entry"])] for idx, v in (md.storage_data or {}).items()),
                      key=lambda r: (r[0], r[1] or [], r[2], r[3]))
@@ -149,7 +169,7 @@ def metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
             else:
                 td = item.tensor_data
                 if td is None or td.chunk is None:
-                    raise ValueError(f"write item {item.index.fqn!r} has no tensor chunk")
+                    raise ArgumentError(f"write item {item.index.fqn!r} has no tensor chunk")
                 md = sdm.setdefault(item.index.fqn, TensorStorageMetadata(properties=td.properties, size=td.size,
                                                                           chunks=[]))
                 md.chunks.append(td.chunk)
@@ -165,7 +185,8 @@ def metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
 def as_tensor(entry: Any, raw: Any) -> torch.Tensor:
     """A torch view (no copy) of an entry's verified bytes; never written to."""
     if entry.lib != "torch" or entry.dtype not in st._TORCH_DTYPES:
-        raise FormatError(f"entry {entry.name!r} is not a torch tensor ({entry.lib} {entry.dtype})")
+        raise FormatError(f"{user_key(entry.name, dcp=True)} is not a torch tensor in the checkpoint ({entry.lib} "
+                          f"{entry.dtype})")
     dtype = getattr(torch, entry.dtype)
     shape = tuple(int(s) for s in entry.shape)
     if raw.size == 0:

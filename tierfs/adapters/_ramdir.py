@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .._fileio import FILE_MODE, TMP_PREFIX, is_tmp_name, make_private_dir, process_alive, tmp_name, tmp_owner
+from ..errors import ArgumentError
 from ..tiers.base import Capacity
 
 Info = dict[str, Any]
@@ -28,8 +29,8 @@ def rel_path(path: str) -> str:
         return ""
     for part in rel.split("/"):
         if part in ("", ".", "..") or "\x00" in part or is_tmp_name(part):
-            raise ValueError(f"unsafe path {path!r} for tiered://: no empty, '.', '..' or "
-                             f"'{TMP_PREFIX}*' components")
+            raise ArgumentError(f"unsafe path {path!r} for tiered://: no empty, '.', '..' or "
+                                f"'{TMP_PREFIX}*' components")
     return rel
 
 

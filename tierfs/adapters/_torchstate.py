@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .. import state as st
-from ..errors import ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..errors import (ArgumentError, ChecksumError, FormatError, RestoreError, StateMismatchError, StepNotFoundError,
+                      TierfsError)
 
 INDEX = "index"
 INDEX_FORMAT = "tierfs.manager"
@@ -40,6 +41,7 @@ class Split:
     plain: list[tuple[list[Any], Any]] = field(default_factory=list)  # (key path, value) of other leaves
     lists: list[list[Any]] = field(default_factory=list)  # key paths of lists that hold tensors
     paths: dict[str, list[Any]] = field(default_factory=dict)  # DCP fqn -> key path of each tensor
+    flat: dict[str, Any] = field(default_factory=dict)  # DCP fqn -> each tensor (as DCP's planner flattens)
 
 
 @dataclass
@@ -71,18 +73,18 @@ def has_tensor(x: Any, sharded_only: bool = False) -> bool:
 def split(state: Mapping[str, Any]) -> Split:
     """Separate a state's tensors (for DCP) from its other leaves (stored without pickle)."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        raise ArgumentError(f"state must be a mapping, got {type(state).__name__}")
     torch = _torch()
     out = Split()
 
     def walk(x: Any, path: list[Any], into: dict[Any, Any]) -> None:
         for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(f"state key {k!r} under {fqn(path) or 'the root'!r} is not a string or an int")
+                raise ArgumentError(f"state key {k!r} under {fqn(path) or 'the root'!r} is not a string or an int")
             p = path + [k]
             if torch is not None and isinstance(v, torch.Tensor):
                 into[k] = v
-                out.paths[fqn(p)] = p
+                out.paths[fqn(p)], out.flat[fqn(p)] = p, v
             elif (isinstance(v, Mapping) and v) or (isinstance(v, list) and has_tensor(v)):
                 if isinstance(v, list):
                     out.lists.append(p)
@@ -91,7 +93,7 @@ def split(state: Mapping[str, Any]) -> Split:
                 if sub:
                     into[k] = sub
             elif has_tensor(v):
-                raise TypeError(f"{fqn(p)!r}: tensors inside a {type(v).__name__} are not supported; put them "
+                raise ArgumentError(f"{fqn(p)!r}: tensors inside a {type(v).__name__} are not supported; put them "
                                 "in a list or a dict")
             else:
                 out.plain.append((p, v))
@@ -126,9 +128,10 @@ def encode(v: Any, arrays: list[np.ndarray], path: Sequence[Any]) -> Any:
         return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
     if isinstance(v, (np.ndarray, np.generic)):
         a = np.asarray(v)
+        st.check_leaf(fqn(path), a)  # numeric dtypes only, named by the user's key
         arrays.append(a)
         return {"$a": len(arrays) - 1, "shape": list(a.shape), "scalar": isinstance(v, np.generic)}
-    raise TypeError(f"{fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
+    raise ArgumentError(f"{fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
                     "arrays, numbers, strings, bytes, or lists/tuples/dicts of them")
 
 
@@ -215,10 +218,12 @@ def local_bytes(x: Any) -> int:
 
 
 def failure_kind(e: BaseException) -> type[TierfsError]:
-    """How a restore treats a rank's failure: a mismatch (StateMismatchError) and anything else that is
-    not about the copies (TierfsError) are raised; a RestoreError (no verified copy) skips to an older step."""
-    if isinstance(e, StateMismatchError):
-        return StateMismatchError
+    """How a restore treats a rank's failure: a mismatch (StateMismatchError), a bad argument (ArgumentError)
+    and anything else that is not about the copies (TierfsError) are raised; a RestoreError (no verified
+    copy) skips to an older step."""
+    for cls in (StateMismatchError, ArgumentError):
+        if isinstance(e, cls):
+            return cls
     return RestoreError if isinstance(e, (TierfsError, OSError)) else TierfsError
 
 

@@ -70,40 +70,30 @@ import io
 import logging
 import os
 import uuid
-from collections import defaultdict
 from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import _args, state as st
 from ..dist import seconds
-from ..errors import FormatError, StepNotFoundError, TierfsError
+from ..errors import ArgumentError, FormatError, TierfsError
+from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, user_key
 from ..store import TieredStore
-from ._dcpmeta import (META_VERSION, as_tensor, entry_name, metadata_from_json, metadata_from_plans,
-                       metadata_to_json, parse_step)
+from ._dcpmeta import (META_KEY, META_VERSION, check_kwargs, done, entry_name, metadata_from_json,
+                       metadata_from_plans, metadata_to_json, parse_step)
+from ._dcpreader import TieredReader, check_target
 
 log = logging.getLogger("tierfs")
 
-__all__ = ["TieredWriter", "TieredReader", "export_dcp", "entry_name", "metadata_to_json", "metadata_from_json"]
+__all__ = ["TieredWriter", "TieredReader", "export_dcp", "check_target", "entry_name", "metadata_to_json",
+           "metadata_from_json", "META_KEY", "SHARD_KEY", "EXTRA_PREFIX"]
 
-META_KEY = "dcp"  # key of the DCP metadata in the coordinator's manifest metadata
-SHARD_KEY = "dcp_shard"  # in every rank's manifest metadata: the shard was written by TieredWriter
-EXTRA_PREFIX = "x|"  # entries given by TieredWriter(extra=...); DCP's names start with digits, "|" or "b|"
-
-
-def _check_kwargs(where: str, args: tuple, kwargs: dict[str, Any]) -> None:
-    if args or kwargs:
-        log.warning("tierfs %s: ignoring arguments this version does not know: %r %r", where, args, sorted(kwargs))
-
-
-def _done(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+SHARD_KEY = DCP_SHARD_KEY  # in every rank's manifest metadata: the shard was written by TieredWriter
+EXTRA_PREFIX = DCP_EXTRA_PREFIX  # entries given by TieredWriter(extra=...); DCP's start with digits, "|" or "b|"
 
 
 # -- writer --------------------------------------------------------------------------------------------
@@ -145,6 +135,9 @@ class TieredWriter(StorageWriter):
     timeout:
         Seconds (or a ``timedelta``) the save waits for the other ranks (default: the store's timeout);
         past it a RankWaitError names the stage and the rank(s) waited for.
+
+    Every argument is checked here, each a one-line :class:`~tierfs.errors.ArgumentError`. Failures inside
+    ``dcp.save`` come out of it as DCP's ``CheckpointException`` (the original error in its ``failures``).
     """
 
     def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False, force: bool = True,
@@ -152,19 +145,20 @@ class TieredWriter(StorageWriter):
                  extra: Mapping[str, Any] | None = None, replicated: str = "local",
                  timeout: float | datetime.timedelta | None = None) -> None:
         super().__init__()
+        self.store = _args.instance(store, "TieredWriter store", TieredStore, "a TieredStore")
+        self.step = _args.step(step)
         self.timeout = None if timeout is None else seconds(timeout)
-        if replicated not in ("local", "dedup"):
-            raise ValueError(f"replicated must be 'local' or 'dedup', got {replicated!r}")
-        self.replicated = replicated
+        self.replicated = _args.choice(replicated, "replicated", ("local", "dedup"))
         self._local_items: list[Any] = []
-        if not isinstance(store, TieredStore):
-            raise TypeError(f"TieredWriter needs a TieredStore, got {type(store).__name__}")
-        self.store, self.step, self.overwrite = store, parse_step(step), bool(overwrite)
-        self.force, self.preempted, self.blocking = bool(force), bool(preempted), bool(blocking)
-        self.metrics = dict(metrics) if metrics is not None else None
-        if extra is not None and not all(isinstance(k, str) for k in extra):
-            bad = [k for k in extra if not isinstance(k, str)][:3]
-            raise TypeError(f"TieredWriter extra= needs str names, got {bad}")
+        self.overwrite, self.force, self.preempted, self.blocking = (_args.flag(v, k) for k, v in (
+            ("overwrite", overwrite), ("force", force), ("preempted", preempted), ("blocking", blocking)))
+        self.metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
+        if extra is not None:
+            bad = [k for k in _args.mapping(extra, "extra") if not isinstance(k, str)][:3]
+            if bad:
+                raise ArgumentError(f"TieredWriter extra= needs str names, got {bad}")
+            for k, v in extra.items():
+                st.check_leaf(k, v)
         self.extra = {EXTRA_PREFIX + k: v for k, v in (extra or {}).items()}
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
@@ -180,11 +174,7 @@ class TieredWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            parse_step(checkpoint_id)
-        except ValueError:
-            return False
-        return True
+        return TieredReader.validate_checkpoint_id(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"step_{self.step:012d}", save_id=self.save_id)
@@ -192,13 +182,13 @@ class TieredWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.pop("rank", None)
         if not kwargs.pop("use_collectives", True):
-            raise ValueError("TieredWriter needs use_collectives=True: a tierfs step commits only once every "
-                             "rank's shard is written")
-        _check_kwargs("TieredWriter.set_up_storage_writer", args, kwargs)
+            raise ArgumentError("TieredWriter needs use_collectives=True: a tierfs step commits only once every "
+                                "rank's shard is written")
+        check_kwargs("TieredWriter.set_up_storage_writer", args, kwargs)
         g = self.store.group
         if rank is not None and rank != g.rank:
-            raise ValueError(f"DCP rank {rank} is not the store's rank {g.rank}: save with a process group "
-                             "over the same ranks as the store's (the default group)")
+            raise ArgumentError(f"DCP rank {rank} is not the store's rank {g.rank}: save with a process group "
+                                "over the same ranks as the store's (the default group)")
         self.is_coordinator = bool(is_coordinator)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -207,11 +197,11 @@ class TieredWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
-            raise ValueError("TieredWriter does not support DCP plan caching (enable_plan_caching): pass a "
-                             "planner without it")
+            raise ArgumentError("TieredWriter does not support DCP plan caching (enable_plan_caching): pass a "
+                                "planner without it")
         if len(plans) != self.store.group.world_size:
-            raise ValueError(f"DCP planned {len(plans)} ranks, the store has {self.store.group.world_size}: "
-                             "use a process group over the store's ranks (and use_collectives=True)")
+            raise ArgumentError(f"DCP planned {len(plans)} ranks, the store has {self.store.group.world_size}: "
+                                "use a process group over the store's ranks (and use_collectives=True)")
         ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
                  for i, p in enumerate(plans)]
         md = metadata_from_plans(plans, ranks)
@@ -231,7 +221,8 @@ class TieredWriter(StorageWriter):
             is_bytes = item.type == WriteItemType.BYTE_IO
             name = entry_name(item.index, is_bytes)
             if name in state:
-                raise ValueError(f"two write items map to entry {name!r}")
+                raise ArgumentError(f"the save plan has {user_key(name, dcp=True)} twice: use a planner that "
+                                    "writes each chunk once")
             value: Any
             if is_bytes:
                 value = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
@@ -248,7 +239,7 @@ class TieredWriter(StorageWriter):
                                            storage_data={"rank": rank, "entry": name}))
         for name, value in self.extra.items():
             if name in state:
-                raise ValueError(f"extra entry {name!r} given twice")
+                raise ArgumentError(f"extra= {user_key(name, dcp=True)} is also a DCP item: rename it")
             state[name] = value
         meta: dict[str, Any] = {SHARD_KEY: META_VERSION}
         if self.is_coordinator:
@@ -260,7 +251,7 @@ class TieredWriter(StorageWriter):
         self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
                                      overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
                                      timeout=self.timeout)
-        return _done(results)
+        return done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         ours = self._metadata
@@ -274,163 +265,6 @@ class TieredWriter(StorageWriter):
                               "derived from its plans (a custom planner?); the step was removed. TieredWriter "
                               "supports planners whose metadata follows DefaultSavePlanner's rules")
         metadata.storage_data = storage
-
-
-# -- reader --------------------------------------------------------------------------------------------
-class TieredReader(StorageReader):
-    """DCP ``StorageReader`` that loads step ``step`` (default: the newest common one) from ``store``.
-
-    ``tiers`` restricts the tiers read from. After a load, ``sources`` maps each saving rank read to
-    the tier that served it, ``skipped`` lists ``(tier, step, reason)`` of copies that failed checks and
-    ``resolved_step`` is the step loaded. ``collective=False`` lets one process read alone (no
-    collective over the store's ranks, e.g. an export after the job); the step must then be given.
-    ``timeout`` (seconds or a ``timedelta``) bounds the load's waits on the other ranks (default: the
-    store's).
-    """
-
-    def __init__(self, store: TieredStore, step: int | None = None, *, tiers: list[str] | None = None,
-                 collective: bool = True, timeout: float | datetime.timedelta | None = None) -> None:
-        super().__init__()
-        self.timeout = None if timeout is None else seconds(timeout)
-        if not isinstance(store, TieredStore):
-            raise TypeError(f"TieredReader needs a TieredStore, got {type(store).__name__}")
-        self.store, self.tiers = store, tiers
-        self.step = None if step is None else parse_step(step)
-        self.load_id = uuid.uuid4().hex
-        self.metadata: Metadata | None = None
-        self.sources: dict[int, str] = {}
-        self.skipped: list[tuple[str, int, str]] = []
-        self._resolved_step: int | None = None
-        self._collective = bool(collective)
-        #: with a peer tier: where each rank's own shard came from into its RAM tier before the load
-        self.localized: Any = None
-
-    @property
-    def resolved_step(self) -> int | None:
-        """The step this reader loads (known once DCP read the metadata)."""
-        return self._resolved_step
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.step = parse_step(checkpoint_id)
-        self.load_id = uuid.uuid4().hex
-        self.metadata, self._resolved_step = None, None
-        self.sources, self.skipped = {}, []
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return TieredWriter.validate_checkpoint_id(checkpoint_id)
-
-    def _own_entries(self, step: int) -> set[str]:
-        """Entry names in this rank's own shard of ``step`` (empty when no tier holds it)."""
-        try:
-            manifest, _ = self.store.read_manifest(step, self.store.group.rank, tiers=self.tiers)
-        except (TierfsError, OSError):
-            return set()
-        return {e.name for e in manifest.entries}
-
-    def _pick_step(self) -> int:
-        if self._collective and self.tiers is None and self.store.replicator is not None:
-            # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
-            self.localized = self.store.localize(self.step, timeout=self.timeout)
-            return self.localized.step
-        if self.step is not None:
-            return self.step
-        step = self.store.latest_common_step(self.tiers, timeout=self.timeout)  # every rank loads the same step
-        if step is None:
-            raise StepNotFoundError("nothing to load: no step is committed for every rank")
-        return step
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise FormatError("tierfs DCP steps have only global metadata (no rank-local metadata)")
-        _check_kwargs("TieredReader.read_metadata", args, kwargs)
-        step = self._pick_step()
-        raw: Any = None
-        err: BaseException | None = None
-        try:
-            raw = self._read_metadata_json(step)
-        except (TierfsError, OSError) as e:
-            err = e
-        g = self.store.group if self.timeout is None else self.store.group.with_timeout(self.timeout)
-        if self._collective and g.world_size > 1:
-            # DCP reads the metadata on every rank; a rank whose tiers lack the coordinator's manifest (a
-            # RAM-only store: each node's RAM holds its own ranks' manifests) gets it from a rank that has it
-            have = g.all_gather(raw is not None)
-            if any(have) and not all(have):
-                src = have.index(True)
-                shared = g.all_gather(raw if g.rank == src else None)[src]
-                if raw is None:
-                    raw, err = shared, None
-        if raw is None:
-            raise err if err is not None else FormatError(f"step {step}: no DCP metadata")
-        md = metadata_from_json(raw)
-        md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
-        self.metadata, self._resolved_step = md, step
-        return md
-
-    def _read_metadata_json(self, step: int) -> Any:
-        """The JSON DCP metadata of ``step`` from the coordinator's manifest (verified against the marker)."""
-        marker = self.store.read_marker(step, tiers=self.tiers)
-        ranks = sorted(int(n.split("_")[1].split(".")[0]) for n in marker.manifests)
-        for r in ranks:  # the coordinator is usually rank 0
-            manifest, _ = self.store.read_manifest(step, r, tiers=self.tiers)
-            if META_KEY in manifest.metadata:
-                return manifest.metadata[META_KEY]
-        raise FormatError(f"step {step} was not written by TieredWriter (no DCP metadata in its manifests)")
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("rank", None)
-        kwargs.pop("use_collectives", None)
-        _check_kwargs("TieredReader.set_up_storage_reader", args, kwargs)
-        self.metadata = metadata
-        if self._resolved_step is None:
-            self._resolved_step = self._pick_step()
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self.metadata is None or self._resolved_step is None:
-            raise TierfsError("TieredReader: read_metadata/set_up_storage_reader were not called; load with dcp.load")
-        storage = self.metadata.storage_data
-        by_rank: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        own = self._own_entries(self._resolved_step)
-        for item in plan.items:
-            where = storage.get(item.storage_index)
-            if where is None:
-                raise FormatError(f"step {self._resolved_step} has no data for {item.storage_index}")
-            # a replicated item this rank kept too (TieredWriter replicated="local"): read it from its own shard
-            rank = self.store.group.rank if where["entry"] in own else int(where["rank"])
-            by_rank[rank][where["entry"]].append(item)
-
-        for rank, wanted in sorted(by_rank.items()):
-            def consume(found: Mapping[str, tuple[Any, Any]], tier: str,
-                        wanted: dict[str, list[Any]] = wanted) -> None:
-                for name, items in wanted.items():
-                    entry, raw = found[name]
-                    for item in items:
-                        if item.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(item, io.BytesIO(raw.tobytes()))
-                            continue
-                        src = as_tensor(entry, raw)
-                        for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths)):
-                            src = src.narrow(dim, off, n)
-                        target = planner.resolve_tensor(item).detach()
-                        if target.size() != src.size():
-                            raise FormatError(f"{item.storage_index.fqn}: slice of shape {tuple(src.size())} "
-                                              f"does not fit target of shape {tuple(target.size())}")
-                        target.copy_(src)
-                        planner.commit_tensor(item, target)
-
-            tier, skipped = self.store.read_entries(self._resolved_step, rank, list(wanted), tiers=self.tiers,
-                                                    consume=consume)
-            self.sources[rank] = tier
-            self.skipped += skipped
-        return _done(None)
 
 
 from ._dcpexport import export_dcp  # noqa: E402 - re-exported: part of this module's interface

@@ -26,7 +26,6 @@ import datetime
 import os
 import shutil
 from glob import has_magic
-from pathlib import Path
 from typing import IO, Any
 
 import fsspec
@@ -34,10 +33,11 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.transaction import Transaction
 from fsspec.utils import stringify_path, tokenize
 
+from .. import _args
 from .._fileio import make_private_dir
 from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
-from ..dist import seconds
-from ..tiers.memory import default_path
+from ..errors import ArgumentError
+from . import _tieredargs as ta
 from ._listing import TieredListing
 from ._ramdir import rel_path
 from ._ramfile import RamWriter
@@ -117,24 +117,18 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
                  timeout: float | datetime.timedelta | str | None = None,
                  asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
-        # options may come from fsspec's config as strings (FSSPEC_TIERED_TIMEOUT=...)
-        self.timeout = None if timeout in (None, "", "none", "None") else seconds(
-            float(timeout) if isinstance(timeout, str) else timeout)
-        if drain not in ("background", "manual"):
-            raise ValueError(f"drain must be 'background' or 'manual', got {drain!r}")
-        if when_full not in ("wait", "raise"):
-            raise ValueError(f"when_full must be 'wait' or 'raise', got {when_full!r}")
-        # options may come from fsspec's config as strings (FSSPEC_TIERED_BUDGET=...)
-        budget = None if budget in (None, "", "none", "None") else int(float(budget))
-        drain_bandwidth = None if drain_bandwidth in (None, "", "none", "None") else float(drain_bandwidth)
-        if budget is not None and budget <= 0:
-            raise ValueError(f"budget must be a positive number of bytes or None, got {budget!r}")
+        o = ta.options(timeout=timeout, drain=drain, when_full=when_full, budget=budget, bandwidth=drain_bandwidth,
+                       concurrency=drain_concurrency, retries=retries)
+        self.timeout = o.timeout
+        if fs is not None:
+            _args.instance(fs, "fs", fsspec.AbstractFileSystem, "an fsspec filesystem")
+        root = ta.ram_root(path)
         opts = {k: v for k, v in (target_options or {}).items() if k not in ("asynchronous", "loop")}
         if fs is None:
             if target_protocol is None:
                 if not fo or "://" not in str(fo):
-                    raise ValueError("tiered:// needs a target: use a URL such as tiered::s3://bucket/run, "
-                                     "or pass target_protocol= (or fs=)")
+                    raise ArgumentError("tiered:// needs a target: use a URL such as tiered::s3://bucket/run, "
+                                        "or pass target_protocol= (or fs=)")
                 target_protocol = str(fo).split("://", 1)[0]
             fs = fsspec.filesystem(target_protocol, **opts)
         else:
@@ -142,13 +136,10 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         key = (protocol_of(fs), tokenize(opts))  # not fs._fs_token: it differs per thread for sync classes
         self.target = fs
         self.fo = fo
-        root = Path(path if path is not None else default_path() + "-fsspec")
-        make_private_dir(root)
-        root = root.resolve()
+        root = ta.make_ram_root(root)
         label = f"{protocol_of(fs)}://{self._strip_protocol(fo) if fo else ''}"
-        self._drain = drain_for(root, fs, key, label, budget=budget, drain=drain, bandwidth=drain_bandwidth,
-                                concurrency=max(1, int(drain_concurrency)), retries=max(1, int(retries)),
-                                when_full=when_full)
+        self._drain = drain_for(root, fs, key, label, budget=o.budget, drain=o.drain, bandwidth=o.bandwidth,
+                                concurrency=o.concurrency, retries=o.retries, when_full=o.when_full)
 
     @property
     def drain(self) -> Drain:
@@ -162,6 +153,8 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         if isinstance(path, (list, tuple)):
             return [cls._strip_protocol(p) for p in path]
         path = stringify_path(path)
+        if not isinstance(path, str):
+            raise ArgumentError(f"tiered:// paths are strings (or lists of them), got {_args.shown(path)}")
         for prefix in ("tiered::", "tiered://"):
             if path.startswith(prefix):
                 path = path[len(prefix):]
@@ -276,9 +269,26 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
             if mode == "ab" and self.exists(tp):
                 w.write(self.cat_file(tp))
             return w
-        raise ValueError(f"tiered:// opens files with rb, wb, xb or ab, not {mode!r}")
+        raise ArgumentError(f"tiered:// opens files with rb, wb, xb or ab (or their text modes), not {mode!r}")
 
     # -- writing ------------------------------------------------------------------------------------
+    async def _pipe(self, path: Any, value: Any = None, batch_size: int | None = None, **kwargs: Any) -> Any:
+        """Write bytes: ``pipe(path, data)`` or ``pipe({path: data, ...})``."""
+        items = path if isinstance(path, dict) else {ta.path_arg(path, "pipe"): value}
+        for p, v in items.items():
+            ta.data_arg(ta.path_arg(p, "pipe"), v)
+        return await super()._pipe(path, value, batch_size=batch_size, **kwargs)
+
+    async def _cat(self, path: Any, recursive: bool = False, on_error: str = "raise",
+                   batch_size: int | None = None, **kwargs: Any) -> Any:
+        ta.path_arg(path, "cat")
+        return await super()._cat(path, recursive=recursive, on_error=on_error, batch_size=batch_size, **kwargs)
+
+    async def _put(self, lpath: Any, rpath: Any, *args: Any, **kwargs: Any) -> Any:
+        ta.path_arg(lpath, "put (local path)")
+        ta.path_arg(rpath, "put")
+        return await super()._put(lpath, rpath, *args, **kwargs)
+
     async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs) -> None:
         _, rel = self._norm(path)
         if not rel:

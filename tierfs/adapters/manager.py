@@ -12,17 +12,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-
-from .. import state as st
-from ..dist import agree, outcomes, ranks_failed
-from . import _torchstate as ts
-from ..errors import (RestoreError, StateMismatchError, StepNotFoundError,
-                      TierfsError)
+from .. import _args
+from .._rootdir import check_local_url
+from ..errors import ArgumentError, RestoreError, StepNotFoundError
+from . import _managerdcp as _mdcp, _torchstate as ts
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
@@ -46,6 +42,17 @@ class CheckpointManagerOptions:
     best_fn: Callable[[dict[str, Any]], float] | None = None
     best_mode: str = "min"
     enable_async_checkpointing: bool = True
+
+    def __post_init__(self) -> None:
+        what = "CheckpointManagerOptions "
+        _args.integer(self.save_interval_steps, what + "save_interval_steps")
+        _args.optional_integer(self.max_to_keep, what + "max_to_keep")
+        _args.optional_integer(self.keep_period, what + "keep_period")
+        if self.best_fn is not None and not callable(self.best_fn):
+            raise ArgumentError(f"{what}best_fn must be a function of the metrics, e.g. lambda m: m['loss'], "
+                                f"got {_args.shown(self.best_fn)}")
+        _args.choice(self.best_mode, what + "best_mode", ("min", "max"))
+        _args.flag(self.enable_async_checkpointing, what + "enable_async_checkpointing")
 
     def keep_policy(self) -> PreservationPolicy:
         parts: list[PreservationPolicy] = []
@@ -92,13 +99,19 @@ class CheckpointManager:
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,
                  use_dcp: bool | None = None, **store_options: Any) -> None:
-        if use_dcp not in (None, True, False):
-            raise ValueError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
+        if use_dcp is not None and type(use_dcp) is not bool:
+            raise ArgumentError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
         self.use_dcp = use_dcp
-        self.options = options or CheckpointManagerOptions()
+        self.options = _args.instance(options or CheckpointManagerOptions(), "options", CheckpointManagerOptions,
+                                      "a CheckpointManagerOptions")
         if (tiers is None) == (directory is None):
-            raise ValueError("give CheckpointManager either a list of tiers or directory=URL, not both")
+            raise ArgumentError("give CheckpointManager either a list of tiers or directory=URL, not both")
+        if directory is not None and (not isinstance(directory, str) or not directory):
+            raise ArgumentError(f"directory must be a URL or a local path (a str), got {_args.shown(directory)}")
+        _args.instance(restore_policy or RestorePolicy(), "restore_policy", RestorePolicy, "a RestorePolicy")
+        _args.flag(handle_sigterm, "handle_sigterm")
         if directory is not None:
+            check_local_url(directory, "directory")
             url = directory if "://" in directory else f"file://{directory}"
             tiers = [ObjectTier(url, storage_options, save=FixedIntervalPolicy(self.options.save_interval_steps),
                                 keep=self.options.keep_policy())]
@@ -115,6 +128,7 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would write anything."""
+        step = _args.step(step)
         if self._exists(step) and not self._replaces(step):
             return False
         return bool(self.store.should_save(step, preempted=self._preempted.is_set()))
@@ -127,10 +141,14 @@ class CheckpointManager:
         (``enable_async_checkpointing=False`` waits for the commit). A step that already exists is not
         saved again, unless it is newer than the step this manager restored (a run that resumed from an
         earlier step replaces the steps it is redoing). Torch state goes through DCP (see ``use_dcp``);
-        every rank of a job must call ``save`` with the same step.
+        every rank of a job must call ``save`` with the same step. The arguments are checked first, each a
+        one-line :class:`~tierfs.errors.ArgumentError` (a bad leaf of ``state`` too, on every rank).
         """
+        step, force = _args.step(step), _args.flag(force, "force")
+        metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
+        _args.mapping(state, "state")
         if self._through_dcp(state):
-            return self._save_dcp(step, state, metrics, force)
+            return _mdcp.save(self, step, state, metrics, force)
         overwrite = False
         if self._exists(step):
             if not self._replaces(step):
@@ -146,48 +164,10 @@ class CheckpointManager:
     def _through_dcp(self, state: Mapping[str, Any]) -> bool:
         if self.use_dcp is not None:
             if not self.use_dcp and ts.has_tensor(state, sharded_only=True):
-                raise TypeError("the state holds DTensors/ShardedTensors, which only DCP can save: "
-                                "use CheckpointManager(..., use_dcp=None or True)")
+                raise ArgumentError("the state holds DTensors/ShardedTensors, which only DCP can save: "
+                                    "use CheckpointManager(..., use_dcp=None or True)")
             return self.use_dcp
         return ts.has_tensor(state)
-
-    def _save_dcp(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
-                  force: bool) -> bool:
-        """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them."""
-        import torch.distributed.checkpoint as dcp
-
-        from .dcp import TieredWriter
-
-        g = self.store.group
-        err: BaseException | None = None
-        tensors: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        try:
-            split = ts.split(state)
-            tensors, extra = split.tensors, ts.extra(split)
-            self.store.raise_background_errors()
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
-            err = e
-        preempted = self._preempted.is_set()
-        exists = self._exists(step)
-        chosen = bool(self.store.should_save(step, force=force, preempted=preempted))
-        if preempted and not force and not chosen:
-            force, chosen = True, True  # no tier names a preemption policy: save everywhere
-        # every rank must hear of a failure before DCP's collectives; rank 0 decides, as the store does
-        views = agree(g, [exists, chosen, force, preempted], err, f"step {step}", outcome="nothing saved (the "
-                      "state, or an earlier background failure)")
-        exists = any(v[0] for v in views)
-        _, chosen, force, preempted = views[0]
-        if exists:
-            if not self._replaces(step):
-                return False
-            log.info("step %d exists from before the restore of step %s; replacing it", step, self._restored)
-        if not chosen:
-            return False
-        writer = TieredWriter(self.store, step, overwrite=exists, force=force, preempted=preempted,
-                              metrics=metrics, blocking=not self.options.enable_async_checkpointing, extra=extra)
-        ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
-        return bool(writer.saved)
 
     def _exists(self, step: int) -> bool:
         return self.store.has_step(step)
@@ -204,8 +184,14 @@ class CheckpointManager:
         Each step is read in the format it was saved in: steps saved through DCP with ``dcp.load`` and
         :class:`~tierfs.adapters.dcp.TieredReader` (DTensors are resharded to the target's placement;
         the job may have another world size), other steps by the store. When no tier holds a verified copy
-        of the newest step, older steps are tried (not when ``step`` is given).
+        of the newest step, older steps are tried (not when ``step`` is given). A target that does not fit
+        the checkpoint (a key it lacks, an array or tensor of another shape) is a
+        :class:`~tierfs.errors.StateMismatchError` naming the key, raised before anything is loaded; on the
+        DCP path a tensor of another dtype is converted, as ``dcp.load`` does.
         """
+        step = _args.optional_step(step)
+        if state is not None:
+            _args.mapping(state, "state")
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
         rep = self.store.replicator
@@ -227,8 +213,8 @@ class CheckpointManager:
         skipped: list[tuple[str, int, str]] = []
         for s in common:
             try:
-                if self._is_dcp_step(s, tiers):
-                    out, info = self._restore_dcp(state, s, tiers)
+                if _mdcp.is_dcp_step(self.store, s, tiers):
+                    out, info = _mdcp.restore(self.store, state, s, tiers)
                 elif state is not None:
                     info = self.store.restore_into(state, s, tiers=tiers)
                     out = info.step
@@ -246,93 +232,6 @@ class CheckpointManager:
             return out
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
-
-    def _is_dcp_step(self, step: int, tiers: list[str]) -> bool:
-        """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
-        from .dcp import SHARD_KEY
-
-        g = self.store.group
-        try:
-            mine: bool | None = SHARD_KEY in self.store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
-        except (TierfsError, OSError, ValueError, KeyError):
-            mine = None  # e.g. a rank beyond the saving job's world size
-        views = g.all_gather(mine) if g.world_size > 1 else [mine]
-        return any(v is True for v in views)
-
-    def _restore_dcp(self, state: Mapping[str, Any] | None, step: int, tiers: list[str]) -> tuple[Any, RestoreInfo]:
-        """``dcp.load`` of a step saved by :meth:`_save_dcp`, in place when ``state`` is given."""
-        import torch.distributed.checkpoint as dcp
-
-        from .dcp import TieredReader
-
-        g = self.store.group
-        t0 = time.perf_counter()
-        err: BaseException | None = None
-        saved: ts.Saved | None = None
-        target: dict[str, Any] = {}
-        try:
-            saved = self._read_saved(step, tiers)
-            if state is not None:
-                split = ts.split(state)
-                have = {ts.key(p) for p, _ in saved.plain}
-                missing = [".".join(map(str, p)) for p, _ in split.plain if ts.key(p) not in have]
-                if missing:
-                    raise StateMismatchError(f"target state has entries the checkpoint lacks: {missing[:5]}")
-                target = split.tensors
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
-            err = e
-        views = outcomes(g, None, err, classify=ts.failure_kind)
-        failed = {r: (kind, why, where) for r, (kind, why, where) in enumerate(views) if kind is not None}
-        if failed:  # every rank takes the same way out: raise, or try an older step
-            if any(kind != RestoreError.__name__ for kind, _, _ in failed.values()):
-                if err is not None:
-                    raise err
-                raise ranks_failed(f"step {step}: loading", {r: v for r, v in failed.items()
-                                                            if v[0] != RestoreError.__name__})
-            raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why, _) in failed.items()])
-        assert saved is not None
-        reader = TieredReader(self.store, step, tiers=tiers)
-        pg = g.process_group
-        if state is None:
-            target = ts.target_from(ts.run_dcp(reader.read_metadata, unusable=True), saved)
-        try:
-            ts.run_dcp(dcp.load, target, storage_reader=reader, process_group=pg, unusable=True)
-        except ts.Unusable as e:
-            raise ts.Unusable(reader.skipped + [(",".join(tiers), step, w) for _, _, w in e.skipped]) from None
-        root: Any = state if state is not None else target
-        for path, value in saved.plain:
-            ts.assign(root, path, ts.decode(value, saved.arrays))
-        if state is None:
-            root = ts.lists(root, saved.lists)
-        tier = reader.sources.get(g.rank) or next(iter(reader.sources.values()), tiers[0])
-        info = RestoreInfo(step, tier, ts.local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
-                           {}, dict(saved.metrics))
-        return (step if state is not None else root), info
-
-    def _read_saved(self, step: int, tiers: list[str]) -> "ts.Saved":
-        """The non-tensor part of a DCP step: this rank's own (rank 0's for ranks the saving job lacked)."""
-        from .dcp import EXTRA_PREFIX
-
-        g = self.store.group
-        world = self.store.read_marker(step, tiers=tiers).world_size
-        rank = g.rank if g.rank < world else 0
-        manifest, _ = self.store.read_manifest(step, rank, tiers=tiers)
-        names = [e.name for e in manifest.entries if e.name.startswith(EXTRA_PREFIX)]
-        got: dict[str, Any] = {}
-
-        def consume(found: Mapping[str, tuple[Any, Any]], tier: str) -> None:
-            for name, (e, raw) in found.items():
-                got[name[len(EXTRA_PREFIX):]] = e.value if e.kind == "json" else \
-                    np.array(st.view_as("numpy", e.dtype, e.shape, raw))
-
-        self.store.read_entries(step, rank, names, tiers=tiers, consume=consume)
-        index = got.get(ts.INDEX)
-        if not (isinstance(index, list) and len(index) == 5 and index[:2] == [ts.INDEX_FORMAT, 1]):
-            raise StateMismatchError(f"step {step} was saved by dcp.save directly, not by CheckpointManager: "
-                                     "load it with dcp.load and TieredReader")
-        arrays = {int(k[1:]): v for k, v in got.items() if k.startswith("a")}
-        return ts.Saved([(list(p), v) for p, v in index[2]], [list(p) for p in index[3]],
-                      {f: list(p) for f, p in index[4]}, arrays, dict(manifest.metrics))
 
     # -- queries ------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -357,7 +256,7 @@ class CheckpointManager:
                 if best is not None:
                     break
         if best is None:
-            raise ValueError("best_step needs options.best_fn or a BestN keep policy on a tier")
+            raise ArgumentError("best_step needs options.best_fn or a BestN keep policy on a tier")
         scored = [(v, s) for s in self.all_steps()
                   if (v := best.score(StepInfo(s, 0.0, self.metrics(s)))) is not None]
         if not scored:
@@ -380,6 +279,7 @@ class CheckpointManager:
 
     # -- life cycle ---------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
+        """Delete ``step`` from every tier."""
         self.store.delete(step)
 
     def wait_until_finished(self) -> None:

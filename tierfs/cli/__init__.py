@@ -20,16 +20,20 @@ The commands, by concern: :mod:`~tierfs.cli.targets` (a TARGET into tiers), :mod
 bench). Each registers its subcommands with ``add_commands``.
 
 Exit status: 0 on success, 1 when a check fails or a tier cannot be read or written, 2 for a bad
-command line. Errors are one line on stderr: ``tierfs: error: ...``.
+command line (a bad argument, or a TARGET that cannot be a tier, such as a system directory). Errors are
+one line on stderr: ``tierfs: error: ...``, never a traceback (``TIERFS_DEBUG=1`` shows the traceback
+of an unexpected error).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn, Sequence
 
-from ..errors import TierfsError
+from .. import _args
+from ..errors import ArgumentError, TierfsError
 
 PROG = "tierfs"
 
@@ -74,12 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if getattr(args, "threads", None) is not None and args.threads < 1:
             raise UsageError("--threads must be at least 1")
-        if getattr(args, "step", None) is not None and args.step < 0:
-            raise UsageError("--step must be >= 0")
+        if getattr(args, "step", None) is not None:
+            _args.step(args.step, "--step")
         return args.func(args)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except UsageError as e:
+    except (UsageError, ArgumentError) as e:
         error(str(e))
         return 2
     except (TierfsError, OSError) as e:
@@ -88,3 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         error("interrupted")
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, unless asked for the traceback
+        if os.environ.get("TIERFS_DEBUG"):
+            raise
+        error(f"unexpected {type(e).__name__}: {e} (a bug in tierfs: please report it; TIERFS_DEBUG=1 shows the "
+              "traceback)")
+        return 1

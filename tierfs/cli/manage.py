@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._rootdir import check_local_url
 from ..errors import TierfsError, TierUnavailableError
 from ..tiers.base import Tier
 from . import UsageError
@@ -43,6 +44,7 @@ def _destination(args: argparse.Namespace, src_all: list[Tier], src_opts: dict[s
                              "config")
         return select(src_all, args.to)[0]
     if is_url(args.dest):
+        check_local_url(args.dest, "DEST")
         return ObjectTier(args.dest, _dst_options(args, src_opts))
     if args.dest.lower().endswith(".json"):
         cfg = Path(args.dest).expanduser()
@@ -53,7 +55,9 @@ def _destination(args: argparse.Namespace, src_all: list[Tier], src_opts: dict[s
             raise UsageError(f"{args.dest} has tiers {[t.name for t in dtiers]}; choose one with --to")
         return select(dtiers, args.to)[0] if args.to else dtiers[0]
     # a plain directory: the step in tierfs's format, as a file:// object tier writes it
-    return ObjectTier("file://" + str(Path(args.dest).expanduser().resolve()), name="dir")
+    dest = Path(args.dest).expanduser().resolve()
+    check_local_url(str(dest), "DEST")
+    return ObjectTier(f"file://{dest}", name="dir")
 
 
 def _pick_source(tiers: list[Tier], step: int | None) -> tuple[Tier, int]:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .._rootdir import check_local_url
 from ..config import read_config
 from ..errors import FormatError, TierUnavailableError
 from ..tiers.base import Tier
@@ -105,6 +106,7 @@ def tiers_from_config(path: str | Path) -> list[Tier]:
             tiers.append(MemoryTier(spec.path, budget=spec.budget, name=spec.name or "ram", **spec.policies()))
         else:
             assert spec.url is not None  # read_config requires it of an object tier
+            check_local_url(spec.url, f"config {path}: tier url")
             tiers.append(ObjectTier(spec.url, spec.storage_options, name=spec.name, **spec.policies()))
     names = [t.name for t in tiers]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -138,6 +140,7 @@ def tiers_from_target(target: str, storage_options: dict[str, Any]) -> list[Tier
     from ..tiers import MemoryTier, ObjectTier
 
     if is_url(target):
+        check_local_url(target, "TARGET")
         return [ObjectTier(target, storage_options)]
     if storage_options:
         raise UsageError("--storage-options/-o only apply to a URL target (put them in the config file "

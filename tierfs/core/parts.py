@@ -11,17 +11,39 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from .. import _hooks
+from .. import _args, _hooks
 from .._worker import Throttle, Worker
 from ..dist import Group
 from ..dist.nodes import Layout
+from ..errors import ArgumentError
 from ..format import Marker, manifest_filename
 from ..tiers.base import Holder, Replicator, Tier
 from .ledger import StepLedger
 
 log = logging.getLogger("tierfs")
+
+
+def check_tiers(tiers: Iterable[Holder]) -> tuple[list[Holder], list[Replicator]]:
+    """A store's tiers, checked: a non-empty list of tiers with unique names, the first holding files, at
+    most one replicator. Returns them as a list, and the replicators."""
+    if isinstance(tiers, (str, bytes, Tier, Replicator)) or not isinstance(tiers, Iterable):
+        raise ArgumentError("TieredStore takes a list of tiers, e.g. [MemoryTier(...), ObjectTier(url)], got "
+                            f"{_args.shown(tiers)}")
+    tiers = list(tiers)
+    if not tiers:
+        raise ArgumentError("TieredStore needs at least one tier, e.g. [MemoryTier(...), ObjectTier(url)]")
+    for i, t in enumerate(tiers):
+        _args.instance(t, f"tiers[{i}]", (Tier, Replicator), "a tier, e.g. MemoryTier(...) or ObjectTier(url)")
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ArgumentError(f"tier names must be unique, got {names}; pass name=... to tell them apart")
+    reps = [t for t in tiers if isinstance(t, Replicator)]
+    if len(reps) > 1 or not isinstance(tiers[0], Tier):
+        raise ArgumentError("use at most one PeerTier, after the RAM tier: "
+                            "[MemoryTier(...), PeerTier(), ObjectTier(url)]")
+    return tiers, reps
 
 
 @dataclass
@@ -59,11 +81,16 @@ class Parts:
         return ([t for t in tiers[:cut] if isinstance(t, Tier)], rep,
                 [t for t in tiers[cut + 1:] if isinstance(t, Tier)])
 
+    @property
+    def names(self) -> list[str]:
+        """The tiers' names, fastest first."""
+        return [t.name for t in self.tiers]
+
     def tier(self, name: str) -> Holder:
         for t in self.tiers:
             if t.name == name:
                 return t
-        raise KeyError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
+        raise ArgumentError(f"no tier named {name!r}; the tiers are {self.names}")
 
     def usable(self, names: Sequence[str] | None) -> list[Holder]:
         """The named tiers in the order given (default: all, fastest first)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _copy, state as st
 from .._stages import stage
-from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import MARKER, Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
@@ -54,6 +54,11 @@ class Sink:
 
     def json(self, e: Entry) -> None:
         self.values[e.name] = e.value
+
+    def check(self, manifest: Manifest) -> None:
+        """Before any bytes are read: raise StateMismatchError when the caller's target cannot take this
+        shard (it is the caller's mistake, not a damaged copy)."""
+        check_wanted(manifest, self.wanted)
 
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         """Where the verified bytes ``src`` of array entry ``e`` are copied (None: nowhere). ``tier`` is
@@ -103,18 +108,28 @@ class InPlace(Sink):
         self.wanted = set(self.slots)
         self._after: list[Callable[[], Any]] = []
 
+    def check(self, manifest: Manifest) -> None:
+        super().check(manifest)
+        for e in manifest.entries:  # every array/tensor target must take its entry in place
+            if e.kind == "array" and e.name in self.slots:
+                parent, key = self.slots[e.name]
+                st.check_target(manifest.key(e.name), parent[key], e.lib, e.dtype, e.shape)
+
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         parent, key = self.slots[e.name]
         target = parent[key]
         raw = st.target_view(e.name, target, e.lib, e.dtype, e.shape)
         if raw is not None:
             return raw
-        tmp, traw = st.allocate(e.lib, e.dtype, e.shape)
+        # a copy of the target's own kind (the checkpoint's may be the other library's), then into it
         if st.is_tensor(target):
+            tmp, traw = st.allocate("torch", str(target.dtype).removeprefix("torch."), e.shape)
             self._after.append(lambda: target.copy_(tmp))
         elif isinstance(target, np.ndarray):
+            tmp, traw = st.allocate("numpy", target.dtype.str, e.shape)
             self._after.append(lambda: np.copyto(target, tmp))
         else:
+            tmp, traw = st.allocate(e.lib, e.dtype, e.shape)
             self._after.append(lambda: parent.__setitem__(key, tmp))
         return traw
 
@@ -153,8 +168,9 @@ def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
     """A target with entries the checkpoint lacks is the caller's mistake, not a damaged copy."""
     missing = wanted - {e.name for e in manifest.entries} if wanted is not None else set()
     if missing:
+        keys = ", ".join(manifest.key(n) for n in sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
         raise StateMismatchError(f"target state has entries the checkpoint lacks (step {manifest.step} rank "
-                                 f"{manifest.rank}): {sorted(missing)[:5]}")
+                                 f"{manifest.rank}): {keys}; remove them from the target or restore another step")
 
 
 def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
@@ -165,7 +181,7 @@ def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads:
         _copy.verify(manifest, shard.files, threads)
         return
     sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
-    check_wanted(manifest, sink.wanted)
+    sink.check(manifest)
     raw = _copy.shard_views(manifest, shard.files)
     jobs = []
     for e in manifest.entries:
@@ -175,7 +191,8 @@ def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads:
             sink.json(e)
             continue
         src = raw[e.file][e.offset:e.offset + e.length]
-        jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c))
+        jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c,
+                              manifest.key(e.name)))
     _copy.run(jobs, threads)
     sink.finish()
 
@@ -192,7 +209,7 @@ class Reader:
             marker = bytes(tier.read_file(step, MARKER))
             manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
             if sink is not None:
-                check_wanted(manifest, sink.wanted)  # before reading: a wrong target costs no download
+                sink.check(manifest)  # before reading: a wrong target costs no download
             names = list(manifest.files)
             if sink is not None and sink.partial and sink.wanted is not None:  # the files holding wanted arrays
                 names = sorted({e.file for e in manifest.entries if e.kind == "array" and e.name in sink.wanted})
@@ -208,7 +225,7 @@ class Reader:
         for t in tiers:
             try:
                 return t, read(t)
-            except StateMismatchError:
+            except (StateMismatchError, ArgumentError):  # the caller's mistake: no other copy does better
                 raise
             except UNUSABLE as e:
                 why = f"{type(e).__name__}: {e}"

@@ -24,7 +24,7 @@ import numpy as np
 from .. import _copy
 from .._stages import stage
 from ..dist import Group, agree
-from ..errors import RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import Marker, manifest_filename
 from ..protocol import commit, common_steps
 from ..tiers.base import Holder, Replicator, Tier
@@ -120,7 +120,7 @@ def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None
             view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs]]
     except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
         failure = e
-    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored")
+    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=_kind)
     holders: dict[tuple[int, int], list[int]] = {}
     for h, (_, kept) in enumerate(views):
         for s, r in kept:
@@ -213,7 +213,7 @@ class Restore:
                     info.peer = assign[g.rank]
                     got = (info, shard)
                 except (TierfsError, ValueError, KeyError) as e:
-                    if isinstance(e, StateMismatchError):  # the target is wrong, not the copy: stop here
+                    if isinstance(e, (StateMismatchError, ArgumentError)):  # the target is wrong, not the copy
                         mismatch = e
                     res = f"{type(e).__name__}: {e}"
                 except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
@@ -309,5 +309,9 @@ class Restore:
 
 
 def _kind(e: BaseException) -> type[TierfsError]:
-    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch."""
-    return StateMismatchError if isinstance(e, StateMismatchError) else TierfsError
+    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
+    argument an ArgumentError."""
+    for cls in (StateMismatchError, ArgumentError):
+        if isinstance(e, cls):
+            return cls
+    return TierfsError

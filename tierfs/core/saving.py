@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -20,9 +19,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .. import _copy, state as st
+from .. import _args, _copy, state as st
 from .._stages import stage
-from ..dist import Group, agree, agreement
+from ..dist import Group, agree, agreement, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import Entry, Manifest, Marker, crc32c, manifest_filename, plan_files
 from ..policies import SaveContext, StepInfo
@@ -76,12 +75,16 @@ class SavePath:
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
-             max_in_flight: int, when_busy: str, timeout: float | None = None) -> bool:
+             max_in_flight: int, when_busy: str, timeout: Any = None) -> bool:
         p = self.parts
-        group = p.group if timeout is None else p.group.with_timeout(timeout)
-        commit_group = p.commit_group if timeout is None else p.commit_group.with_timeout(timeout)
-        mine, failure = None, None
+        mine, failure, wait = None, None, None
         try:  # this rank's view; every rank hears of a failure here before any of them goes on
+            # the arguments first: a bad one (a leaf of the state too) fails before anything is replaced
+            step, wait = _args.step(step), None if timeout is None else seconds(timeout)
+            force, overwrite, preempted, blocking = (_args.flag(v, k) for k, v in (
+                ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
+            st.check_state(state)
+            metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             self._raise_background_errors()
             chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
                                      max_in_flight, when_busy)
@@ -90,6 +93,8 @@ class SavePath:
             mine = [[t.name for t in chosen], p.ledger.holders(step)]
         except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
             failure = e
+        group = p.group if wait is None else p.group.with_timeout(wait)
+        commit_group = p.commit_group if wait is None else p.commit_group.with_timeout(wait)
         views = agree(group, mine, failure, f"save step {step}", outcome="nothing saved")
         chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
         holders = sorted({n for _, h in views for n in h})
@@ -150,7 +155,7 @@ class SavePath:
         rank = p.group.rank
         arrays = [lf for lf in leaves if lf.kind == "array"]
         placement, files = plan_files([lf.nbytes for lf in arrays], rank, p.file_size)
-        meta, mets = _jsonable(metadata, "metadata"), _jsonable(metrics, "metrics")
+        meta, mets = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
         bufs = first.stage(step, files)  # raises CapacityError before anything is written
         try:
             jobs = [_copy.Job(lf.name, lf.data, bufs[f][o:o + lf.nbytes], p.block_size)  # type: ignore[arg-type]
@@ -291,12 +296,3 @@ class SavePath:
             return False
         log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6, time.perf_counter() - t0)
         return True
-
-
-def _jsonable(d: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
-    out = dict(d or {})
-    try:
-        json.dumps(out, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must be JSON-serialisable ({e}); convert values to numbers or strings") from None
-    return out

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from .. import _stages
-from ..errors import RankWaitError
+from ..errors import ArgumentError, RankWaitError
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
 DEFAULT_TIMEOUT = 600.0
@@ -294,7 +294,7 @@ def seconds(timeout: float | datetime.timedelta | None) -> float:
         return DEFAULT_TIMEOUT
     value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+        raise ArgumentError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     return float(value)
 
 

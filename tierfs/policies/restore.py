@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .._args import names, optional_step
+from ..errors import ArgumentError
+
 
 @dataclass(frozen=True)
 class RestorePolicy:
@@ -25,14 +28,14 @@ class RestorePolicy:
     step: int | None = None
 
     def __init__(self, prefer: Sequence[str] = (), forbid: Sequence[str] = (), step: int | None = None) -> None:
-        object.__setattr__(self, "prefer", tuple(prefer))
-        object.__setattr__(self, "forbid", tuple(forbid))
-        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "prefer", tuple(names(prefer, "RestorePolicy prefer") or ()))
+        object.__setattr__(self, "forbid", tuple(names(forbid, "RestorePolicy forbid") or ()))
+        object.__setattr__(self, "step", optional_step(step, "RestorePolicy step"))
 
     def order(self, tiers: Sequence[str]) -> list[str]:
         """The tier names to try, in order."""
         unknown = (set(self.prefer) | set(self.forbid)) - set(tiers)
         if unknown:
-            raise ValueError(f"RestorePolicy names unknown tiers {sorted(unknown)}; tiers are {list(tiers)}")
+            raise ArgumentError(f"RestorePolicy names unknown tiers {sorted(unknown)}; tiers are {list(tiers)}")
         first = [t for t in self.prefer if t not in self.forbid]
         return first + [t for t in tiers if t not in first and t not in self.forbid]

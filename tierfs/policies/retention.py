@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from .._args import instance, number, shown, step_numbers
+from ..errors import ArgumentError
 from .base import PreservationPolicy, StepInfo
 
 
@@ -19,8 +21,8 @@ class LatestN(PreservationPolicy):
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"LatestN needs n >= 1, got {self.n!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ArgumentError(f"LatestN needs n >= 1 (an int), got {shown(self.n)}")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(sorted(s.step for s in steps)[-self.n:])
@@ -33,8 +35,8 @@ class EveryNSteps(PreservationPolicy):
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"EveryNSteps needs n >= 1, got {self.n!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ArgumentError(f"EveryNSteps needs n >= 1 (an int), got {shown(self.n)}")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.n == 0}
@@ -48,8 +50,7 @@ class EveryNSeconds(PreservationPolicy):
     interval_secs: float
 
     def __post_init__(self) -> None:
-        if self.interval_secs <= 0:
-            raise ValueError("EveryNSeconds needs interval_secs > 0")
+        number(self.interval_secs, "EveryNSeconds interval_secs")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         kept: set[int] = set()
@@ -74,9 +75,12 @@ class BestN(PreservationPolicy):
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
-            raise ValueError(f"BestN mode must be 'min' or 'max', got {self.mode!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"BestN needs n >= 1, got {self.n!r}")
+            raise ArgumentError(f"BestN mode must be 'min' or 'max', got {shown(self.mode)}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ArgumentError(f"BestN needs n >= 1 (an int), got {shown(self.n)}")
+        if not callable(self.metric_fn):
+            raise ArgumentError(f"BestN metric_fn must be a function of the metrics, e.g. lambda m: m['loss'], "
+                                f"got {shown(self.metric_fn)}")
 
     def score(self, info: StepInfo) -> float | None:
         try:
@@ -98,7 +102,7 @@ class CustomSteps(PreservationPolicy):
     steps: frozenset[int]
 
     def __init__(self, steps: Iterable[int]) -> None:
-        object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
+        object.__setattr__(self, "steps", frozenset(step_numbers(steps, "CustomSteps steps")))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step in self.steps}
@@ -120,7 +124,9 @@ class AnyPreservationPolicy(PreservationPolicy):
 
     def __init__(self, policies: Sequence[PreservationPolicy]) -> None:
         if not policies:
-            raise ValueError("AnyPreservationPolicy needs at least one policy")
+            raise ArgumentError("AnyPreservationPolicy needs at least one policy")
+        for i, p in enumerate(policies):
+            instance(p, f"AnyPreservationPolicy policies[{i}]", PreservationPolicy, "a keep policy such as LatestN(2)")
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:

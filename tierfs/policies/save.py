@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from .._args import instance, number, shown, step_numbers
+from ..errors import ArgumentError
 from .base import SaveContext, SavePolicy
 
 
@@ -19,8 +21,8 @@ class FixedIntervalPolicy(SavePolicy):
     interval: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"FixedIntervalPolicy interval must be a positive int, got {self.interval!r}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ArgumentError(f"FixedIntervalPolicy interval must be a positive int, got {shown(self.interval)}")
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.interval == 0
@@ -33,7 +35,7 @@ class SpecificStepsPolicy(SavePolicy):
     steps: frozenset[int]
 
     def __init__(self, steps: Iterable[int]) -> None:
-        object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
+        object.__setattr__(self, "steps", frozenset(step_numbers(steps, "SpecificStepsPolicy steps")))
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step in self.steps
@@ -46,8 +48,7 @@ class ContinuousCheckpointingPolicy(SavePolicy):
     minimum_interval_secs: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.minimum_interval_secs < 0:
-            raise ValueError("ContinuousCheckpointingPolicy needs minimum_interval_secs >= 0")
+        number(self.minimum_interval_secs, "ContinuousCheckpointingPolicy minimum_interval_secs", positive=False)
 
     def should_save(self, ctx: SaveContext) -> bool:
         last = ctx.last
@@ -78,7 +79,9 @@ class AnySavePolicy(SavePolicy):
 
     def __init__(self, policies: Sequence[SavePolicy]) -> None:
         if not policies:
-            raise ValueError("AnySavePolicy needs at least one policy")
+            raise ArgumentError("AnySavePolicy needs at least one policy")
+        for i, p in enumerate(policies):
+            instance(p, f"AnySavePolicy policies[{i}]", SavePolicy, "a save policy such as FixedIntervalPolicy(10)")
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, ctx: SaveContext) -> bool:

@@ -18,13 +18,15 @@ Save (when a tier takes a step)::
     {"preemption": true}                   PreemptionCheckpointingPolicy
 
 Several keys in one object mean any of them (``{"latest": 2, "every_n_steps": 1000}`` keeps the two
-newest steps and every 1000th). Unknown keys and wrong types are errors (ValueError, one line).
+newest steps and every 1000th). Unknown keys and wrong types are errors (one line, an
+:class:`~tierfs.errors.ArgumentError`, which is a ValueError).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, TypeVar
 
+from ..errors import ArgumentError
 from .base import PreservationPolicy, SavePolicy
 from .retention import AnyPreservationPolicy, BestN, CustomSteps, EveryNSeconds, EveryNSteps, LatestN, PreserveAll
 from .save import (AnySavePolicy, ContinuousCheckpointingPolicy, FixedIntervalPolicy, InitialSavePolicy,
@@ -36,25 +38,25 @@ P = TypeVar("P", PreservationPolicy, SavePolicy)
 
 def _int(v: Any, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        raise ArgumentError(f"{what} must be a positive integer, got {v!r}")
     return v
 
 
 def _num(v: Any, what: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"{what} must be a positive number, got {v!r}")
+        raise ArgumentError(f"{what} must be a positive number, got {v!r}")
     return float(v)
 
 
 def _steps(v: Any, what: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in v):
-        raise ValueError(f"{what} must be a list of step numbers, got {v!r}")
+        raise ArgumentError(f"{what} must be a list of step numbers, got {v!r}")
     return v
 
 
 def _true(v: Any, what: str) -> None:
     if v is not True:
-        raise ValueError(f"{what} takes true, got {v!r}")
+        raise ArgumentError(f"{what} takes true, got {v!r}")
 
 
 def _flag(what: str, make: Callable[[], T]) -> Callable[[Any], T]:
@@ -74,9 +76,9 @@ def _metric(name: str) -> Callable[[dict[str, Any]], Any]:
 
 def _best(v: Any) -> PreservationPolicy:
     if not isinstance(v, dict) or set(v) - {"metric", "n", "mode"} or "metric" not in v or "n" not in v:
-        raise ValueError(f'keep "best" takes {{"metric": NAME, "n": N, "mode": "min"|"max"}}, got {v!r}')
+        raise ArgumentError(f'keep "best" takes {{"metric": NAME, "n": N, "mode": "min"|"max"}}, got {v!r}')
     if not isinstance(v["metric"], str) or not v["metric"]:
-        raise ValueError('keep "best": "metric" must be the name of a metric, e.g. "loss"')
+        raise ArgumentError('keep "best": "metric" must be the name of a metric, e.g. "loss"')
     return BestN(_metric(v["metric"]), _int(v["n"], 'keep "best" n'), v.get("mode", "min"))
 
 
@@ -114,9 +116,9 @@ def _combined(spec: Any, table: Mapping[str, Callable[[Any], P]], kind: str, exa
               any_of: Callable[[list[P]], P]) -> P:
     """One policy per key of ``spec``, built by ``table``; several are combined with ``any_of``."""
     if not isinstance(spec, dict) or not spec:
-        raise ValueError(f"a {kind} spec is an object such as {example}, got {spec!r}")
+        raise ArgumentError(f"a {kind} spec is an object such as {example}, got {spec!r}")
     unknown = sorted(set(spec) - set(table))
     if unknown:
-        raise ValueError(f"unknown {kind} keys {unknown}; use {sorted(table)}")
+        raise ArgumentError(f"unknown {kind} keys {unknown}; use {sorted(table)}")
     policies = [table[k](v) for k, v in spec.items()]
     return policies[0] if len(policies) == 1 else any_of(policies)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _copy
 from ..dist import framed
-from ..errors import ChecksumError, FormatError, TierfsError
+from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError
 from ..format import Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
 
@@ -48,8 +48,9 @@ class Wire:
     max_header: int = MAX_HEADER
 
     def __post_init__(self) -> None:
-        if self.chunk < 1 or self.first < 16 or self.max_header < 1:
-            raise ValueError(f"bad transfer sizes {self}: chunk >= 1, first >= 16, max_header >= 1 bytes")
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.chunk, self.first, self.max_header))
+        if not ok or self.chunk < 1 or self.first < 16 or self.max_header < 1:
+            raise ArgumentError(f"bad transfer sizes {self}: ints, chunk >= 1, first >= 16, max_header >= 1 bytes")
 
 
 def header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
@@ -157,7 +158,7 @@ class _FileCheck:
 
     def __init__(self, manifest: Manifest, name: str) -> None:
         self.name = name
-        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], e.name) for e in manifest.entries
+        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], manifest.key(e.name)) for e in manifest.entries
                              if e.kind == "array" and e.file == name
                              for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
         self.next, self.crc = 0, 0
@@ -173,6 +174,6 @@ class _FileCheck:
             if hi > end:
                 return
             if self.crc != want:
-                raise ChecksumError(f"checksum mismatch in {entry!r} ({self.name} bytes {lo}-{hi}): stored "
+                raise ChecksumError(f"checksum mismatch in {entry} ({self.name} bytes {lo}-{hi}): stored "
                                     f"{want:#010x}, received {self.crc:#010x}")
             self.next, self.crc = self.next + 1, 0

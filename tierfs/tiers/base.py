@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_ch
 
 import numpy as np
 
+from .. import _args
 from .._copy import as_u8
 from ..errors import CapacityError
 from ..format import MARKER, Manifest, Marker, validate_filename
@@ -36,6 +37,15 @@ Pace = Callable[[int], None]
 Bytes = Union[bytes, bytearray, memoryview, "np.ndarray[Any, Any]"]
 
 log = logging.getLogger("tierfs")
+
+
+def _holder_args(cls: str, name: Any, save: Any, keep: Any) -> tuple[str, SavePolicy, PreservationPolicy]:
+    """A tier's name and policies, checked (``cls``: the tier's class, as messages name it)."""
+    _args.name(name, f"{cls} name")
+    if save is not None:
+        _args.instance(save, f"{cls} save", SavePolicy, "a save policy such as FixedIntervalPolicy(10)")
+    _args.instance(keep, f"{cls} keep", PreservationPolicy, "a keep policy such as LatestN(2)")
+    return name, save if save is not None else FixedIntervalPolicy(1), keep
 
 
 @dataclass(frozen=True)
@@ -71,9 +81,7 @@ class Tier(ABC):
     kind: str = "tier"
 
     def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
-        self.name = name
-        self.save_policy: SavePolicy = save if save is not None else FixedIntervalPolicy(1)
-        self.keep_policy: PreservationPolicy = keep
+        self.name, self.save_policy, self.keep_policy = _holder_args(type(self).__name__, name, save, keep)
         self._staged: dict[int, dict[str, np.ndarray]] = {}
 
     # -- capabilities -------------------------------------------------------------------------------
@@ -253,9 +261,7 @@ class Replicator(ABC):
     nodes: list[int]
 
     def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
-        self.name = name
-        self.save_policy: SavePolicy = save if save is not None else FixedIntervalPolicy(1)
-        self.keep_policy: PreservationPolicy = keep
+        self.name, self.save_policy, self.keep_policy = _holder_args(type(self).__name__, name, save, keep)
 
     @property
     def location(self) -> str:

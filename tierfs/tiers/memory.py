@@ -11,7 +11,6 @@ discards gives its buffers back to the pool and leaves no file behind.
 
 from __future__ import annotations
 
-import getpass
 import os
 import shutil
 import socket
@@ -21,7 +20,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import _args
 from .._fileio import atomic_write, make_private_dir, process_alive
+from .._rootdir import check_root, default_path, mapping_processes, root_dir, warn_unless_memory
 from ..errors import CapacityError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
@@ -33,20 +34,15 @@ __all__ = ["MemoryTier", "default_path"]
 _FULL_ADVICE = "free memory on its tmpfs (other files or processes use it) or keep fewer steps"
 
 
-def default_path() -> str:
-    """``/dev/shm/tierfs/<job id>``; the job id comes from TIERFS_JOB_ID, torchrun or SLURM."""
-    job = (os.environ.get("TIERFS_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-           or os.environ.get("SLURM_JOB_ID") or getpass.getuser())
-    return f"/dev/shm/tierfs/{validate_filename(job)}"
-
-
 class MemoryTier(Tier):
     """Steps in a private directory on tmpfs, written by memory copies into reused mappings.
 
     Parameters
     ----------
     path:
-        Directory for this job on this node (default ``/dev/shm/tierfs/<job id>``). Created 0700.
+        Directory for this job on this node (default ``/dev/shm/tierfs/<job id>``), on tmpfs (elsewhere it
+        works, with a warning). Created 0700. System directories (``/``, ``/etc``, ``/proc``, ``/dev/shm``
+        itself, ...) are refused.
     save, keep:
         Policies; default every step, keep the latest 2.
     budget:
@@ -61,8 +57,8 @@ class MemoryTier(Tier):
     def __init__(self, path: str | os.PathLike[str] | None = None, *, save: SavePolicy | None = None,
                  keep: PreservationPolicy | None = None, budget: int | None = None, name: str = "ram") -> None:
         super().__init__(name, save, keep if keep is not None else LatestN(2))
-        self.path = Path(path if path is not None else default_path())
-        self.budget = budget
+        self.path = root_dir(path if path is not None else default_path(), "MemoryTier path")
+        self.budget = _args.optional_integer(budget, "MemoryTier budget (bytes)")
         self._bufs: dict[Path, MappedFile] = {}  # every file this process has mapped, by current path
         self._pool = Pool(self.path / f".pool.{os.getpid()}")  # mapped files of deleted steps, for reuse
         self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
@@ -111,10 +107,12 @@ class MemoryTier(Tier):
 
     # -- life cycle ---------------------------------------------------------------------------------
     def open(self) -> None:
+        check_root(self.path, "RAM tier path")
         try:
             make_private_dir(self.path)
         except OSError as e:
             raise TierUnavailableError(f"RAM tier {self.path}: cannot create directory ({e.strerror})") from None
+        warn_unless_memory(self.path, "RAM tier")
         for d in self.path.glob(".pool.*"):  # pools of processes that died
             pid = d.name.rsplit(".", 1)[-1]
             if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
@@ -175,18 +173,7 @@ class MemoryTier(Tier):
             owner = d.name.rsplit(".", 1)[-1]
             if owner.isdigit() and int(owner) != me and process_alive(int(owner)):
                 pids.add(int(owner))
-        root = str(self.path.resolve()) + "/"
-        for maps in Path("/proc").glob("[0-9]*/maps"):
-            pid = int(maps.parent.name)
-            if pid == me or pid in pids:
-                continue
-            try:
-                with open(maps, encoding="utf-8", errors="replace") as f:
-                    if any(root in line for line in f):
-                        pids.add(pid)
-            except OSError:  # gone, or not ours to read
-                continue
-        return sorted(pids)
+        return sorted(pids | mapping_processes(self.path, pids | {me}))
 
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:

@@ -23,10 +23,11 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
+from .. import _args
 from .._fileio import make_private_dir
 from .._stages import stage
 from .._worker import BACKGROUND_NICE
-from ..errors import TierfsError
+from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from . import _wire
@@ -159,12 +160,14 @@ class PeerTier(Replicator):
                  node_rank: int | None = None, name: str = "peer", wire: Wire | None = None) -> None:
         super().__init__(name, save, keep if keep is not None else LatestN(1))
         self._follow_ram = save is None
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        _args.integer(replicas, "replicas")
         if not callable(strategy) and strategy not in ("ring", "pairwise"):
-            raise ValueError(f"strategy must be 'ring', 'pairwise' or a function, got {strategy!r}")
-        if not isinstance(connections, int) or connections < 1:
-            raise ValueError(f"connections must be an int >= 1, got {connections!r}")
+            raise ArgumentError(f"strategy must be 'ring', 'pairwise' or a function, got {_args.shown(strategy)}")
+        _args.integer(connections, "connections")
+        _args.optional_integer(node_rank, "node_rank", minimum=0)
+        _args.name(backend, "backend")
+        if wire is not None:
+            _args.instance(wire, "wire", Wire, "a Wire (tierfs.tiers.peer.Wire) or None")
         self.replicas, self.strategy, self.backend, self.connections = replicas, strategy, backend, connections
         self.wire = wire if wire is not None else Wire()
         self._node_rank = node_rank

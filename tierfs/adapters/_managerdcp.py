@@ -1,0 +1,160 @@
+"""A :class:`~tierfs.CheckpointManager` step through PyTorch DCP: the state's tensors with ``dcp.save`` and
+``dcp.load`` over :class:`~tierfs.adapters.dcp.TieredWriter` / ``TieredReader``, the rest of the state
+(numbers, strings, numpy arrays, ...) stored beside them without pickle (:mod:`._torchstate`).
+
+Every rank hears of a failure on any rank before DCP's collectives start, so none waits in them for a
+rank that gave up; a target that does not fit the checkpoint (a key it lacks, a tensor of another shape)
+is one :class:`~tierfs.errors.StateMismatchError` naming the user's key, raised on every rank before
+anything is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from .. import state as st
+from ..dist import agree, outcomes, ranks_failed
+from ..errors import RestoreError, StateMismatchError, TierfsError
+from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY
+from ..store import RestoreInfo, TieredStore
+from . import _torchstate as ts
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger("tierfs")
+
+
+def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
+         force: bool) -> bool:
+    """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them."""
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp import TieredWriter
+
+    store = mgr.store
+    g = store.group
+    err: BaseException | None = None
+    tensors: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    try:
+        split = ts.split(state)
+        tensors, extra = split.tensors, ts.extra(split)
+        store.raise_background_errors()
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
+        err = e
+    preempted = mgr._preempted.is_set()
+    exists = store.has_step(step)
+    chosen = bool(store.should_save(step, force=force, preempted=preempted))
+    if preempted and not force and not chosen:
+        force, chosen = True, True  # no tier names a preemption policy: save everywhere
+    # every rank must hear of a failure before DCP's collectives; rank 0 decides, as the store does
+    views = agree(g, [exists, chosen, force, preempted], err, f"step {step}", outcome="nothing saved (the "
+                  "state, or an earlier background failure)")
+    exists = any(v[0] for v in views)
+    _, chosen, force, preempted = views[0]
+    if exists:
+        if not mgr._replaces(step):
+            return False
+        log.info("step %d exists from before the restore of step %s; replacing it", step, mgr._restored)
+    if not chosen:
+        return False
+    writer = TieredWriter(store, step, overwrite=exists, force=force, preempted=preempted,
+                          metrics=metrics, blocking=not mgr.options.enable_async_checkpointing, extra=extra)
+    ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
+    return bool(writer.saved)
+
+
+def is_dcp_step(store: TieredStore, step: int, tiers: list[str]) -> bool:
+    """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
+    g = store.group
+    try:
+        mine: bool | None = DCP_SHARD_KEY in store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
+    except (TierfsError, OSError, ValueError, KeyError):
+        mine = None  # e.g. a rank beyond the saving job's world size
+    views = g.all_gather(mine) if g.world_size > 1 else [mine]
+    return any(v is True for v in views)
+
+
+def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tiers: list[str]
+            ) -> tuple[Any, RestoreInfo]:
+    """``dcp.load`` of a step saved by :func:`save`, in place when ``state`` is given. Returns the step (with
+    ``state``) or the restored state, and what the restore did."""
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp import TieredReader, check_target
+
+    g = store.group
+    t0 = time.perf_counter()
+    reader = TieredReader(store, step, tiers=tiers)
+    md = ts.run_dcp(reader.read_metadata, unusable=True)  # every rank gets it, or every rank raises
+    err: BaseException | None = None
+    saved: ts.Saved | None = None
+    target: dict[str, Any] = {}
+    try:
+        saved = _read_saved(store, step, tiers)
+        if state is not None:
+            split = ts.split(state)
+            have = {ts.key(p) for p, _ in saved.plain}
+            missing = [ts.fqn(p) for p, _ in split.plain if ts.key(p) not in have]
+            if missing:
+                raise StateMismatchError(f"target state has entries the checkpoint lacks: "
+                                         f"{', '.join(repr(k) for k in missing[:5])}; remove them from the target "
+                                         "or restore another step")
+            check_target(md, split.flat)  # before DCP's planner: a StateMismatchError in the user's keys
+            target = split.tensors
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
+        err = e
+    views = outcomes(g, None, err, classify=ts.failure_kind)
+    failed = {r: (kind, why, where) for r, (kind, why, where) in enumerate(views) if kind is not None}
+    if failed:  # every rank takes the same way out: raise, or try an older step
+        if any(kind != RestoreError.__name__ for kind, _, _ in failed.values()):
+            if err is not None:
+                raise err
+            raise ranks_failed(f"step {step}: loading", {r: v for r, v in failed.items()
+                                                        if v[0] != RestoreError.__name__})
+        raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why, _) in failed.items()])
+    assert saved is not None
+    if state is None:
+        target = ts.target_from(md, saved)
+    try:
+        ts.run_dcp(dcp.load, target, storage_reader=reader, process_group=g.process_group, unusable=True)
+    except ts.Unusable as e:
+        raise ts.Unusable(reader.skipped + [(",".join(tiers), step, w) for _, _, w in e.skipped]) from None
+    root: Any = state if state is not None else target
+    for path, value in saved.plain:
+        ts.assign(root, path, ts.decode(value, saved.arrays))
+    if state is None:
+        root = ts.lists(root, saved.lists)
+    tier = reader.sources.get(g.rank) or next(iter(reader.sources.values()), tiers[0])
+    info = RestoreInfo(step, tier, ts.local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
+                       {}, dict(saved.metrics))
+    return (step if state is not None else root), info
+
+
+def _read_saved(store: TieredStore, step: int, tiers: list[str]) -> ts.Saved:
+    """The non-tensor part of a DCP step: this rank's own (rank 0's for ranks the saving job lacked)."""
+    g = store.group
+    world = store.read_marker(step, tiers=tiers).world_size
+    rank = g.rank if g.rank < world else 0
+    manifest, _ = store.read_manifest(step, rank, tiers=tiers)
+    names = [e.name for e in manifest.entries if e.name.startswith(DCP_EXTRA_PREFIX)]
+    got: dict[str, Any] = {}
+
+    def consume(found: Mapping[str, tuple[Any, Any]], tier: str) -> None:
+        for name, (e, raw) in found.items():
+            got[name[len(DCP_EXTRA_PREFIX):]] = e.value if e.kind == "json" else \
+                np.array(st.view_as("numpy", e.dtype, e.shape, raw))
+
+    store.read_entries(step, rank, names, tiers=tiers, consume=consume)
+    index = got.get(ts.INDEX)
+    if not (isinstance(index, list) and len(index) == 5 and index[:2] == [ts.INDEX_FORMAT, 1]):
+        raise StateMismatchError(f"step {step} was saved by dcp.save directly, not by CheckpointManager: "
+                                 "load it with dcp.load and TieredReader")
+    arrays = {int(k[1:]): v for k, v in got.items() if k.startswith("a")}
+    return ts.Saved([(list(p), v) for p, v in index[2]], [list(p) for p in index[3]],
+                    {f: list(p) for f, p in index[4]}, arrays, dict(manifest.metrics))
