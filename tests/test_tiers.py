@@ -1,6 +1,7 @@
 """The conformance suite (tierfs.testing.TierTests) for every tier backend of tierfs: MemoryTier on a
-tmpfs directory; ObjectTier on memory://, file://, a moto S3 server (s3fs) and gcp-storage-emulator
-(gcsfs). A new backend is one more subclass with its ``make_tier`` fixture."""
+tmpfs directory; ObjectTier on memory://, file://, a moto S3 server (s3fs), SeaweedFS (a production S3
+server, s3fs) and gcp-storage-emulator (gcsfs). A new backend is one more subclass with its ``make_tier``
+fixture."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ class TestObjectTierOnS3(TierTests):
     @pytest.fixture
     def make_tier(self, s3_url):
         url, opts = s3_url
+        return lambda **kw: ObjectTier(url, storage_options=opts, **kw)
+
+
+@pytest.mark.s3
+class TestObjectTierOnSeaweedFS(TierTests):
+    @pytest.fixture
+    def make_tier(self, seaweed_url):
+        url, opts = seaweed_url
         return lambda **kw: ObjectTier(url, storage_options=opts, **kw)
 
 

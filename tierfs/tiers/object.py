@@ -3,6 +3,19 @@
 Nothing is renamed here (a rename is a copy on S3/GCS): files go to their final names and the commit
 marker, written last, alone makes the step exist. Files upload concurrently; large files download as
 concurrent ranged reads into one buffer, so a restore moves exactly the step's bytes.
+
+Every request is retried on transient errors (:func:`tierfs._retry.retry`); one still failing after the
+last attempt is raised as a :class:`~tierfs.errors.TierUnavailableError` naming the tier, the step and the
+file, whatever the client raised (botocore and aiohttp raise connection errors that are neither
+``OSError`` nor tierfs errors). Permanent errors (404, 403) are raised at once.
+
+The S3 client retries too, and the layers multiply. With default settings one attempt of ObjectTier is,
+by botocore (5 tries, jittered backoff) and s3fs (5 more around them for 503 and cut-off bodies): 5
+requests (about 3 s) when every answer is a 500, 5 (about 9 s) when connections are refused, 10 (about
+8 s) when they are reset, 25 (about 45 s) when every answer is 503 SlowDown, and 25 of 15 s each (s3fs's
+read timeout, about 7 min) when the server does not answer. ObjectTier's ``retries=4`` makes a save's
+upload give up after about 15 s, 35 s, 30 s, 3 min and 27 min. To fail sooner on a store that hangs,
+pass ``storage_options={"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}``.
 """
 
 from __future__ import annotations
@@ -10,15 +23,15 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping, TypeVar
 
 import fsspec
 import numpy as np
 
 from .._fileio import atomic_write, is_tmp_name, make_private_dir
-from .._retry import retry, short
-from ..errors import TierUnavailableError
+from .._retry import PERMANENT, retry, short
+from ..errors import TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
 from .._copy import as_u8
@@ -27,6 +40,8 @@ from .base import Bytes, Capacity, Pace, Tier
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
 _LOCAL = ("file", "local")
+#: the smallest part S3 accepts in a multipart upload (every part but the last)
+S3_MIN_PART = 5 << 20
 
 
 class ObjectTier(Tier):
@@ -43,9 +58,12 @@ class ObjectTier(Tier):
     concurrency:
         Files (or parts of one file) transferred at once.
     part_size:
-        Larger files move in parts of this size: ranged reads on download, multipart upload on S3.
+        Larger files move in parts of this size: ranged reads on download, multipart upload on S3 (in
+        parts of at least 5 MiB, the smallest S3 accepts).
     retries:
-        Attempts per request on transient errors (connection resets, timeouts, 5xx), with backoff.
+        Attempts per request on transient errors (connection resets, timeouts, 5xx), with backoff, on top
+        of the client's own retries (see the module docstring); after the last one the request raises
+        ``TierUnavailableError``.
     name:
         Label in listings (default: the URL's protocol, e.g. ``"s3"``).
     """
@@ -123,20 +141,49 @@ class ObjectTier(Tier):
         return p if name is None else f"{p}/{validate_filename(name)}"
 
     def _retry(self, fn: Callable[[], T], what: str = "request") -> T:
-        return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
+        """``fn()`` with retries; a transient error that outlasts them becomes one TierUnavailableError."""
+        try:
+            return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
+        except PERMANENT:
+            raise
+        except TierfsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - transient (retry() raised it after the last attempt)
+            raise TierUnavailableError(
+                f"tier {self.name!r}: {what} failed {self.retries} time(s), last with {short(e, with_type=True)}; "
+                f"check that {self.url} is reachable and healthy, or give ObjectTier more retries") from e
+
+    @staticmethod
+    def _what(step: int, action: str, name: str | None = None) -> str:
+        return f"step {step}: {action}" + (f" {name}" if name else "")
 
     def _map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
+        """``fn`` over ``items`` on the tier's threads. On the first failure the transfers not yet started
+        are cancelled and those running are waited for, then the failure is raised: once a write fails,
+        nothing of it still runs (a late upload could land after the step was saved again)."""
         if len(items) <= 1:
             return [fn(i) for i in items]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"tierfs-{self.name}")
-        return list(self._pool.map(fn, items))
+        futures = [self._pool.submit(fn, i) for i in items]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        wait(pending)
+        for f in futures:
+            e = None if f.cancelled() else f.exception()
+            if e is not None:
+                raise e
+        return [f.result() for f in futures]
 
     # -- listing ------------------------------------------------------------------------------------
     def list_steps(self) -> dict[int, bool]:
         self.fs.invalidate_cache(self.root)
         try:
-            paths = self._retry(lambda: self.fs.find(self.root, maxdepth=2), "list")
+            # One flat listing (S3 and GCS: one request per 1000 objects), never find(maxdepth=...): that
+            # walks directory by directory and fsspec's walk drops a directory whose listing failed, so
+            # a listing that failed (a 500 after the client's retries) looked like a tier without steps.
+            paths = self._retry(lambda: self.fs.find(self.root), "list the steps")
         except FileNotFoundError:
             return {}
         out: dict[int, bool] = {}
@@ -151,19 +198,19 @@ class ObjectTier(Tier):
     def file_sizes(self, step: int) -> dict[str, int]:
         d = self._path(step)
         self.fs.invalidate_cache(d)
-        infos = self._retry(lambda: self.fs.ls(d, detail=True), "list")
+        infos = self._retry(lambda: self.fs.ls(d, detail=True), self._what(step, "list"))
         names = {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
-                 for i in infos if i.get("type") == "file"}
+                 for i in infos if i.get("type") == "file" and not _is_dir_entry(i["name"], d)}
         return {n: size for n, size in names.items() if not is_tmp_name(n)}
 
     def last_written(self, step: int) -> float | None:
         path = self._path(step)
         self.fs.invalidate_cache(path)
         try:
-            entries = self.fs.ls(path, detail=True)
+            entries = self._retry(lambda: self.fs.ls(path, detail=True), self._what(step, "list"))
         except FileNotFoundError:
             return None
-        times = [_mtime(e) for e in entries]
+        times = [_mtime(e) for e in entries if not _is_dir_entry(e["name"], path)]
         if not times or any(t is None for t in times):
             return None  # the backend does not say: the age is unknown
         return max(t for t in times if t is not None)
@@ -173,11 +220,12 @@ class ObjectTier(Tier):
         path = self._path(step, name)
         if self.protocol in _LOCAL:  # straight from the buffer, no extra copy; durable like every local write
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            self._retry(lambda: atomic_write(path, data), f"write {name}")
+            self._retry(lambda: atomic_write(path, data), self._what(step, "write", name))
             return
         payload = data if isinstance(data, bytes) else as_u8(data).tobytes()
-        kw = {"chunksize": self.part_size} if self.protocol in ("s3", "s3a") else {}  # multipart parts
-        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), f"upload {name}")
+        # multipart parts: S3 refuses parts under 5 MiB (EntityTooSmall) once the upload completes
+        kw = {"chunksize": max(self.part_size, S3_MIN_PART)} if self.protocol in ("s3", "s3a") else {}
+        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), self._what(step, "upload", name))
 
     def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         def put(kv: tuple[str, Bytes]) -> None:
@@ -192,11 +240,12 @@ class ObjectTier(Tier):
     # -- reading ------------------------------------------------------------------------------------
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         path = self._path(step, name)
-        return bytes(self._retry(lambda: self.fs.cat_file(path, start=start, end=end), f"read {name}"))
+        return bytes(self._retry(lambda: self.fs.cat_file(path, start=start, end=end),
+                                 self._what(step, "read", f"{name} bytes {start}-{end}")))
 
     def read_file(self, step: int, name: str) -> bytes:
         path = self._path(step, name)
-        return bytes(self._retry(lambda: self.fs.cat_file(path), f"read {name}"))
+        return bytes(self._retry(lambda: self.fs.cat_file(path), self._what(step, "read", name)))
 
     def read_files(self, step: int, names: list[str]) -> dict[str, Bytes]:
         """Download files concurrently; large ones as ranged parts into one buffer (no extra bytes)."""
@@ -231,17 +280,31 @@ class ObjectTier(Tier):
     def delete_step(self, step: int) -> None:
         d = self._path(step)
         try:
-            self._retry(lambda: self.fs.rm_file(self._path(step, MARKER)), "delete marker")
+            self._retry(lambda: self.fs.rm_file(self._path(step, MARKER)), self._what(step, "delete", MARKER))
         except FileNotFoundError:
             pass
         try:
-            self._retry(lambda: self.fs.rm(d, recursive=True), "delete step")
+            self._retry(lambda: self.fs.rm(d, recursive=True), self._what(step, "delete the files"))
         except FileNotFoundError:
             pass
+        if self.protocol not in (*_LOCAL, "memory"):
+            # Stores with real directories behind their S3 API (SeaweedFS's filer) keep the emptied step
+            # directory, which delimited listings show as a prefix and as an object "step_.../": one would
+            # be left behind per deleted step. On S3 the key is a folder placeholder (as the console
+            # makes); deleting a missing key is no error there.
+            try:
+                self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
+            except FileNotFoundError:
+                pass
         self.fs.invalidate_cache(self.root)
 
     def __repr__(self) -> str:
         return f"ObjectTier({self.url!r})"
+
+
+def _is_dir_entry(name: str, directory: str) -> bool:
+    """Whether a listing entry is ``directory`` itself (a placeholder object ``dir/``), not a file in it."""
+    return name.rstrip("/") == directory.rstrip("/")
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

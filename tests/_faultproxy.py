@@ -1,0 +1,373 @@
+"""A fault-injecting HTTP/1.1 proxy on 127.0.0.1, for object-store fault tests (no mocks).
+
+    proxy = FaultProxy("http://127.0.0.1:8333", seed=7)   # in front of a real S3 server
+    proxy.set_faults(0.2)                                  # ~20% of requests fail, every kind
+    fs = s3fs.S3FileSystem(endpoint_url=proxy.url, ...)    # the real client talks to the proxy
+    proxy.fail_next(2, "internal", match=is_listing)       # exactly the next two listings fail
+    proxy.close()
+
+Each client connection gets a thread; each request it forwards goes to the server on a connection of its
+own. Requests and responses are parsed only as far as framing needs (Content-Length or chunked bodies)
+and otherwise pass byte for byte, so signatures and checksums stay valid. A request either passes, or gets one fault (:data:`KINDS`):
+
+``slowdown``
+    503 with S3's ``SlowDown`` XML error body; the server never sees the request.
+``internal``
+    500 with S3's ``InternalError`` XML error body; the server never sees the request.
+``reset``
+    The connection is reset mid-body: a request with a body reaches the server cut in half (the server
+    sees the connection drop); one without gets the first half of the server's response body.
+``slow``
+    The server handles the request but its response is held until the client hangs up (its read timeout
+    fired), at most ``hold_limit`` seconds; then it is sent late.
+``denied``
+    403 ``AccessDenied`` (a permanent error, for checking that it is not retried). Never drawn by
+    :meth:`FaultProxy.set_faults` unless named.
+
+Determinism: whether a request is faulted at random, and how, depends only on the seed, the request
+(method, path, query without the server-chosen ``uploadId``, ``Range``) and how many times that same
+request came before, never on thread interleaving or timing. :meth:`FaultProxy.fail_next` faults the next
+matching requests in the order they arrive. :attr:`FaultProxy.log` records every request and its fault.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import socket
+import struct
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+__all__ = ["KINDS", "FaultProxy", "Request"]
+
+#: the faults drawn at random (``denied`` is only injected when asked for by name)
+KINDS = ("slowdown", "internal", "reset", "slow")
+_ERRORS = {
+    "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "internal": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try "
+                                                                "again."),
+    "denied": (403, "Forbidden", "AccessDenied", "Access Denied"),
+}
+_VOLATILE_QUERY = {"uploadId"}  # chosen by the server per attempt: not part of what a request asks for
+_MAX_HEADER = 64 << 10
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as the proxy saw it: ``fault`` is None when it passed."""
+
+    method: str
+    path: str
+    query: str
+    range: str
+    fault: str | None
+
+    @property
+    def is_listing(self) -> bool:
+        """A ListObjects(V2) request (a GET on a bucket, ``list-type``/``prefix``/``delimiter`` query)."""
+        q = urllib.parse.parse_qs(self.query, keep_blank_values=True)
+        return self.method == "GET" and self.path.count("/") == 1 and bool(
+            {"list-type", "prefix", "delimiter"} & q.keys())
+
+
+Match = Callable[[Request], bool]
+
+
+class _Closed(Exception):
+    """The other side closed the connection."""
+
+
+class FaultProxy:
+    """A threaded proxy on 127.0.0.1 (a free port) in front of ``upstream`` (``http://host:port``).
+
+    Parameters
+    ----------
+    upstream
+        The S3 server's endpoint URL.
+    seed
+        Seeds every random fault decision (see the module docstring).
+    hold_limit
+        Seconds a ``slow`` response is held at most while the client still waits.
+    """
+
+    def __init__(self, upstream: str, *, seed: int = 0, hold_limit: float = 30.0) -> None:
+        u = urllib.parse.urlsplit(upstream)
+        if u.scheme != "http" or not u.hostname or not u.port:
+            raise ValueError(f"FaultProxy needs an http://host:port upstream, got {upstream!r}")
+        self.upstream = (u.hostname, u.port)
+        self.seed, self.hold_limit = seed, hold_limit
+        self.log: list[Request] = []
+        self._rate, self._kinds = 0.0, KINDS
+        self._match: Match | None = None
+        self._scripted: list[tuple[int, str, Match | None]] = []  # [remaining, kind, match]
+        self._seen: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._serve, name="faultproxy-accept", daemon=True)
+        self._accept.start()
+
+    # -- what the tests set -------------------------------------------------------------------------
+    def set_faults(self, rate: float, kinds: Sequence[str] = KINDS, *, match: Match | None = None,
+                   seed: int | None = None) -> None:
+        """Fault a fraction ``rate`` of the requests ``match`` accepts (default: all) with ``kinds``."""
+        bad = [k for k in kinds if k not in (*KINDS, "denied")]
+        if bad or not 0.0 <= rate <= 1.0 or not kinds:
+            raise ValueError(f"fault kinds must be among {(*KINDS, 'denied')} and rate in [0, 1], got "
+                             f"{list(kinds)}, {rate}")
+        with self._lock:
+            self._rate, self._kinds, self._match = float(rate), tuple(kinds), match
+            if seed is not None:
+                self.seed = seed
+
+    def fail_next(self, n: int, kind: str, *, match: Match | None = None) -> None:
+        """Fault exactly the next ``n`` requests that ``match`` accepts with ``kind`` (before any rate)."""
+        if kind not in (*KINDS, "denied"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        with self._lock:
+            self._scripted.append((n, kind, match))
+
+    def scripted_left(self) -> int:
+        """Faults asked for with :meth:`fail_next` that no request has taken yet."""
+        with self._lock:
+            return sum(n for n, _, _ in self._scripted)
+
+    def clear(self) -> None:
+        """No more faults; the log stays."""
+        with self._lock:
+            self._rate, self._scripted = 0.0, []
+
+    def requests(self, *, fault: str | None | bool = True, match: Match | None = None) -> list[Request]:
+        """Logged requests: ``fault=True`` any, ``False`` only faulted, None only passed, or one kind."""
+        with self._lock:
+            got = list(self.log)
+        return [r for r in got if (match is None or match(r)) and (
+            fault is True or (fault is False and r.fault is not None) or r.fault == fault)]
+
+    # -- deciding -----------------------------------------------------------------------------------
+    def _decide(self, method: str, target: str, rng_header: str) -> Request:
+        path, _, query = target.partition("?")
+        q = sorted((k, v) for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)
+                   if k not in _VOLATILE_QUERY)
+        plain = Request(method, urllib.parse.unquote(path), query, rng_header, None)
+        with self._lock:
+            fault = None
+            for i, (n, kind, match) in enumerate(self._scripted):
+                if n > 0 and (match is None or match(plain)):
+                    self._scripted[i] = (n - 1, kind, match)
+                    fault = kind
+                    break
+            key = (method, plain.path, urllib.parse.urlencode(q), rng_header)
+            n_before = self._seen.get(key, 0)
+            self._seen[key] = n_before + 1
+            if fault is None and self._rate > 0 and (self._match is None or self._match(plain)):
+                rng = random.Random(f"{self.seed}|{'|'.join(key)}|{n_before}")
+                if rng.random() < self._rate:
+                    fault = rng.choice(self._kinds)
+            req = Request(method, plain.path, query, rng_header, fault)
+            self.log.append(req)
+        return req
+
+    # -- serving ------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._conns.add(client)
+            t = threading.Thread(target=self._connection, args=(client,), name="faultproxy-conn", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _connection(self, client: socket.socket) -> None:
+        """Serve one client connection (kept alive across requests) until either side closes it."""
+        cin = client.makefile("rb")
+        try:
+            while True:
+                try:
+                    head, method, target, headers = _read_head(cin, request=True)
+                except _Closed:
+                    return
+                if headers.get("expect", "").lower() == "100-continue":  # answer it here, not upstream
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = _drop_header(head, b"expect")
+                body = _read_body(cin, headers, method=method, status=None)
+                req = self._decide(method, target, headers.get("range", ""))
+                if req.fault in _ERRORS:
+                    client.sendall(_error_response(req.fault, req.path, head_only=method == "HEAD"))
+                elif not self._forward(client, req, head, body):
+                    return
+        except (OSError, _Closed, ValueError):
+            return  # either side went away; the client sees a dropped connection
+        finally:  # the file first: a socket's descriptor closes with its last user
+            _close(cin)
+            self._drop(client)
+
+    def _forward(self, client: socket.socket, req: Request, head: bytes, body: bytes) -> bool:
+        """One request to the server, on a connection of its own (never a kept-alive one the server may
+        have closed meanwhile), its fault applied; False when the client connection must close."""
+        upstream = socket.create_connection(self.upstream)
+        with self._lock:
+            self._conns.add(upstream)
+        uin = upstream.makefile("rb")
+        try:
+            if req.fault == "reset" and body:
+                upstream.sendall(head + body[:len(body) // 2])
+                _linger0(client, upstream)
+                return False
+            upstream.sendall(head + body)
+            rhead, _, status, rheaders = _read_head(uin, request=False)
+            rbody = _read_body(uin, rheaders, method=req.method, status=int(status))
+            if req.fault == "reset":
+                client.sendall(rhead + rbody[:len(rbody) // 2])
+                _linger0(client, upstream)
+                return False
+            if req.fault == "slow" and _wait_for_hangup(client, self.hold_limit):
+                return False
+            client.sendall(rhead + rbody)
+            return rheaders.get("connection", "").lower() != "close"
+        finally:
+            _close(uin)
+            self._drop(upstream)
+
+    def _drop(self, s: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(s)
+        _close(s)
+
+    def close(self) -> None:
+        """Stop accepting, drop every open connection, and join the threads."""
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        _close(self._listener)
+        self._accept.join(timeout=10)
+        with self._lock:
+            conns = list(self._conns)
+        for s in conns:  # shutdown wakes a thread blocked reading it; close alone would not
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def __enter__(self) -> "FaultProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- HTTP framing ----------------------------------------------------------------------------------------
+def _read_head(f, *, request: bool) -> tuple[bytes, str, str, dict[str, str]]:
+    """Read a request's or response's start line and headers: (raw bytes, method or version, target or
+    status, lower-cased headers). Skips 1xx interim responses."""
+    while True:
+        line = f.readline(_MAX_HEADER)
+        if not line:
+            raise _Closed()
+        if request and line in (b"\r\n", b"\n"):
+            continue  # stray blank line between requests
+        raw = [line]
+        headers: dict[str, str] = {}
+        while True:
+            h = f.readline(_MAX_HEADER)
+            if not h:
+                raise _Closed()
+            raw.append(h)
+            if h in (b"\r\n", b"\n"):
+                break
+            k, _, v = h.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        parts = line.decode("latin-1").split(" ", 2)
+        if len(parts) < 2:
+            raise ValueError(f"malformed start line {line!r}")
+        if not request and parts[1].startswith("1"):
+            continue  # 100 Continue from the server: the request was sent whole already
+        return b"".join(raw), parts[0], parts[1], headers
+
+
+def _read_body(f, headers: dict[str, str], *, method: str, status: int | None) -> bytes:
+    """A message body, raw (chunked framing kept): by Content-Length, chunks, or (responses) to EOF."""
+    if status is not None and (method == "HEAD" or status in (204, 304) or 100 <= status < 200):
+        return b""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        out = []
+        while True:
+            line = f.readline(_MAX_HEADER)
+            if not line:
+                raise _Closed()
+            out.append(line)
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, then the blank line
+                    t = f.readline(_MAX_HEADER)
+                    if not t:
+                        raise _Closed()
+                    out.append(t)
+                    if t in (b"\r\n", b"\n"):
+                        return b"".join(out)
+            out.append(_read_exact(f, size + 2))
+    if "content-length" in headers:
+        return _read_exact(f, int(headers["content-length"]))
+    if status is None:
+        return b""  # a request without a length has no body
+    return f.read()  # a response delimited by the connection closing
+
+
+def _read_exact(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise _Closed()
+    return data
+
+
+def _drop_header(head: bytes, name: bytes) -> bytes:
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(ln for ln in lines if not ln.lower().startswith(name + b":"))
+
+
+def _error_response(kind: str, path: str, *, head_only: bool = False) -> bytes:
+    """An S3 error response with its XML body (a response to HEAD has headers only)."""
+    status, reason, code, message = _ERRORS[kind]
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+            f"<Resource>{path}</Resource><RequestId>faultproxy</RequestId></Error>").encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            f"x-amz-request-id: faultproxy\r\n\r\n").encode() + (b"" if head_only else body)
+
+
+def _wait_for_hangup(client: socket.socket, limit: float) -> bool:
+    """Wait until the client closes its end (its read timeout fired), at most ``limit`` s; True if it did."""
+    readable, _, _ = select.select([client], [], [], limit)
+    if not readable:
+        return False
+    try:
+        return client.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _linger0(*socks: socket.socket | None) -> None:
+    """Make closing these sockets send a TCP reset (SO_LINGER 0), as a crashed peer or a middlebox would."""
+    for s in socks:
+        try:
+            if s is not None:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+
+
+def _close(s) -> None:
+    try:
+        s.close()
+    except OSError:
+        pass
