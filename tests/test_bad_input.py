@@ -28,7 +28,7 @@ from tierfs.cli import main
 from tierfs.policies import (AnySavePolicy, BestN, ContinuousCheckpointingPolicy, CustomSteps, EveryNSeconds,
                              FixedIntervalPolicy, LatestN, RestorePolicy, SpecificStepsPolicy)
 from tierfs.policies.spec import keep_policy, save_policy
-from tierfs.tiers import MemoryTier, PeerTier
+from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _badinput import (SYSTEM_DIRS, Ctx, assert_clear, context, flip_first_byte_of, model_state,  # noqa: E402
@@ -139,6 +139,14 @@ CASES = [
     case("MemoryTier-path-is-a-file", lambda c: TieredStore([MemoryTier(c.a_file)]), TierUnavailableError,
          "is a file"),
     case("MemoryTier-path-below-a-file", lambda c: TieredStore([MemoryTier(c.a_file / "job")]),
+         TierUnavailableError, "is a file"),
+    *[case(f"ObjectTier-system-dir-{d}", lambda c, d=d: ObjectTier(f"file://{d}"), ArgumentError, repr(d),
+           "system directory") for d in SYSTEM_DIRS],
+    case("ObjectTier-url-type", lambda c: ObjectTier(5), ArgumentError, "URL", "5"),
+    case("ObjectTier-retries", lambda c: ObjectTier(f"file://{c.tmp}/o", retries=0), ArgumentError, "retries", "0"),
+    case("ObjectTier-concurrency", lambda c: ObjectTier(f"file://{c.tmp}/o", concurrency="8"), ArgumentError,
+         "concurrency", "'8'"),
+    case("ObjectTier-path-is-a-file", lambda c: TieredStore([MemoryTier(c.shm / "r"), ObjectTier(f"file://{c.a_file}")]),
          TierUnavailableError, "is a file"),
     case("PeerTier-replicas", lambda c: PeerTier(replicas=0), ArgumentError, "replicas"),
     case("PeerTier-strategy", lambda c: PeerTier(strategy="star"), ArgumentError, "strategy", "'star'"),

@@ -83,7 +83,6 @@ def test_thirty_random_sigkills_while_saving(seed, shm_dir, tmp_path):
 
     last_committed = -1  # newest step a killed process saw committed on the RAM tier
     newest_object = -1
-    empty_object_dirs: set[str] = set()
     for rec in records:
         where = f"seed {seed} round {rec['round']} ({rec['plan']})"
         errors = events(rec, "error")
@@ -100,12 +99,8 @@ def test_thirty_random_sigkills_while_saving(seed, shm_dir, tmp_path):
 
         # once the store opened: clean tiers, everything verifies, the newest step restores bit-exact
         assert found["partial_after_open"] == [], f"{where}: partial steps left after open"
-        # an empty step directory on the file:// object tier is a known leftover of a kill during its
-        # deletion (test_empty_step_directory_on_file_object_tier_is_removed_when_a_store_opens, xfail):
-        # counted and printed here; anything else left over fails
-        empty = [j for j in found["junk"]["file"] if j.endswith("/ (empty)")]
-        empty_object_dirs.update(empty)
-        assert found["junk"] == {"ram": [], "file": empty}, f"{where}: stray files left after open: {found['junk']}"
+        # nothing left over: not a stray file, not an empty step directory of a deletion cut short
+        assert found["junk"] == {"ram": [], "file": []}, f"{where}: stray files left after open: {found['junk']}"
         assert found["bad"] == {}, f"{where}: committed steps that do not verify: {found['bad']}"
         if last_committed >= 0:
             assert found["ram"], f"{where}: no committed step on the RAM tier, yet {last_committed} was committed"
@@ -130,16 +125,12 @@ def test_thirty_random_sigkills_while_saving(seed, shm_dir, tmp_path):
             assert rec["signal"] == 9, f"{where}: the process was not killed: {rec}"
     left = [one(rec, "raw") for rec in records[1:]]  # what each kill left, as the next process found it
     print(f"{ROUNDS} kills: {sum(bool(r['ram']['partial']) for r in left)} left a partial step on the RAM tier, "
-          f"{sum(bool(r['file']['partial']) for r in left)} on the object tier; empty step directories left on "
-          f"the object tier (known, see the xfail test): {sorted(empty_object_dirs)}")
+          f"{sum(bool(r['file']['partial']) for r in left)} on the object tier")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ObjectTier.list_steps lists files (fs.find), so an empty step directory on a file:// object tier, "
-    "which a kill leaves when it lands between the last unlink and the rmdir of ObjectTier.delete_step's "
-    "fs.rm(recursive=True), is never listed (not even as partial) and never removed; once fixed, drop the "
-    "tolerance for it in test_thirty_random_sigkills_while_saving"))
 def test_empty_step_directory_on_file_object_tier_is_removed_when_a_store_opens(shm_dir, tmp_path):
+    """A kill between the last unlink and the rmdir of a step's deletion leaves an empty step directory:
+    it is a partial step, removed when a store opens."""
     obj = tmp_path / "obj"
     (obj / step_dirname(5)).mkdir(parents=True)  # what the kill leaves: the files gone, the directory not
     store = TieredStore([MemoryTier(shm_dir), ObjectTier(f"file://{obj}")])

@@ -24,17 +24,20 @@ import datetime as _dt
 import logging
 import os
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 import fsspec
 import numpy as np
 
+from .. import _args
+from .._copy import as_u8
 from .._fileio import atomic_write, is_tmp_name, make_private_dir
 from .._retry import PERMANENT, retry, short
-from ..errors import TierfsError, TierUnavailableError
+from .._rootdir import check_local_url, check_root
+from ..errors import ArgumentError, TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
-from .._copy import as_u8
 from .base import Bytes, Capacity, Pace, Tier
 
 log = logging.getLogger("tierfs")
@@ -75,7 +78,8 @@ class ObjectTier(Tier):
                  concurrency: int = 8, part_size: int = 16 << 20, retries: int = 4,
                  name: str | None = None) -> None:
         if not isinstance(url, str) or not url:
-            raise ValueError(f"ObjectTier needs a URL such as s3://bucket/run, got {url!r}")
+            raise ArgumentError(f"ObjectTier needs a URL such as s3://bucket/run, got {url!r}")
+        check_local_url(url, "ObjectTier url")  # a file:// tier never takes over a system directory
         self.url = url
         self.storage_options = dict(storage_options or {})
         try:
@@ -86,9 +90,9 @@ class ObjectTier(Tier):
         super().__init__(name or proto, save, keep if keep is not None else PreserveAll())
         self.protocol = proto
         self.root = self.root.rstrip("/")
-        self.concurrency = max(1, int(concurrency))
-        self.part_size = max(1 << 20, int(part_size))
-        self.retries = max(1, int(retries))
+        self.concurrency = _args.integer(concurrency, "ObjectTier concurrency")
+        self.part_size = max(1 << 20, _args.integer(part_size, "ObjectTier part_size"))
+        self.retries = _args.integer(retries, "ObjectTier retries")
         self._pool: ThreadPoolExecutor | None = None
 
     # -- capabilities -------------------------------------------------------------------------------
@@ -105,6 +109,7 @@ class ObjectTier(Tier):
         bucket = self.root.split("/", 1)[0]
         try:
             if self.protocol in _LOCAL:
+                check_root(Path(self.root), "ObjectTier url")
                 make_private_dir(self.root)
             elif self.protocol not in ("memory",) and bucket:
                 # info(), not exists(): exists() turns a refused connection into "missing"
@@ -183,7 +188,8 @@ class ObjectTier(Tier):
             # One flat listing (S3 and GCS: one request per 1000 objects), never find(maxdepth=...): that
             # walks directory by directory and fsspec's walk drops a directory whose listing failed, so
             # a listing that failed (a 500 after the client's retries) looked like a tier without steps.
-            paths = self._retry(lambda: self.fs.find(self.root), "list the steps")
+            # Directories too: a step emptied by a deletion cut short is partial, and cleaned up.
+            paths = self._retry(lambda: self.fs.find(self.root, withdirs=True), "list the steps")
         except FileNotFoundError:
             return {}
         out: dict[int, bool] = {}
