@@ -14,6 +14,7 @@ import operator
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import ArgumentError
+from .state import Trusted
 
 #: the largest step number: a step directory is ``step_`` and 12 digits
 MAX_STEP = 10**12 - 1
@@ -137,9 +138,12 @@ def mapping(value: Any, what: str) -> Mapping[Any, Any]:
 
 
 def jsonable(value: Any, what: str) -> dict[str, Any]:
-    """None or a mapping of str to JSON values (``metadata``, ``metrics``), as a new dict."""
+    """None or a mapping of str to JSON values (``metadata``, ``metrics``), as a new dict (a
+    :class:`~tierfs.state.Trusted` one as it is, unchecked)."""
     if value is None:
         return {}
+    if type(value) is Trusted and isinstance(value.value, dict):
+        return value.value
     out = dict(mapping(value, what))
     bad = [k for k in out if not isinstance(k, str)]
     if bad:

@@ -18,3 +18,8 @@ def at(point: str, **info: Any) -> None:
     if fns:
         for fn in list(fns):
             fn(**info)
+
+
+def active(point: str) -> bool:
+    """Whether a function is registered for ``point`` (a fast path may then take the slow, hooked one)."""
+    return bool(_registry.get(point))

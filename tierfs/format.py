@@ -13,6 +13,7 @@ This module knows nothing of tiers: it only names, plans, serialises and validat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -282,13 +283,20 @@ class Marker:
         return m
 
 
+@functools.lru_cache(maxsize=16)
+def _parsed(mbytes: bytes) -> Manifest:
+    """A manifest parsed once (restores of a step read the same bytes again; thousands of entries take
+    milliseconds to parse). Shared between callers: read-only."""
+    return Manifest.from_bytes(mbytes)
+
+
 def manifest_from_marker(marker: Marker, mbytes: bytes, step: int, rank: int) -> Manifest:
     """Rank ``rank``'s manifest of ``step`` from its bytes, checked against the step's commit marker."""
     mname = manifest_filename(rank)
     listed_in(marker, step, mname)
     if crc32c(mbytes) != marker.manifests[mname]:
         raise ChecksumError(f"manifest {mname} does not match its commit marker")
-    m = Manifest.from_bytes(mbytes)
+    m = _parsed(bytes(mbytes))
     if m.step != step or m.rank != rank or m.world_size != marker.world_size:
         raise FormatError(f"manifest {mname} is for step {m.step} rank {m.rank} of {m.world_size}, not step "
                           f"{step} rank {rank} of {marker.world_size}")

@@ -4,7 +4,8 @@ DCP's global ``Metadata`` is stored in the coordinator's manifest: every fqn's t
 layout, requires_grad, memory_format, pin_memory), size and chunks, or ``bytes``; the planner's data
 (the default planner's flatten mappings: fqn -> key path of str/int); and the storage data,
 ``MetadataIndex -> {rank, entry}``. :func:`metadata_from_plans` derives it from the final save plans
-exactly as DCP's default planner does.
+exactly as DCP's default planner does; the helpers under "DCP's plan caching" find those plans, and the
+dtypes actually written, when a caching planner hands the storage layer deltas.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.futures import Future
 
 from .. import _args, state as st
@@ -69,9 +70,7 @@ def parse_step(checkpoint_id: Any, what: str = "checkpoint_id") -> int:
 
 
 def _props_to_json(p: TensorProperties, fqn: str) -> dict[str, Any]:
-    dtype = str(p.dtype).removeprefix("torch.")
-    if dtype not in st._TORCH_DTYPES:
-        raise ArgumentError(f"{fqn!r}: torch dtype {p.dtype} is not supported by tierfs")
+    dtype = dtype_name(p.dtype, fqn)
     if str(p.layout) not in _LAYOUTS or str(p.memory_format) not in _MEMORY_FORMATS:
         raise ArgumentError(f"{fqn!r}: tensor layout {p.layout} / memory format {p.memory_format} is not "
                             "supported by tierfs")
@@ -180,6 +179,65 @@ def metadata_from_plans(plans: list[SavePlan], ranks: list[int]) -> Metadata:
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage)
 
 
+# -- DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)) ---------------------------------
+def caching(planner: SavePlanner) -> bool:
+    """Whether ``planner`` caches plans; every rank's planner must agree, as DCP itself needs."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
+
+
+def dtype_name(dtype: torch.dtype, fqn: str) -> str:
+    """``dtype`` as the metadata JSON stores it (``"float32"``); ArgumentError for one tierfs cannot store."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in st._TORCH_DTYPES:
+        raise ArgumentError(f"{fqn!r}: torch dtype {dtype} is not supported by tierfs")
+    return name
+
+
+def cached_local_items(planner: SavePlanner) -> list[WriteItem] | None:
+    """This rank's local plan items when a caching planner sent none (its plan equals the one DCP cached).
+
+    DCP keeps the local plan in ``SavePlanner._cached_save_plan`` under the planner's cache key (the
+    planner's class name, shared by every instance in the process); None where it is not there.
+    """
+    key = getattr(planner, "_cached_plans_key", None)
+    plan = SavePlanner._cached_save_plan.get(key) if isinstance(key, str) else None
+    return None if plan is None else list(plan.items)
+
+
+def full_global_plan(planner: SavePlanner, deltas: list[SavePlan]) -> list[SavePlan]:
+    """The coordinator's final global plan when DCP gave the storage layer deltas (``usable=False`` for a
+    rank whose plan did not change): the one the planner keeps (``DefaultSavePlanner.global_plan``,
+    cached or just made), checked against the deltas."""
+    plans: Any = getattr(planner, "global_plan", None)
+    ok = isinstance(plans, list) and len(plans) == len(deltas) and all(
+        isinstance(p, SavePlan) and p.usable and (not d.usable or p is d or p.items == d.items)
+        for p, d in zip(plans, deltas))
+    if not ok:
+        raise FormatError("the save planner caches plans but does not keep the global plan its deltas come "
+                          "from (as DefaultSavePlanner does in .global_plan): TieredWriter cannot derive the "
+                          "checkpoint's metadata; pass a planner without plan caching")
+    return list(plans)
+
+
+def with_dtypes(meta: dict[str, Any], plans: list[SavePlan], dtypes: dict[tuple[str, tuple[int, ...]], str]
+                ) -> dict[str, Any]:
+    """``meta`` (:func:`metadata_to_json` of ``plans``) with the dtypes the ranks wrote: ``dtypes`` maps
+    ``(fqn, offsets)`` of a chunk to the dtype it was written with where the plan says another (DCP's
+    plan cache does not compare dtypes). A tensor's dtype is its first chunk's, in plan order, as in
+    :func:`metadata_from_plans`. Plain dict operations: nothing here can fail."""
+    if not dtypes:
+        return meta
+    sdm, seen = dict(meta["state_dict_metadata"]), set()
+    for plan in plans:
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO or fqn in seen:
+                continue
+            seen.add(fqn)
+            dtype = dtypes.get((fqn, tuple(item.index.offset or ())))
+            if dtype is not None:
+                sdm[fqn] = {**sdm[fqn], "properties": {**sdm[fqn]["properties"], "dtype": dtype}}
+    return {**meta, "state_dict_metadata": sdm}
 
 
 def as_tensor(entry: Any, raw: Any) -> torch.Tensor:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 
-from .. import state as st
+from .. import _nogc, state as st
 from ..dist import agree, outcomes, ranks_failed
 from ..errors import RestoreError, StateMismatchError, TierfsError
 from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY
@@ -29,9 +30,44 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs")
 
 
+@dataclass
+class Plan:
+    """What a ``dcp.save`` of one structure wrote on this rank, to write the same again without DCP.
+
+    DCP plans every save anew: a local plan per rank, a gather, a global plan, a scatter, and the same for
+    the results, costing far more than the copies for a state of thousands of small tensors. When every
+    rank's state has the structure of its previous save (names, dtypes, shapes, DTensor placements), the
+    plan would be the same, so the manager writes this rank's entries straight through the store: the
+    same entry names, the same tensors (a DTensor's local shard), the same DCP metadata in the
+    coordinator's manifest. A structure change on any rank makes every rank save through DCP again.
+    """
+
+    structure: list[Any]
+    entries: list[tuple[str, str, bool]]  # (entry name, fqn, whether it is a DTensor's local shard)
+    metadata: st.Trusted  # this rank's manifest metadata (the coordinator's holds DCP's Metadata), checked once
+
+
+def structure(flat: Mapping[str, Any]) -> list[Any] | None:
+    """The structure of a state's tensors (DCP's flattened keys), or None when it is not one a
+    :class:`Plan` can replay (tensor subclasses other than DTensor, e.g. ShardedTensor)."""
+    import torch
+
+    out: list[Any] = []
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for f, t in flat.items():
+        if type(t) in plain:
+            out.append((f, t.dtype, t.shape))
+        elif type(t).__name__ == "DTensor":
+            out.append((f, type(t), t.dtype, t.shape, tuple(t.placements), t.device_mesh))
+        else:
+            return None
+    return out
+
+
 def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
          force: bool) -> bool:
-    """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them."""
+    """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them.
+    A state of the structure saved before is written with the previous save's plan (see :class:`Plan`)."""
     import torch.distributed.checkpoint as dcp
 
     from .dcp import TieredWriter
@@ -41,31 +77,51 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     err: BaseException | None = None
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    shape: list[Any] | None = None
+    flat: Mapping[str, Any] = {}
+    plan: Plan | None = mgr._dcp_plan
     try:
-        split = ts.split(state)
-        tensors, extra = split.tensors, ts.extra(split)
+        with _nogc.paused():
+            split = ts.split(state)
+            tensors, extra, flat = split.tensors, ts.extra(split), split.flat
+            shape = structure(flat)
         store.raise_background_errors()
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
         err = e
+    known = plan is not None and shape is not None and plan.structure == shape
     preempted = mgr._preempted.is_set()
     exists = store.has_step(step)
     chosen = bool(store.should_save(step, force=force, preempted=preempted))
     if preempted and not force and not chosen:
         force, chosen = True, True  # no tier names a preemption policy: save everywhere
     # every rank must hear of a failure before DCP's collectives; rank 0 decides, as the store does
-    views = agree(g, [exists, chosen, force, preempted], err, f"step {step}", outcome="nothing saved (the "
-                  "state, or an earlier background failure)")
+    views = agree(g, [exists, chosen, force, preempted, known], err, f"step {step}", outcome="nothing saved "
+                  "(the state, or an earlier background failure)")
     exists = any(v[0] for v in views)
-    _, chosen, force, preempted = views[0]
+    _, chosen, force, preempted, _ = views[0]
+    known = all(v[4] for v in views)
     if exists:
         if not mgr._replaces(step):
             return False
         log.info("step %d exists from before the restore of step %s; replacing it", step, mgr._restored)
     if not chosen:
         return False
+    blocking = not mgr.options.enable_async_checkpointing
+    if known:
+        assert plan is not None
+        with _nogc.paused():
+            entries: dict[str, Any] = {name: flat[f].to_local() if local else flat[f]
+                                       for name, f, local in plan.entries}
+            entries.update((DCP_EXTRA_PREFIX + k, v) for k, v in extra.items())
+        return store.save(step, entries, metadata=cast(Mapping[str, Any], plan.metadata), metrics=metrics,
+                          force=force, overwrite=exists, preempted=preempted, blocking=blocking)
+    mgr._dcp_plan = None
     writer = TieredWriter(store, step, overwrite=exists, force=force, preempted=preempted,
-                          metrics=metrics, blocking=not mgr.options.enable_async_checkpointing, extra=extra)
+                          metrics=metrics, blocking=blocking, extra=extra)
     ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
+    if writer.saved and shape is not None and writer.written is not None:
+        mgr._dcp_plan = Plan(shape, [(name, fqn, type(flat[fqn]).__name__ == "DTensor")
+                                     for name, fqn in writer.written], st.Trusted(writer.shard_metadata))
     return bool(writer.saved)
 
 

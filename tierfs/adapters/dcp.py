@@ -30,9 +30,31 @@ DCP's default planner derives it (one ``BytesStorageMetadata`` per bytes item; p
 properties and size of its first chunk and the list of chunks, in plan order; planner data merged with
 the first plan winning), and puts it in its manifest during ``write_data``. ``write_data`` is the
 collective store save: the step commits (marker last) only once every rank's shard and manifest are
-written. ``finish`` then checks the metadata DCP built against the one stored; a planner that builds
-metadata differently (or plan caching, whose global plans are deltas) is rejected with an error and the
-coordinator removes the step from the tiers it owns, so no step with wrong metadata stays listed.
+written. ``finish`` then checks the metadata DCP built against the one derived from the plans; a planner
+that builds metadata differently is rejected with an error and the coordinator removes the step from the
+tiers it owns, so no step with wrong metadata stays listed.
+
+DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
+--------------------------------------------------------------------
+DCP keeps its cache in class attributes of ``SavePlanner``, keyed by the planner's class name: one per
+process, shared by every planner instance (a new planner per save still hits it) and every store. A rank
+whose local plan did not change (same items, sizes and chunks; dtypes are not compared) sends an empty
+plan with ``usable=False``; the coordinator merges the changed ones into its cached plans, and the
+storage layer's ``prepare_global_plan`` gets deltas: ``usable=False`` for a rank whose final plan did
+not change, which then takes its cached final plan into ``write_data``; ``finish`` gets the cached
+metadata. ``TieredWriter`` keeps no cache of its own, so it can never be out of step with DCP's or carry
+anything from one store to another; with a caching planner:
+
+* the coordinator derives the metadata in ``write_data`` from the full global plan the planner holds
+  (``planner.global_plan``, cached or new) when the plans it was given are deltas;
+* a rank whose local plan was cached takes the items it holds (for ``replicated="local"``) from DCP's
+  cached local plan;
+* every rank checks the dtype of each tensor it writes against its (possibly cached) plan, and the ranks
+  agree before the store saves (one small all-gather): a dtype change DCP's cache missed is written
+  into the stored metadata (``dcp.save`` still returns DCP's cached metadata), and a failure on any
+  rank (e.g. a planner without ``global_plan``) fails every rank at once, before anything is written.
+
+The metadata of a cached step equals that of an uncached save of the same state.
 
 Reading
 -------
@@ -56,8 +78,7 @@ Options
 By default every tier takes a step written by ``TieredWriter`` (DCP saves when the caller says so);
 ``force=False`` lets the tiers' save policies decide, ``blocking=False`` returns once the tensors are
 staged, and ``metrics=`` / ``extra=`` store metrics and further non-DCP entries (``CheckpointManager``
-uses all four). ``use_collectives=False`` and plan caching are rejected (the step must commit across all
-ranks). The
+uses all four). ``use_collectives=False`` is rejected (the step must commit across all ranks). The
 process group DCP uses must have the store's ranks (``rank=`` from DCP is checked against the store).
 Non-tensor values in a state dict are serialised by DCP's planner (``torch.save``), not by tierfs.
 """
@@ -79,12 +100,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import _args, state as st
-from ..dist import seconds
+from ..dist import agree, seconds
 from ..errors import ArgumentError, FormatError, TierfsError
 from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, user_key
 from ..store import TieredStore
-from ._dcpmeta import (META_KEY, META_VERSION, check_kwargs, done, entry_name, metadata_from_json,
-                       metadata_from_plans, metadata_to_json, parse_step)
+from ._dcpmeta import (META_KEY, META_VERSION, cached_local_items, caching, check_kwargs, done, dtype_name,
+                       entry_name, full_global_plan, metadata_from_json, metadata_from_plans, metadata_to_json,
+                       parse_step, with_dtypes)
 from ._dcpreader import TieredReader, check_target
 
 log = logging.getLogger("tierfs")
@@ -149,7 +171,6 @@ class TieredWriter(StorageWriter):
         self.step = _args.step(step)
         self.timeout = None if timeout is None else seconds(timeout)
         self.replicated = _args.choice(replicated, "replicated", ("local", "dedup"))
-        self._local_items: list[Any] = []
         self.overwrite, self.force, self.preempted, self.blocking = (_args.flag(v, k) for k, v in (
             ("overwrite", overwrite), ("force", force), ("preempted", preempted), ("blocking", blocking)))
         self.metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
@@ -163,14 +184,27 @@ class TieredWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.saved: bool | None = None  # after write_data: whether any tier took the step
-        self._metadata: Metadata | None = None
-        self._metadata_json: dict[str, Any] | None = None
+        #: after write_data: ``(entry name, fqn)`` of each tensor this rank wrote, in order (None when the
+        #: shard holds anything else, e.g. bytes items), and the metadata of its manifest: what it takes
+        #: to write the same shard again without DCP (CheckpointManager does, for an unchanged structure)
+        self.written: list[tuple[str, str]] | None = None
+        self.shard_metadata: dict[str, Any] = {}
+        self._clear()
+
+    def _clear(self) -> None:
+        """Forget the last save's plans and metadata."""
+        self._local_items: list[Any] | None = []  # None: DCP's plan cache has them (see write_data)
+        self._deltas: list[SavePlan] | None = None  # the coordinator's global plans from DCP, maybe deltas
+        self._plans: list[SavePlan] | None = None  # the coordinator's full final global plans
+        self._base_json: dict[str, Any] | None = None  # metadata derived from _plans: DCP's must equal it
+        self._metadata_json: dict[str, Any] | None = None  # what is stored: _base_json with the dtypes written
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.step = parse_step(checkpoint_id)
         self.save_id = uuid.uuid4().hex
-        self._metadata, self._metadata_json, self.saved = None, None, None
+        self.saved = None
+        self._clear()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -190,31 +224,86 @@ class TieredWriter(StorageWriter):
             raise ArgumentError(f"DCP rank {rank} is not the store's rank {g.rank}: save with a process group "
                                 "over the same ranks as the store's (the default group)")
         self.is_coordinator = bool(is_coordinator)
+        self._clear()  # a writer saved with again without reset() starts afresh
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._local_items = list(plan.items)  # before DCP drops replicated items from all ranks but one
+        # the items before DCP drops replicated ones from all ranks but one; a caching planner's unchanged
+        # plan comes without items (usable=False): write_data takes them from DCP's cache
+        self._local_items = list(plan.items) if plan.usable else None
         return dataclasses.replace(plan, storage_data={"tierfs_rank": self.store.group.rank})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if any(not p.usable for p in plans):
-            raise ArgumentError("TieredWriter does not support DCP plan caching (enable_plan_caching): pass a "
-                                "planner without it")
         if len(plans) != self.store.group.world_size:
             raise ArgumentError(f"DCP planned {len(plans)} ranks, the store has {self.store.group.world_size}: "
                                 "use a process group over the store's ranks (and use_collectives=True)")
-        ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
-                 for i, p in enumerate(plans)]
-        md = metadata_from_plans(plans, ranks)
-        self._metadata_json = metadata_to_json(md)  # fails now, before anything is written, if it cannot be stored
-        self._metadata = md
+        self._deltas = list(plans)
+        if all(p.usable for p in plans):  # else deltas of a caching planner: write_data derives it
+            self._derive(self._deltas)  # fails now, before anything is written, if it cannot be stored
         return plans
 
+    def _derive(self, plans: list[SavePlan]) -> None:
+        """The metadata of the full final global plans (coordinator)."""
+        ranks = [p.storage_data["tierfs_rank"] if isinstance(p.storage_data, dict) else i
+                 for i, p in enumerate(plans)]
+        self._base_json = self._metadata_json = metadata_to_json(metadata_from_plans(plans, ranks))
+        self._plans = plans
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not caching(planner):
+            state, results, _ = self._entries(plan, planner, False)
+            self._metadata_of_plans(planner)
+        else:  # the ranks agree first: a failure on one (e.g. no metadata) fails all before anything is written
+            mine, failure = None, None
+            try:
+                state, results, mine = self._entries(plan, planner, True)
+                self._metadata_of_plans(planner)
+            except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+                failure = e
+            group = self.store.group if self.timeout is None else self.store.group.with_timeout(self.timeout)
+            views = agree(group, mine, failure, f"DCP save of step {self.step}", outcome="nothing saved")
+            if self.is_coordinator and self._plans is not None and self._base_json is not None:
+                written = {(fqn, tuple(off)): dtype for v in views for fqn, off, dtype in v}
+                self._metadata_json = with_dtypes(self._base_json, self._plans, written)
+        meta: dict[str, Any] = {SHARD_KEY: META_VERSION}
+        if self.is_coordinator:
+            meta[META_KEY] = self._metadata_json
+        tensors = [(name, _fqn_of(name)) for name in state if name not in self.extra]
+        replayable = all(f is not None for _, f in tensors) and len({f for _, f in tensors}) == len(tensors)
+        self.written = [(n, f) for n, f in tensors if f is not None] if replayable else None
+        self.shard_metadata = meta
+        # collective over the store's ranks: the marker is written once every rank's shard is
+        self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
+                                     overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
+                                     timeout=self.timeout)
+        return done(results)
+
+    def _metadata_of_plans(self, planner: SavePlanner) -> None:
+        """On the coordinator: the metadata, derived from the full global plan (the planner's, when DCP
+        gave deltas)."""
+        if not self.is_coordinator:
+            return
+        if self._deltas is None:
+            raise TierfsError("TieredWriter: the coordinator has no global plan (prepare_global_plan was "
+                              "not called); save with dcp.save / dcp.async_save")
+        if self._base_json is None:
+            self._derive(full_global_plan(planner, self._deltas))
+
+    def _entries(self, plan: SavePlan, planner: SavePlanner, check: bool
+                 ) -> tuple[dict[str, Any], list[WriteResult], list[list[Any]]]:
+        """This rank's shard: ``{entry: value}``; DCP's write results; with ``check``, ``[fqn, offsets,
+        dtype]`` of each planned tensor chunk whose dtype differs from the plan's (a cached plan)."""
         rank = self.store.group.rank
         state: dict[str, Any] = {}
         results: list[WriteResult] = []
+        dtypes: list[list[Any]] = []
         planned = {(i.index.fqn, tuple(i.index.offset or ())) for i in plan.items}
-        kept = [i for i in self._local_items if (i.index.fqn, tuple(i.index.offset or ())) not in planned
+        local = self._local_items
+        if local is None and self.replicated == "local":
+            local = cached_local_items(planner)
+            if local is None:
+                log.warning("step %d: DCP's cached local plan was not found: this rank keeps only the items "
+                            "DCP planned for it (as replicated='dedup')", self.step)
+        kept = [i for i in local or () if (i.index.fqn, tuple(i.index.offset or ())) not in planned
                 ] if self.replicated == "local" else []
         for item in [*plan.items, *kept]:
             data = planner.resolve_data(item)
@@ -233,6 +322,11 @@ class TieredWriter(StorageWriter):
                 if value.device.type != "cpu":
                     value = value.cpu()
                 size = value.numel() * value.element_size()
+                td = item.tensor_data
+                if check and td is not None and td.properties.dtype != value.dtype and (
+                        item.index.fqn, tuple(item.index.offset or ())) in planned:
+                    dtypes.append([item.index.fqn, list(item.index.offset or ()),
+                                   dtype_name(value.dtype, item.index.fqn)])
             state[name] = value
             if (item.index.fqn, tuple(item.index.offset or ())) in planned:  # DCP hears only of its own items
                 results.append(WriteResult(index=item.index, size_in_bytes=size,
@@ -241,30 +335,28 @@ class TieredWriter(StorageWriter):
             if name in state:
                 raise ArgumentError(f"extra= {user_key(name, dcp=True)} is also a DCP item: rename it")
             state[name] = value
-        meta: dict[str, Any] = {SHARD_KEY: META_VERSION}
-        if self.is_coordinator:
-            if self._metadata_json is None:
-                raise TierfsError("TieredWriter: the coordinator has no global plan (prepare_global_plan was "
-                                  "not called); save with dcp.save / dcp.async_save")
-            meta[META_KEY] = self._metadata_json
-        # collective over the store's ranks: the marker is written once every rank's shard is
-        self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
-                                     overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
-                                     timeout=self.timeout)
-        return done(results)
+        return state, results, dtypes
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        ours = self._metadata
         storage = {r.index: r.storage_data for rs in results for r in rs}
         theirs = dataclasses.replace(metadata, storage_data=storage, storage_meta=None, version=None)
-        if ours is None or self._metadata_json != metadata_to_json(theirs):
+        if self._base_json is None or self._base_json != metadata_to_json(theirs):
             log.error("step %d: DCP metadata differs from the one tierfs stored; removing the step", self.step)
             if self.saved:
                 self.store.delete(self.step)
             raise FormatError(f"step {self.step}: the save planner's global metadata differs from the metadata "
                               "derived from its plans (a custom planner?); the step was removed. TieredWriter "
                               "supports planners whose metadata follows DefaultSavePlanner's rules")
+        if self._metadata_json != self._base_json:
+            log.info("step %d: stored the dtypes written where DCP's cached plan has older ones", self.step)
         metadata.storage_data = storage
+
+
+def _fqn_of(name: str) -> str | None:
+    """The fqn of a tensor item's entry name (``"<offsets>|<fqn>"``); None for a bytes item."""
+    if name.startswith("b|"):
+        return None
+    return name.split("|", 1)[1]
 
 
 from ._dcpexport import export_dcp  # noqa: E402 - re-exported: part of this module's interface

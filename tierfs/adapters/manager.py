@@ -120,6 +120,7 @@ class CheckpointManager:
         self.restore_policy = restore_policy or RestorePolicy()
         self.last_restore_info: RestoreInfo | None = None
         self._restored: int | None = None
+        self._dcp_plan: _mdcp.Plan | None = None  # the last DCP save's plan, replayed for the same structure
         self._preempted = threading.Event()
         self._old_handler: Any = None
         if handle_sigterm:

@@ -11,18 +11,21 @@ Nothing here is collective: any rank may read any rank's shard (the DCP reader r
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from .. import _copy, state as st
+from .. import _copy, _nogc, state as st
 from .._stages import stage
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import MARKER, Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
+from .layout import DIRECT_MAX, ReadViews, describe
 from .parts import Parts
 
 log = logging.getLogger("tierfs")
@@ -60,6 +63,14 @@ class Sink:
         shard (it is the caller's mistake, not a damaged copy)."""
         check_wanted(manifest, self.wanted)
 
+    def direct(self, e: Entry) -> Any:
+        """A tensor that takes ``e`` with one ``copy_`` after verification (see :class:`InPlace`), or None."""
+        return None
+
+    def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
+        """Copy each verified source (a typed view) into its target tensor (in :meth:`finish`)."""
+        raise NotImplementedError
+
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         """Where the verified bytes ``src`` of array entry ``e`` are copied (None: nowhere). ``tier`` is
         where they were read (None: received into this process, from a peer)."""
@@ -92,32 +103,62 @@ class NewArrays(Sink):
 
 
 class InPlace(Sink):
-    """The arrays/tensors of a nested state, overwritten in place (others are replaced)."""
+    """The arrays/tensors of a nested state, overwritten in place (others are replaced).
+
+    When every tensor of the target has exactly its entry's dtype and shape (the usual restore), the
+    per-entry checks are skipped and small tensors are copied together after verification, from typed
+    views of the tier's mapped files kept with the mapping (see :class:`~tierfs.core.layout.ReadViews`).
+    """
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         super().__init__()
-        self.slots: dict[str, tuple[Any, Any]] = {}
-
-        def walk(d: Any, prefix: str) -> None:
-            for k, v in d.items():
-                if isinstance(v, Mapping):
-                    walk(v, f"{prefix}{k}{st.SEP}")
-                else:
-                    self.slots[f"{prefix}{k}"] = (d, k)
-        walk(state, "")
-        self.wanted = set(self.slots)
+        self.state = state
+        with _nogc.paused():
+            self.names, self.targets, self.structure = describe(state)
+            self.index = {n: i for i, n in enumerate(self.names)}
+        self.wanted = set(self.index)
+        self._slots: dict[str, tuple[Any, Any]] | None = None
         self._after: list[Callable[[], Any]] = []
+        self._fits = False
+        self._direct: tuple[list[Any], list[Any]] = ([], [])
+
+    @property
+    def slots(self) -> dict[str, tuple[Any, Any]]:
+        """Each leaf's (parent, key), for values replaced rather than written in place."""
+        if self._slots is None:
+            slots: dict[str, tuple[Any, Any]] = {}
+
+            def walk(d: Any, prefix: str) -> None:
+                for k, v in d.items():
+                    if isinstance(v, Mapping):
+                        walk(v, f"{prefix}{k}{st.SEP}")
+                    else:
+                        slots[f"{prefix}{k}"] = (d, k)
+            walk(self.state, "")
+            self._slots = slots
+        return self._slots
 
     def check(self, manifest: Manifest) -> None:
         super().check(manifest)
+        self._fits = ReadViews.of(manifest).fits(self.names, self.structure)
+        if self._fits:
+            return
         for e in manifest.entries:  # every array/tensor target must take its entry in place
-            if e.kind == "array" and e.name in self.slots:
-                parent, key = self.slots[e.name]
-                st.check_target(manifest.key(e.name), parent[key], e.lib, e.dtype, e.shape)
+            if e.kind == "array" and e.name in self.index:
+                st.check_target(manifest.key(e.name), self.targets[self.index[e.name]], e.lib, e.dtype, e.shape)
+
+    def direct(self, e: Entry) -> Any:
+        """The target tensor ``e`` is copied into after verification, or None (copied block by block)."""
+        if self._fits and e.length <= DIRECT_MAX and e.lib == "torch":
+            return self.targets[self.index[e.name]]
+        return None
+
+    def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
+        self._direct[0].extend(targets)
+        self._direct[1].extend(sources)
 
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        parent, key = self.slots[e.name]
-        target = parent[key]
+        target = self.targets[self.index[e.name]]
         raw = st.target_view(e.name, target, e.lib, e.dtype, e.shape)
         if raw is not None:
             return raw
@@ -130,10 +171,17 @@ class InPlace(Sink):
             self._after.append(lambda: np.copyto(target, tmp))
         else:
             tmp, traw = st.allocate(e.lib, e.dtype, e.shape)
+            parent, key = self.slots[e.name]
             self._after.append(lambda: parent.__setitem__(key, tmp))
         return traw
 
     def finish(self) -> None:
+        dst, src = self._direct
+        if dst:
+            torch = sys.modules["torch"]
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+            self._direct = ([], [])
         for fn in self._after:
             fn()
         self._after.clear()
@@ -144,6 +192,7 @@ class InPlace(Sink):
     def reset(self) -> None:
         super().reset()
         self._after.clear()
+        self._direct = ([], [])
 
 
 class Views(Sink):
@@ -176,6 +225,11 @@ def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
 def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
     """Verify every block of the shard's wanted entries and copy them into the sink (no sink: verify the
     whole shard, copy nothing). ``tier`` is where the shard was read (None: received from a peer)."""
+    with _nogc.paused():
+        _fill(tier, step, shard, sink, threads)
+
+
+def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
     manifest = shard.manifest
     if sink is None:
         _copy.verify(manifest, shard.files, threads)
@@ -183,17 +237,36 @@ def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads:
     sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
     sink.check(manifest)
     raw = _copy.shard_views(manifest, shard.files)
-    jobs = []
+    jobs: list[_copy.Job] = []
+    views = ReadViews.of(manifest)
+    targets: list[Any] = []
+    sources: list[Any] = []
+    small: list[_copy.Job] = []
+    memos: dict[str, dict[Any, Any] | None] = {}
+    wanted = sink.wanted
     for e in manifest.entries:
-        if sink.wanted is not None and e.name not in sink.wanted:
+        if wanted is not None and e.name not in wanted:
             continue
         if e.kind == "json":
             sink.json(e)
             continue
         src = raw[e.file][e.offset:e.offset + e.length]
-        jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c,
-                              manifest.key(e.name)))
+        label = functools.partial(manifest.key, e.name)
+        target = sink.direct(e)
+        if target is not None:  # verified first, copied with the others after
+            targets.append(target)
+            if e.file not in memos:
+                memos[e.file] = None if tier is None else tier.buffer_memo(step, e.file)
+            sources.append(views.typed(e, raw[e.file], memos[e.file]))
+            (small if e.length <= manifest.block_size and len(e.crc32c) == 1 else jobs).append(
+                _copy.Job(e.name, src, None, manifest.block_size, e.crc32c, label))
+        else:
+            jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c,
+                                  label))
+    _copy.verify_small(small)
     _copy.run(jobs, threads)
+    if targets:
+        sink.copy_direct(targets, sources)
     sink.finish()
 
 

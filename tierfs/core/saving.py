@@ -1,9 +1,11 @@
 """The save path: stage, commit, hand on.
 
-1. **Stage** (the caller's thread): flatten the state, plan its shard files, copy every array into the
-   first tier's staged buffers (the RAM tier's reused mappings), with block checksums when blocking.
-2. **Commit** (the commit worker, in order; the caller waits for it when blocking): checksums if not yet
-   done, this rank's manifest, then every rank agrees and the owner of the first tier writes the marker.
+1. **Stage** (the caller's thread): read the state's structure, reuse its layout (file placement,
+   manifest entries, typed views of the RAM tier's reused mappings; :mod:`.layout`) or plan a new one,
+   and copy every array into the first tier's staged buffers. Nothing else runs on the caller's thread
+   when the structure is the one saved before.
+2. **Commit** (the commit worker, in order; the caller waits for it when blocking): block checksums,
+   this rank's manifest, then every rank agrees and the owner of the first tier writes the marker.
 3. **Hand on** (one copy worker per slower tier): each slower tier whose save policy took the step gets
    it, an upload verified and marker last, or one replication exchange between all ranks; then
    retention. A step staged only to be copied on leaves the first tier once every copy is done.
@@ -19,27 +21,38 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .. import _args, _copy, state as st
+from .. import _args, _copy, _nogc, state as st
 from .._stages import stage
 from ..dist import Group, agree, agreement, seconds
 from ..errors import StepExistsError, TierfsError
-from ..format import Entry, Manifest, Marker, crc32c, manifest_filename, plan_files
+from ..format import Manifest, Marker, crc32c, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
 from ..tiers.base import Holder, Replicator, Tier
+from .layout import Layout, describe
 from .parts import Parts
 from .retention import Retention
 
 log = logging.getLogger("tierfs")
+
+MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and a full state) reuses each
 
 
 @dataclass
 class Staged:
     """A step staged in the first tier, waiting for its checksums and commit."""
 
-    manifest: Manifest
-    buffers: list[np.ndarray]  # one per array entry, in manifest order
-    crcs: list[list[int]] | None
+    layout: Layout
+    step: int
+    values: dict[int, Any]  # the JSON leaves' values, by leaf index
+    metadata: dict[str, Any]
+    metrics: dict[str, Any]
+    buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
+
+    def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
+        """The manifest (built off the caller's thread), without checksums."""
+        return self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
+                                    self.metrics)
 
 
 class SavePath:
@@ -48,6 +61,7 @@ class SavePath:
     def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None],
                  raise_background_errors: Callable[[], None]) -> None:
         self.parts, self.retention = parts, retention
+        self._layouts: list[Layout] = []  # the structures saved most recently, newest first
         self._wait_until_finished = wait_until_finished
         self._raise_background_errors = raise_background_errors
 
@@ -83,7 +97,9 @@ class SavePath:
             step, wait = _args.step(step), None if timeout is None else seconds(timeout)
             force, overwrite, preempted, blocking = (_args.flag(v, k) for k, v in (
                 ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
-            st.check_state(state)
+            with _nogc.paused():
+                names, values, structure = describe(state)
+                layout = self._layout(names, values, structure)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             self._raise_background_errors()
             chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
@@ -112,9 +128,8 @@ class SavePath:
                 self._wait_until_finished()
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
-            with stage("staging", step, first.name):
-                leaves = [st.to_leaf(n, v) for n, v in st.flatten(state)]
-                staged = self._stage(step, leaves, metadata, metrics, checksum=blocking)
+            with stage("staging", step, first.name), _nogc.paused():
+                staged = self._stage(step, layout, values, metadata, metrics)
         except BaseException as e:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
@@ -130,14 +145,14 @@ class SavePath:
         if not blocking:
             p.commits.submit(lambda: self._commit(staged, slow, commit_group))
         elif p.group.world_size == 1:
-            self._commit(staged, slow, commit_group)
+            self._commit(staged, slow, commit_group, p.threads)
         else:  # commits of all ranks go through the commit worker, in order
             failed: list[BaseException] = []
             done = threading.Event()
 
             def commit_now() -> None:
                 try:
-                    self._commit(staged, slow, commit_group)
+                    self._commit(staged, slow, commit_group, p.threads)
                 except BaseException as e:  # noqa: BLE001 - raised in the caller below
                     failed.append(e)
                 finally:
@@ -148,47 +163,47 @@ class SavePath:
                 raise failed[0]
         return True
 
-    def _stage(self, step: int, leaves: list[st.Leaf], metadata: Mapping[str, Any] | None,
-               metrics: Mapping[str, Any] | None, checksum: bool) -> Staged:
-        """Copy the arrays into the first tier's buffers (with block checksums when ``checksum``)."""
+    def _layout(self, names: list[str], values: list[Any], structure: list[Any]) -> Layout:
+        """The layout of a state of this structure: a recent one that matches, or a new one (which checks
+        every leaf). JSON leaves are checked on every save; arrays of a known structure need no check."""
+        for lay in self._layouts:
+            if lay.signature == structure and lay.names == names:
+                for i in lay.json:
+                    st.check_leaf(names[i], values[i])
+                return lay
+        lay = Layout.plan(names, values, structure, self.parts.group.rank, self.parts.file_size)
+        self._layouts = [lay, *self._layouts[:MAX_LAYOUTS - 1]]
+        return lay
+
+    def _stage(self, step: int, layout: Layout, values: list[Any], metadata: Mapping[str, Any] | None,
+               metrics: Mapping[str, Any] | None) -> Staged:
+        """Copy the arrays into the first tier's buffers, through the layout's views of them."""
         p, first = self.parts, self.parts.first
-        rank = p.group.rank
-        arrays = [lf for lf in leaves if lf.kind == "array"]
-        placement, files = plan_files([lf.nbytes for lf in arrays], rank, p.file_size)
-        meta, mets = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
-        bufs = first.stage(step, files)  # raises CapacityError before anything is written
+        bufs = first.stage(step, layout.files)  # raises CapacityError before anything is written
         try:
-            jobs = [_copy.Job(lf.name, lf.data, bufs[f][o:o + lf.nbytes], p.block_size)  # type: ignore[arg-type]
-                    for lf, (f, o) in zip(arrays, placement)]
-            crcs = _copy.run(jobs, p.threads, checksum=checksum)
+            dst, raw = layout.views(bufs, {f: first.buffer_memo(step, f) for f in layout.files})
+            layout.copy(values, dst)
         except BaseException:
             first.discard_staged(step)
             raise
-        where = iter(placement)
-        entries = []
-        for lf in leaves:
-            if lf.kind == "json":
-                entries.append(Entry(lf.name, "json", value=lf.value))
-            else:
-                f, o = next(where)
-                entries.append(Entry(lf.name, "array", lf.lib, lf.dtype, list(lf.shape), f, o, lf.nbytes))
-        manifest = Manifest(step, rank, p.group.world_size, entries, files, p.block_size, metadata=meta,
-                            metrics=mets)
-        return Staged(manifest, [j.dst for j in jobs if j.dst is not None], crcs if checksum else None)
+        return Staged(layout, step, {i: values[i] for i in layout.json}, dict(metadata or {}), dict(metrics or {}),
+                      raw)
 
-    def _commit(self, staged: Staged, slow: list[Holder], group: Group) -> None:
-        """Checksums (if not done while copying), manifest, marker, agreed over ``group`` (the commit
-        worker's); then hand on to the slow tiers."""
-        p, first, manifest = self.parts, self.parts.first, staged.manifest
-        step, rank = manifest.step, manifest.rank
+    def _commit(self, staged: Staged, slow: list[Holder], group: Group, threads: int | None = 1) -> None:
+        """Checksums (on ``threads``: one leaves training a core), manifest, marker, agreed over ``group``
+        (the commit worker's); then hand on to the slow tiers."""
+        p, first = self.parts, self.parts.first
+        step, rank = staged.step, p.group.rank
         try:
             with agreement(group, f"commit step {step}", outcome="not committed") as vote:
                 try:
+                    with _nogc.paused():
+                        manifest = staged.manifest(rank, p.group.world_size, p.block_size)
                     arrays = [e for e in manifest.entries if e.kind == "array"]
                     with stage("checksum", step, first.name):
-                        crcs = staged.crcs if staged.crcs is not None else _copy.run(
-                            [_copy.Job(e.name, buf, None, p.block_size) for e, buf in zip(arrays, staged.buffers)],
-                            1)  # leave training a core
+                        crcs = _copy.run([_copy.Job(e.name, buf, None, p.block_size)
+                                          for e, buf in zip(arrays, staged.buffers)],
+                                         threads)
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
                     with stage("manifest", step, first.name):

@@ -13,7 +13,7 @@ import itertools
 import mmap
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -29,10 +29,11 @@ def no_space(e: OSError) -> bool:
 class MappedFile:
     """A file and its mapping (None for an empty file)."""
 
-    __slots__ = ("path", "size", "mm", "writable", "exported")
+    __slots__ = ("path", "size", "mm", "writable", "exported", "memo")
 
     def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool) -> None:
         self.path, self.size, self.mm, self.writable, self.exported = path, size, mm, writable, False
+        self.memo: dict[Any, Any] = {}  # the store's views of this mapping (Tier.buffer_memo), dropped with it
 
     def array(self) -> np.ndarray:
         if self.mm is None:
@@ -45,6 +46,7 @@ class MappedFile:
         return self.writable and not self.exported
 
     def close(self) -> None:
+        self.memo.clear()  # views of the mapping: without them it can be unmapped now
         if self.mm is not None:
             try:
                 self.mm.close()

@@ -180,6 +180,12 @@ class Tier(ABC):
         self._staged[step] = bufs
         return bufs
 
+    def buffer_memo(self, step: int, name: str) -> "dict[Any, Any] | None":
+        """A dict that lives as long as the buffer ``stage`` gave for file ``name`` of ``step``, where the
+        store keeps what it works out about that buffer (typed views of it) for later saves into the same
+        buffer; None (the default) where buffers are not reused."""
+        return None
+
     def write_staged(self, step: int) -> None:
         bufs = self._staged.pop(step, None)
         if bufs:

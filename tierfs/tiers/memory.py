@@ -211,6 +211,10 @@ class MemoryTier(Tier):
         self._staged[step] = out
         return out
 
+    def buffer_memo(self, step: int, name: str) -> dict[Any, Any] | None:
+        b = self._bufs.get(self._file(step, name))
+        return None if b is None else b.memo
+
     def discard_staged(self, step: int) -> None:
         """``step`` will not be committed: this process's buffers of it go back to the pool and its manifest,
         if written, is removed (the directory too once empty), so that a failed save holds no space."""
