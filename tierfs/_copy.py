@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _hooks
 from .errors import ChecksumError, FormatError
-from .format import Manifest, blocks, crc32c
+from .format import Entry, Manifest, blocks, crc32c
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -111,18 +111,18 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
 
 
 
-def verify_small(jobs: list[Job]) -> None:
-    """Verify jobs of one block each (no copy) on this thread: thousands of small entries cost less so
-    than spread over threads. Raises ChecksumError on a mismatch."""
-    if _hooks.active("block"):
-        run(jobs, 1)
+def verify_small(items: "list[Job] | list[tuple[Entry, np.ndarray]]", manifest: Manifest) -> None:
+    """Verify entries of one block each (``(entry, bytes)``; no copy) on this thread: thousands of small
+    entries cost less so than spread over threads. With a test hook on ``"block"`` give :class:`Job` s
+    (run as :func:`run` does). Raises ChecksumError on a mismatch."""
+    if items and isinstance(items[0], Job):
+        run(items, 1)
         return
-    for job in jobs:
-        assert job.expected is not None and job.src.size <= job.block_size
-        c = crc32c(job.src)
-        if c != job.expected[0]:
-            raise ChecksumError(f"checksum mismatch in {job.shown()} bytes 0-{job.src.size}: stored "
-                                f"{job.expected[0]:#010x}, read {c:#010x}")
+    for e, src in items:  # type: ignore[misc]
+        c = crc32c(src)
+        if c != e.crc32c[0]:
+            raise ChecksumError(f"checksum mismatch in {manifest.key(e.name)} bytes 0-{src.size}: stored "
+                                f"{e.crc32c[0]:#010x}, read {c:#010x}")
 
 
 def as_u8(data) -> np.ndarray:

@@ -3,8 +3,10 @@ of a target state against a DCP step's metadata."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
+import threading
 import os
 import uuid
 from collections import defaultdict
@@ -44,6 +46,25 @@ def check_target(metadata: Metadata, tensors: Mapping[str, Any], partial: bool =
         if tuple(md.size) != tuple(size()):
             raise StateMismatchError(f"{k!r}: the target has shape {tuple(size())}, the checkpoint "
                                      f"{tuple(md.size)}; give a target of the checkpoint's shape")
+
+
+_made_lock = threading.Lock()
+_made: "dict[int, tuple[Any, Metadata]]" = {}
+
+
+def _metadata(raw: Any) -> Metadata:
+    """DCP's Metadata of a step's stored JSON, made once per parsed manifest (manifests are parsed once,
+    see :func:`tierfs.format.manifest_from_marker`, so a step restored again finds it here)."""
+    with _made_lock:
+        got = _made.get(id(raw))
+        if got is not None and got[0] is raw:
+            return got[1]
+    md = metadata_from_json(raw)
+    with _made_lock:
+        _made[id(raw)] = (raw, md)
+        while len(_made) > 8:
+            del _made[next(iter(_made))]
+    return md
 
 
 class TieredReader(StorageReader):
@@ -155,7 +176,7 @@ class TieredReader(StorageReader):
                     raw, err = shared, None
         if raw is None:
             raise err if err is not None else FormatError(f"step {step}: no DCP metadata")
-        md = metadata_from_json(raw)
+        md = copy.copy(_metadata(raw))  # DCP's objects, shared between loads of the step; the envelope is ours
         md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
         self.metadata, self._resolved_step = md, step
         return md

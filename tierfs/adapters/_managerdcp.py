@@ -20,7 +20,8 @@ import numpy as np
 from .. import _nogc, state as st
 from ..dist import agree, outcomes, ranks_failed
 from ..errors import RestoreError, StateMismatchError, TierfsError
-from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY
+from ..core.layout import ReadViews
+from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, dcp_entry_name
 from ..store import RestoreInfo, TieredStore
 from . import _torchstate as ts
 
@@ -151,21 +152,25 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
     err: BaseException | None = None
     saved: ts.Saved | None = None
     target: dict[str, Any] = {}
+    direct: dict[str, Any] | None = None
     try:
         saved = _read_saved(store, step, tiers)
         if state is not None:
-            split = ts.split(state)
+            with _nogc.paused():
+                split = ts.split(state)
             have = {ts.key(p) for p, _ in saved.plain}
             missing = [ts.fqn(p) for p, _ in split.plain if ts.key(p) not in have]
             if missing:
                 raise StateMismatchError(f"target state has entries the checkpoint lacks: "
                                          f"{', '.join(repr(k) for k in missing[:5])}; remove them from the target "
                                          "or restore another step")
-            check_target(md, split.flat)  # before DCP's planner: a StateMismatchError in the user's keys
             target = split.tensors
+            direct = _direct(store, md, split.flat, step, tiers)
+            if direct is None:
+                check_target(md, split.flat)  # before DCP's planner: a StateMismatchError in the user's keys
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
         err = e
-    views = outcomes(g, None, err, classify=ts.failure_kind)
+    views = outcomes(g, direct is not None, err, classify=ts.failure_kind)
     failed = {r: (kind, why, where) for r, (kind, why, where) in enumerate(views) if kind is not None}
     if failed:  # every rank takes the same way out: raise, or try an older step
         if any(kind != RestoreError.__name__ for kind, _, _ in failed.values()):
@@ -175,6 +180,12 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
                                                         if v[0] != RestoreError.__name__})
         raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why, _) in failed.items()])
     assert saved is not None
+    if direct is not None and all(v[1] for v in views):  # every rank's tensors are whole entries of its shard
+        info = store.restore_into(direct, step, tiers=tiers)  # collective; a RestoreError tries an older step
+        for path, value in saved.plain:
+            ts.assign(state, path, ts.decode(value, saved.arrays))
+        info.metrics, info.seconds = dict(saved.metrics), time.perf_counter() - t0
+        return step, info
     if state is None:
         target = ts.target_from(md, saved)
     try:
@@ -190,6 +201,55 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
     info = RestoreInfo(step, tier, ts.local_bytes(target), time.perf_counter() - t0, list(reader.skipped),
                        {}, dict(saved.metrics))
     return (step if state is not None else root), info
+
+
+def _direct(store: TieredStore, md: Any, flat: Mapping[str, Any], step: int, tiers: list[str]
+            ) -> dict[str, Any] | None:
+    """``{entry: tensor}`` when every tensor of the target is a plain tensor that one entry of this rank's
+    own shard holds whole, with its dtype and shape (the usual restore into the job that saved: DCP's
+    planning would only find the same); None when DCP must plan the load (DTensors, resharding, another
+    world size, dtype conversion)."""
+    import torch
+
+    try:
+        own, _ = store.read_manifest(step, store.group.rank, tiers=tiers)
+    except (TierfsError, OSError, ValueError):
+        return None
+    whole = _whole(md, own)
+    plain = (torch.Tensor, torch.nn.Parameter)
+    out: dict[str, Any] = {}
+    with _nogc.paused():
+        for fqn, t in flat.items():
+            w = whole.get(fqn)
+            if w is None or type(t) not in plain or w[1] != t.dtype or w[2] != t.shape:
+                return None
+            out[w[0]] = t
+    return out
+
+
+_wholes: "dict[tuple[int, int], tuple[Any, Any, dict[str, tuple[str, Any, Any]]]]" = {}
+
+
+def _whole(md: Any, own: Any) -> dict[str, tuple[str, Any, Any]]:
+    """``fqn -> (entry, dtype, size)`` of the tensors saved in one chunk that the shard ``own`` holds, made
+    once per (metadata, manifest) pair (both are made once per step; see ``_dcpreader._metadata``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    key = (id(md.state_dict_metadata), id(own))
+    got = _wholes.get(key)
+    if got is not None and got[0] is md.state_dict_metadata and got[1] is own:
+        return got[2]
+    names = ReadViews.of(own).expected  # the shard's array entries
+    out: dict[str, tuple[str, Any, Any]] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1:
+            name = dcp_entry_name(fqn, m.chunks[0].offsets, False)
+            if name in names:
+                out[fqn] = (name, m.properties.dtype, m.size)
+    _wholes[key] = (md.state_dict_metadata, own, out)
+    while len(_wholes) > 8:
+        del _wholes[next(iter(_wholes))]
+    return out
 
 
 def _read_saved(store: TieredStore, step: int, tiers: list[str]) -> ts.Saved:

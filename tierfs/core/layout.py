@@ -206,6 +206,8 @@ class ReadViews:
         self.manifest = manifest
         torch = sys.modules.get("torch")
         self.expected: dict[str, Any] = {}
+        self.by_name = {e.name: e for e in manifest.entries}
+        self.names = frozenset(self.by_name)
         for e in manifest.entries:
             if e.kind != "array":
                 continue
@@ -234,8 +236,9 @@ class ReadViews:
                 return False
         return True
 
-    def typed(self, e: Entry, buf: np.ndarray, memo: dict[Any, Any] | None) -> Any:
-        """A typed (read-only) view of entry ``e``'s bytes in its file ``buf``; kept in ``memo``."""
+    def typed(self, e: Entry, buf: np.ndarray, memo: dict[Any, Any] | None) -> tuple[Any, np.ndarray]:
+        """A typed (read-only) view of entry ``e``'s bytes in its file ``buf``, and a uint8 one; kept in
+        ``memo``."""
         if memo is None:
             return _typed(e, buf)
         key = ("read", id(self.manifest))
@@ -250,7 +253,8 @@ class ReadViews:
         return view
 
 
-def _typed(e: Entry, buf: np.ndarray) -> Any:
+def _typed(e: Entry, buf: np.ndarray) -> tuple[Any, np.ndarray]:
+    raw = buf[e.offset:e.offset + e.length]
     with warnings.catch_warnings():  # torch warns of read-only buffers; the view is only read
         warnings.simplefilter("ignore", UserWarning)
-        return st.view_as(e.lib, e.dtype, e.shape, buf[e.offset:e.offset + e.length])
+        return st.view_as(e.lib, e.dtype, e.shape, raw), raw

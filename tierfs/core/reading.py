@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from .. import _copy, _nogc, state as st
+from .. import _copy, _hooks, _nogc, state as st
 from .._stages import stage
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import MARKER, Entry, Manifest, Marker
@@ -215,7 +215,7 @@ class Views(Sink):
 
 def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
     """A target with entries the checkpoint lacks is the caller's mistake, not a damaged copy."""
-    missing = wanted - {e.name for e in manifest.entries} if wanted is not None else set()
+    missing = wanted - ReadViews.of(manifest).names if wanted is not None else set()
     if missing:
         keys = ", ".join(manifest.key(n) for n in sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
         raise StateMismatchError(f"target state has entries the checkpoint lacks (step {manifest.step} rank "
@@ -241,29 +241,35 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
     views = ReadViews.of(manifest)
     targets: list[Any] = []
     sources: list[Any] = []
-    small: list[_copy.Job] = []
+    small: list[tuple[Entry, np.ndarray]] = []
     memos: dict[str, dict[Any, Any] | None] = {}
     wanted = sink.wanted
-    for e in manifest.entries:
+    entries = manifest.entries
+    if wanted is not None and len(wanted) * 4 < len(entries):  # a few entries of many: look them up
+        entries = [views.by_name[n] for n in wanted if n in views.by_name]
+    for e in entries:
         if wanted is not None and e.name not in wanted:
             continue
         if e.kind == "json":
             sink.json(e)
             continue
-        src = raw[e.file][e.offset:e.offset + e.length]
-        label = functools.partial(manifest.key, e.name)
         target = sink.direct(e)
         if target is not None:  # verified first, copied with the others after
             targets.append(target)
             if e.file not in memos:
                 memos[e.file] = None if tier is None else tier.buffer_memo(step, e.file)
-            sources.append(views.typed(e, raw[e.file], memos[e.file]))
-            (small if e.length <= manifest.block_size and len(e.crc32c) == 1 else jobs).append(
-                _copy.Job(e.name, src, None, manifest.block_size, e.crc32c, label))
+            typed, src = views.typed(e, raw[e.file], memos[e.file])
+            sources.append(typed)
+            if len(e.crc32c) == 1:
+                small.append((e, src))
+                continue
         else:
-            jobs.append(_copy.Job(e.name, src, sink.array(e, src, tier, step), manifest.block_size, e.crc32c,
-                                  label))
-    _copy.verify_small(small)
+            src = raw[e.file][e.offset:e.offset + e.length]
+        jobs.append(_copy.Job(e.name, src, None if target is not None else sink.array(e, src, tier, step),
+                              manifest.block_size, e.crc32c, functools.partial(manifest.key, e.name)))
+    _copy.verify_small([_copy.Job(e.name, src, None, manifest.block_size, e.crc32c,
+                                  functools.partial(manifest.key, e.name)) for e, src in small]
+                       if _hooks.active("block") else small, manifest)
     _copy.run(jobs, threads)
     if targets:
         sink.copy_direct(targets, sources)

@@ -29,6 +29,7 @@ from ..format import Marker, manifest_filename
 from ..protocol import commit, common_steps
 from ..tiers.base import Holder, Replicator, Tier
 from ..tiers.peer import plan_fetch
+from .layout import ReadViews
 from .parts import Parts
 from .reading import Reader, Shard, Sink, Skipped, fill
 
@@ -233,7 +234,7 @@ class Restore:
         m = shard.manifest
         info = RestoreInfo(s, tier, m.nbytes, seconds, self.skipped, m.metadata, m.metrics)
         if self.sink is not None and self.sink.wanted is not None:
-            info.unused = sorted({e.name for e in m.entries} - self.sink.wanted)
+            info.unused = sorted(ReadViews.of(m).names - self.sink.wanted)
         return info
 
     # -- after the step is chosen -------------------------------------------------------------------
