@@ -131,12 +131,13 @@ class Layout:
         for j, (f, _) in enumerate(self.placement):
             by_file.setdefault(f, []).append(j)
         for f, js in by_file.items():  # files in placement order, entries in order within each
+            # keyed by the file too: the pool may hand this buffer to another file of the layout next time
             memo = memos.get(f)
-            got = memo.get(self.token) if memo is not None else None
+            got = memo.get((self.token, f)) if memo is not None else None
             if got is None:
                 got = self._file_views(bufs[f], js)
                 if memo is not None:
-                    remember(memo, self.token, got)
+                    remember(memo, (self.token, f), got)
             dst += got[0]
             raw += got[1]
         return dst, raw
