@@ -39,7 +39,8 @@ def flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, A
         raise ArgumentError(f"state must be a mapping of names to arrays, got {type(state).__name__}")
     for k, v in state.items():
         if not isinstance(k, str):
-            raise ArgumentError(f"state keys must be strings, got {k!r} under {prefix or 'the root'!r}")
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise ArgumentError(f"state keys must be strings or ints, got {k!r} under {prefix or 'the root'!r}")
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
             yield from flatten(v, name + SEP)

@@ -45,6 +45,15 @@ def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
         del memo[next(iter(memo))]
 
 
+def key_name(k: Any, prefix: str) -> str:
+    """A state key as a name: strings as they are, ints (an optimizer's parameter ids) as their digits."""
+    if isinstance(k, str):
+        return k
+    if isinstance(k, int) and not isinstance(k, bool):
+        return str(k)
+    raise ArgumentError(f"state keys must be strings or ints, got {k!r} under {prefix or 'the root'!r}")
+
+
 def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]:
     """The leaves of ``state``, depth first as :func:`tierfs.state.flatten` names them: their names, the
     values, and the structure (one hashable-free tuple per leaf: its kind, type, dtype and shape)."""
@@ -60,7 +69,7 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
     def walk(d: Mapping[str, Any], prefix: str) -> None:
         for k, v in d.items():
             if type(k) is not str:
-                raise ArgumentError(f"state keys must be strings, got {k!r} under {prefix or 'the root'!r}")
+                k = key_name(k, prefix)
             if isinstance(v, tensor):
                 names.append(prefix + k)
                 values.append(v)
@@ -105,6 +114,11 @@ class Layout:
              ) -> "Layout":
         """Work out the layout of a new structure, checking every leaf as :func:`tierfs.state.to_leaf`
         does (a leaf it cannot store is an ArgumentError naming it)."""
+        if len(set(names)) != len(names):
+            seen: set[str] = set()
+            dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+            raise ArgumentError(f"state has two leaves named {dup!r} (e.g. keys 0 and '0', or 'a/b' beside "
+                                "'a': {'b': ...}); rename one")
         kinds = [s[0] for s in signature]
         leaves = [st.to_leaf(n, v) for n, v in zip(names, values)]
         kinds = [JSON if lf.kind == "json" else k for k, lf in zip(kinds, leaves)]
