@@ -165,3 +165,24 @@ def mapping_processes(root: Path, exclude: set[int]) -> set[int]:
         except OSError:  # gone, or not ours to read
             continue
     return pids
+
+
+def missing_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what creating ``path``
+    would create, noted before, so that :func:`remove_new_dirs` can take back exactly those."""
+    out: list[Path] = []
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_new_dirs(dirs: list[Path]) -> None:
+    """Remove the directories of ``dirs`` (from :func:`missing_dirs`) that are empty now, deepest first.
+    A directory holding anything (another process's files) stays, and so do its parents; never raises."""
+    for d in sorted(set(dirs), key=lambda p: len(p.parts), reverse=True):
+        try:
+            os.rmdir(d)
+        except OSError:  # not there, not empty, or not ours to remove
+            continue

@@ -21,18 +21,14 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _args, _stages, state as st
-from ._worker import BACKGROUND_NICE, DEFAULT_BACKGROUND_BANDWIDTH, Throttle, Worker
-from .core.ledger import StepLedger
-from .core.parts import Parts, check_tiers
+from . import _args, _exit, _lifecycle, _stages, state as st
+from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
+from .core.parts import check_tiers
 from .core.reading import InPlace, NewArrays, Reader, Skipped
 from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath
-from ._stages import stage
-from .dist import Group, agreement, default_group, seconds
-from .dist.groups import env_node_source
-from .dist.nodes import observe
+from .dist import Group, default_group, seconds
 from .errors import ArgumentError, BackgroundError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
@@ -83,22 +79,28 @@ class TieredStore:
         waiting rank raises :class:`~tierfs.errors.RankWaitError` naming the stage and the rank(s) it
         waited for. A failure on one rank (a full disk, a damaged copy) is not a wait: the other ranks hear
         of it at once and raise naming the rank and the stage.
+    exit_timeout:
+        Seconds (or a ``timedelta``) that background work still unfinished when the interpreter exits (a
+        store never closed) may take: commits and copies finish, with a progress line every few seconds,
+        then the store closes. Past it, one warning names the steps not durable and the RAM tier holding
+        them. ``0``: finish nothing at exit. Default: ``TIERFS_EXIT_TIMEOUT`` from the environment, else 600.
 
     Notes
     -----
     When the store opens, the ranks observe which of them share the first tier's directory (host, device
     and inode of its root): per-rank directories on one machine work as well as one directory per node.
     Node numbers from ``TIERFS_NODE_RANK``, ``GROUP_RANK`` or ``PeerTier(node_rank=...)`` that put ranks
-    sharing a directory on different nodes are an error, raised on every rank.
+    sharing a directory on different nodes are an error, raised on every rank. A constructor that fails
+    closes the tiers it opened and removes the directories it created (never one that existed before).
     """
 
     def __init__(self, tiers: Sequence[Holder], *, group: Group | None = None, threads: int | None = None,
                  file_size: int = DEFAULT_FILE_SIZE, block_size: int = DEFAULT_BLOCK_SIZE,
                  clock: Callable[[], float] = time.time, cleanup: bool = True, max_in_flight: int = 2,
                  when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
-                 timeout: float | datetime.timedelta | None = None) -> None:
+                 timeout: float | datetime.timedelta | None = None,
+                 exit_timeout: float | datetime.timedelta | None = None) -> None:
         tiers, reps = check_tiers(tiers)
-        names = [t.name for t in tiers]
         self.max_in_flight = _args.integer(max_in_flight, "max_in_flight")
         self.when_busy = _args.choice(when_busy, "when_busy", ("wait", "skip"))
         self.threads = _args.optional_integer(threads, "threads")
@@ -109,37 +111,25 @@ class TieredStore:
             raise ArgumentError(f"clock must be a function returning seconds, got {_args.shown(clock)}")
         throttle = Throttle(background_bandwidth)
         self.timeout = seconds(timeout)
+        self.exit_timeout = _exit.exit_seconds(exit_timeout)
         self.group = (group.with_timeout(self.timeout) if group is not None else default_group(self.timeout))
-        ledger = StepLedger(names)
-        files = [t for t in tiers if isinstance(t, Tier)]
-        with agreement(self.group, "open the store"):  # a tier one rank cannot open fails every rank
-            for t in files:
-                with stage("open", tier=t.name):
-                    t.open()
-        layout = observe(self.group, files)
-        layout.check(self.group.nodes, env_node_source())
-        # one group per thread role, so collectives of different threads never interleave
-        commit_group = self.group.fork()  # a blocking save waits for the commit: full priority
-        copy_groups = {t.name: self.group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
-        for r in reps:
-            r.bind(files[0], self.group)
-            layout.check(r.nodes, f"{r.name}'s node numbers")
-        self._parts = Parts(
-            tiers=tiers, group=self.group, ledger=ledger, throttle=throttle,
-            commits=Worker("tierfs-commit", ledger.fail),
-            # one copy worker per slower tier: a slow upload never holds back the replicas to peers
-            copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
-            commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=self.file_size,
-            block_size=self.block_size, clock=clock, layout=layout)
-        self._reader = Reader(self._parts)
-        self._retention = Retention(self._parts, self._reader)
-        self._saving = SavePath(self._parts, self._retention, self.wait_until_finished, self.raise_background_errors)
+        self._closed = True  # until it is open
+        self._opening = _lifecycle.Opening()
+        try:
+            self._parts = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
+                                              self.block_size, clock)
+            self._reader = Reader(self._parts)
+            self._retention = Retention(self._parts, self._reader)
+            self._saving = SavePath(self._parts, self._retention, self.wait_until_finished,
+                                    self.raise_background_errors)
+            if cleanup:
+                self._cleanup_uncommitted()
+            self.refresh()
+        except BaseException:
+            self._opening.undo()
+            raise
         self._closed = False
-        for r in reps:
-            r.open()
-        if cleanup:
-            self._cleanup_uncommitted()
-        self.refresh()
+        _exit.register(self, self.exit_timeout, _lifecycle.exit_work)
 
     # -- the tiers ----------------------------------------------------------------------------------
     @property
@@ -380,6 +370,7 @@ class TieredStore:
         """Finish background work, then release every tier. Raises a background failure, if any."""
         if self._closed:
             return
+        _exit.unregister(self)  # closed here: nothing is left for the exit to finish
         try:
             self.wait_until_finished()
         finally:
@@ -387,6 +378,13 @@ class TieredStore:
             self._parts.close()
             for t in self.tiers:
                 t.close()
+
+    def _discard(self) -> None:
+        """Undo the store for a constructor that failed after making it (``CheckpointManager``'s): close
+        its workers and tiers, remove the directories it created if they are empty. Never raises."""
+        _exit.unregister(self)
+        self._closed = True
+        self._opening.undo()
 
     def __enter__(self) -> "TieredStore":
         return self

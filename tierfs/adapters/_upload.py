@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from typing import IO, TYPE_CHECKING
 
+from .. import _units
 from .._fileio import atomic_write
 from .._retry import retry, short
 from .._worker import lower_priority
@@ -95,3 +97,78 @@ def upload(d: "Drain", fd: int, rel: str) -> None:
         return
     src = f"/proc/self/fd/{fd}"
     retry(lambda: d.target.put_file(src, dst), attempts=d.retries, what=f"upload of {rel}", label="tiered")
+
+
+class ExitWork:
+    """What a drain has left to upload when the interpreter exits (see :mod:`tierfs._exit`).
+
+    Made once per exit pass. Its first wait queues every file not yet durable (a manual drain's too; one
+    whose upload failed gets one more try) and waits until each is uploaded or has failed again.
+    """
+
+    def __init__(self, d: "Drain") -> None:
+        self.d = d
+        self._queued = False
+
+    def _queue(self) -> None:
+        """(lock held) Queue every file not yet durable, once, and start the upload threads."""
+        d = self.d
+        if self._queued:
+            return
+        self._queued = True
+        for rel in d.dirty:
+            d.failed.pop(rel, None)
+            d.enqueue(rel)
+        if d.dirty:
+            d._start()
+            d.cond.notify_all()
+
+    def _left(self) -> list[str]:
+        """(lock held) Files still to upload: not durable, and not failed since their last write."""
+        d = self.d
+        return [r for r, g in d.dirty.items() if not (r in d.failed and d.failed[r][0] >= g)]
+
+    def _what(self, rels: list[str]) -> str:
+        nbytes = sum(self.d.ramdir.sizes.get(r, 0) for r in rels)
+        return f"{len(rels)} file(s) ({_units.size(nbytes)}) written through tiered://"
+
+    def pending(self) -> str | None:
+        with self.d.cond:  # a file whose upload failed before the exit counts: it gets one more try
+            left = self._left() if self._queued else sorted(self.d.dirty)
+            return f"{self._what(left)} not yet on {self.d.label}" if left else None
+
+    def wait(self, timeout: float) -> bool:
+        d = self.d
+        deadline = time.monotonic() + timeout
+        with d.cond:
+            self._queue()
+            while self._left():
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    return False
+                d.cond.wait(wait)
+            bad = sorted((r, f) for r, f in d.failed.items() if r in d.dirty)
+        if bad:
+            rel, (_, why) = bad[0]
+            raise OSError(f"{len(bad)} upload(s) to {d.label} failed (e.g. {d.tpath(rel)}: {why})")
+        return True
+
+    def lost(self, reason: str) -> str:
+        d = self.d
+        with d.cond:
+            rels = sorted(d.dirty)
+        if not rels:
+            return f"tierfs: at exit, {reason}; every file written through tiered:// is on {d.label}"
+        return (f"tierfs: at exit, {reason}: {self._what(rels)} are NOT durable on {d.label} (e.g. "
+                f"{d.tpath(rels[0])}); they remain in RAM at {d.root}, and the next process using that RAM "
+                "directory and target uploads them")
+
+    def close(self) -> None:
+        """Nothing to release: the drain lives as long as the process."""
+
+
+def exit_work(d: "Drain") -> ExitWork | None:
+    """The drain's work at exit; None when its RAM directory is gone (nothing is left to upload)."""
+    if not d.root.exists():
+        return None
+    return ExitWork(d)

@@ -4,12 +4,13 @@ One :class:`Drain` per process and (RAM directory, target) keeps the RAM directo
 sizes, temporary files, listings), the set of files not yet durable on the target, eviction of durable
 copies when room is short, and the upload threads (``_upload``). A file's RAM copy becomes read-only
 (mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
-uploading. The filesystem (``fsspec.py``) uses the drain's named operations only.
+uploading. The filesystem (``fsspec.py``) uses the drain's named operations only. At interpreter exit
+the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs._exit`,
+:class:`_upload.ExitWork`).
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import io
 import itertools
@@ -26,6 +27,7 @@ from typing import IO, Any, Callable, Iterable, Union
 
 import fsspec
 
+from .. import _exit, _units
 from .._fileio import FILE_MODE, private_opener
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
@@ -52,8 +54,10 @@ class Drain:
     """
 
     def __init__(self, root: Path, target: fsspec.AbstractFileSystem, label: str, *, budget: int | None,
-                 drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str) -> None:
+                 drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str,
+                 exit_timeout: float = _exit.DEFAULT_EXIT_TIMEOUT) -> None:
         self.target, self.label = target, label
+        self.exit_timeout = exit_timeout
         self.budget, self.mode, self.retries, self.when_full = budget, drain, retries, when_full
         self.concurrency = concurrency
         self.throttle = Throttle(bandwidth)
@@ -79,8 +83,10 @@ class Drain:
     def root(self) -> Path:
         return self.ramdir.root
 
-    def same_options(self, budget: int | None, drain: str, bandwidth: float | None, when_full: str) -> bool:
-        return (self.budget, self.mode, self.throttle.rate, self.when_full) == (budget, drain, bandwidth, when_full)
+    def same_options(self, budget: int | None, drain: str, bandwidth: float | None, when_full: str,
+                     exit_timeout: float) -> bool:
+        return ((self.budget, self.mode, self.throttle.rate, self.when_full, self.exit_timeout) ==
+                (budget, drain, bandwidth, when_full, exit_timeout))
 
     def tpath(self, rel: str) -> str:
         marker = self.target.root_marker or ""
@@ -139,10 +145,10 @@ class Drain:
                 self.enqueue(r)
             self.cond.wait()
         dirty_bytes = sum(sizes.get(r, 0) for r in self.dirty)
-        budget = "none" if self.budget is None else f"{self.budget / 1e6:.1f} MB"
+        budget = "none" if self.budget is None else _units.size(self.budget)
         raise CapacityError(
-            f"tiered RAM directory {self.root}: writing {nbytes / 1e6:.1f} MB does not fit (budget {budget}, "
-            f"{dirty_bytes / 1e6:.1f} MB not yet durable on {self.label}); raise budget=, flush() more "
+            f"tiered RAM directory {self.root}: writing {_units.size(nbytes)} does not fit (budget {budget}, "
+            f"{_units.size(dirty_bytes)} not yet durable on {self.label}); raise budget=, flush() more "
             f"often or write less")
 
     def full_error(self, rel: str) -> CapacityError:
@@ -362,25 +368,19 @@ _DRAINS_LOCK = threading.Lock()
 
 
 def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, label: str, *, budget: int | None,
-              drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str) -> Drain:
+              drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str,
+              exit_timeout: float) -> Drain:
     """This process's drain for the RAM directory ``root`` and the target identified by ``key``; made
-    by the first caller, whose options it keeps."""
+    by the first caller, whose options it keeps. Its uploads still pending at interpreter exit are
+    finished within ``exit_timeout`` seconds (:mod:`tierfs._exit`)."""
     dkey = (os.getpid(), str(root), key)
     with _DRAINS_LOCK:
         d = _DRAINS.get(dkey)
         if d is None:
             d = _DRAINS[dkey] = Drain(root, target, label, budget=budget, drain=drain, bandwidth=bandwidth,
-                                      concurrency=concurrency, retries=retries, when_full=when_full)
-        elif not d.same_options(budget, drain, bandwidth, when_full):
+                                      concurrency=concurrency, retries=retries, when_full=when_full,
+                                      exit_timeout=exit_timeout)
+            _exit.register(d, exit_timeout, _upload.exit_work)
+        elif not d.same_options(budget, drain, bandwidth, when_full, exit_timeout):
             log.warning("tiered: %s already has a drain with other options; keeping the first ones", root)
     return d
-
-
-@atexit.register
-def _warn_unflushed() -> None:
-    for d in list(_DRAINS.values()):
-        left = d.pending()
-        if left and d.root.exists():
-            log.warning("tiered: %d file(s) written through tiered:// were not flushed to %s (e.g. %s); they "
-                        "remain in RAM at %s and are uploaded by the next process using it", len(left),
-                        d.label, left[0], d.root)

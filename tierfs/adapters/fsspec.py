@@ -33,7 +33,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.transaction import Transaction
 from fsspec.utils import stringify_path, tokenize
 
-from .. import _args
+from .. import _args, _exit
 from .._fileio import make_private_dir
 from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
 from ..errors import ArgumentError
@@ -96,6 +96,11 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         Seconds (or a ``timedelta``) ``flush()`` waits at most for the uploads before it raises
         ``TimeoutError`` (default: until they end, each bounded by the target's own timeouts and
         ``retries``). This filesystem has no collectives across ranks: each process flushes its own files.
+    exit_timeout:
+        Seconds (or a ``timedelta``) that uploads still pending at interpreter exit may take (a program
+        that never calls ``flush()``, such as pandas, still leaves its files on the target); past it, one
+        warning names what is not durable and where in RAM it is. ``0``: finish nothing at exit. Default:
+        ``TIERFS_EXIT_TIMEOUT`` from the environment, else 600.
 
     Notes
     -----
@@ -115,11 +120,13 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
                  drain: str = "background", drain_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  drain_concurrency: int = 4, retries: int = 4, when_full: str = "wait",
                  timeout: float | datetime.timedelta | str | None = None,
+                 exit_timeout: float | datetime.timedelta | str | None = None,
                  asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
         o = ta.options(timeout=timeout, drain=drain, when_full=when_full, budget=budget, bandwidth=drain_bandwidth,
                        concurrency=drain_concurrency, retries=retries)
         self.timeout = o.timeout
+        self.exit_timeout = _exit.exit_seconds(exit_timeout, "tiered:// exit_timeout")
         if fs is not None:
             _args.instance(fs, "fs", fsspec.AbstractFileSystem, "an fsspec filesystem")
         root = ta.ram_root(path)
@@ -139,7 +146,8 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         root = ta.make_ram_root(root)
         label = f"{protocol_of(fs)}://{self._strip_protocol(fo) if fo else ''}"
         self._drain = drain_for(root, fs, key, label, budget=o.budget, drain=o.drain, bandwidth=o.bandwidth,
-                                concurrency=o.concurrency, retries=o.retries, when_full=o.when_full)
+                                concurrency=o.concurrency, retries=o.retries, when_full=o.when_full,
+                                exit_timeout=self.exit_timeout)
 
     @property
     def drain(self) -> Drain:

@@ -91,7 +91,15 @@ class CheckpointManager:
         ``True``: every state through DCP (needs torch). ``False``: never (tensors are saved whole per
         rank; DTensors are rejected). Restores read each step in the format it was saved in.
     **store_options:
-        Passed to ``TieredStore`` (``max_in_flight``, ``when_busy``, ``background_bandwidth``, ...).
+        Passed to ``TieredStore`` (``max_in_flight``, ``when_busy``, ``background_bandwidth``,
+        ``exit_timeout``, ...).
+
+    Notes
+    -----
+    A manager left open when the interpreter exits finishes its background commits and copies then, within
+    ``exit_timeout`` (default ``TIERFS_EXIT_TIMEOUT``, else 600 s; ``0``: not at all), and closes; past it,
+    one warning names the steps that are not durable and the RAM tier holding them. A constructor that
+    fails leaves no tier open and no directory it created.
     """
 
     def __init__(self, tiers: Sequence[Holder] | None = None, *, directory: str | None = None,
@@ -124,7 +132,11 @@ class CheckpointManager:
         self._preempted = threading.Event()
         self._old_handler: Any = None
         if handle_sigterm:
-            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            try:  # (only the main thread may install one)
+                self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except BaseException:
+                self.store._discard()  # a failed constructor leaves no open tier and no directory it made
+                raise
 
     # -- saving -------------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args
+from .. import _args, _units
 from .._fileio import atomic_write, make_private_dir, process_alive
 from .._rootdir import check_root, default_path, mapping_processes, root_dir, warn_unless_memory
 from ..errors import CapacityError, TierUnavailableError
@@ -65,6 +65,7 @@ class MemoryTier(Tier):
         self._idle = threading.Event()  # cleared while prepare() builds spare buffers
         self._idle.set()
         self._last_staged = -1
+        self._spares = True  # prepare() builds spare buffers (not once the process exits)
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -130,6 +131,14 @@ class MemoryTier(Tier):
         self._bufs.clear()
         self._pool.close()
         shutil.rmtree(self._pool.dir, ignore_errors=True)
+
+    def drop_spares(self) -> None:
+        """Give this process's pooled buffers back to the tmpfs now and build no more, the tier staying
+        open: for an exit whose background work may still use the tier, so no pool outlives the process."""
+        with self._lock:
+            self._spares = False
+            self._pool.close()
+            shutil.rmtree(self._pool.dir, ignore_errors=True)
 
     # -- listing ------------------------------------------------------------------------------------
     def _dir(self, step: int) -> Path:
@@ -240,7 +249,7 @@ class MemoryTier(Tier):
         """The error of a write that found the tmpfs full (no bytes or no inodes left)."""
         try:
             sv = os.statvfs(self.path)
-            left = f"{sv.f_bavail * sv.f_frsize / 1e6:.1f} MB and {sv.f_favail} inodes free"
+            left = f"{_units.size(sv.f_bavail * sv.f_frsize)} and {sv.f_favail} inodes free"
         except OSError:
             left = "free space unknown"
         return CapacityError(f"RAM tier {self.path}: out of space {what} ({left}); {_FULL_ADVICE}")
@@ -257,10 +266,10 @@ class MemoryTier(Tier):
         if cap.available is None or new_bytes > cap.available:
             by_budget = cap.budget is not None and (cap.free is None or cap.budget - cap.used <= cap.free)
             raise CapacityError(
-                f"RAM tier {self.path}: step {step} needs {new_bytes / 1e6:.1f} MB more but only "
-                f"{max(0, cap.available or 0) / 1e6:.1f} MB is left (budget "
-                f"{'none' if self.budget is None else f'{self.budget / 1e6:.1f} MB'}, used "
-                f"{cap.used / 1e6:.1f} MB, {'unknown' if cap.free is None else f'{cap.free / 1e6:.1f} MB'} free "
+                f"RAM tier {self.path}: step {step} needs {_units.size(new_bytes)} more but only "
+                f"{_units.size(max(0, cap.available or 0))} is left (budget "
+                f"{'none' if self.budget is None else _units.size(self.budget)}, used "
+                f"{_units.size(cap.used)}, {'unknown' if cap.free is None else _units.size(cap.free)} free "
                 f"on the tmpfs); {'raise budget= or keep fewer steps' if by_budget else _FULL_ADVICE} (need about "
                 f"(kept steps + 1) x step size)")
 
@@ -275,7 +284,7 @@ class MemoryTier(Tier):
         free space would not allow it.
         """
         with self._lock:
-            if self._last_staged > step:  # the next save came first and built its own buffers
+            if self._last_staged > step or not self._spares:  # a later save built its own, or exiting
                 return
             self._pool.limit = max(self._pool.limit, sum(sizes.values()))
             missing = self._pool.missing(sizes)

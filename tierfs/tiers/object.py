@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -38,6 +37,7 @@ from .._rootdir import check_local_url, check_root
 from ..errors import ArgumentError, TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
+from ._pool import DaemonPool
 from .base import Bytes, Capacity, Pace, Tier
 
 log = logging.getLogger("tierfs")
@@ -93,7 +93,7 @@ class ObjectTier(Tier):
         self.concurrency = _args.integer(concurrency, "ObjectTier concurrency")
         self.part_size = max(1 << 20, _args.integer(part_size, "ObjectTier part_size"))
         self.retries = _args.integer(retries, "ObjectTier retries")
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -137,7 +137,7 @@ class ObjectTier(Tier):
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             self._pool = None
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -165,21 +165,14 @@ class ObjectTier(Tier):
     def _map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
         """``fn`` over ``items`` on the tier's threads. On the first failure the transfers not yet started
         are cancelled and those running are waited for, then the failure is raised: once a write fails,
-        nothing of it still runs (a late upload could land after the step was saved again)."""
+        nothing of it still runs (a late upload could land after the step was saved again). The threads
+        are daemon threads (:mod:`._pool`): a transfer left at exit never holds the interpreter past its
+        ``exit_timeout``."""
         if len(items) <= 1:
             return [fn(i) for i in items]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"tierfs-{self.name}")
-        futures = [self._pool.submit(fn, i) for i in items]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        wait(pending)
-        for f in futures:
-            e = None if f.cancelled() else f.exception()
-            if e is not None:
-                raise e
-        return [f.result() for f in futures]
+            self._pool = DaemonPool(self.concurrency, f"tierfs-{self.name}")
+        return self._pool.map(fn, items)
 
     # -- listing ------------------------------------------------------------------------------------
     def list_steps(self) -> dict[int, bool]:

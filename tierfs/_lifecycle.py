@@ -1,0 +1,217 @@
+"""A store's life cycle outside its calls: opening its tiers (undone when the constructor fails) and its
+background work finished when the interpreter exits.
+
+:class:`Opening` opens a :class:`~tierfs.TieredStore`'s tiers and builds its :class:`~tierfs.core.parts.Parts`,
+noting first which directories of local tiers (the RAM tier's, the peer tier's replicas, a ``file://`` object
+tier's) do not exist yet. When the constructor fails after that (a tier that cannot be reached, a membership
+contradiction, a bad argument), :meth:`Opening.undo` closes what was opened and removes the directories it
+created that are still empty; a directory that existed before is never removed.
+
+:class:`StoreWork` is what :mod:`tierfs._exit` finishes at exit for a store left open: its commits and
+copies, then it closes the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from . import _units
+from ._retry import short
+from ._rootdir import missing_dirs, remove_new_dirs
+from ._stages import stage
+from ._worker import BACKGROUND_NICE, Throttle, Worker
+from .core.ledger import StepLedger
+from .core.parts import Parts
+from .dist import Group, agreement
+from .dist.groups import env_node_source
+from .dist.nodes import observe
+from .tiers.base import Holder, Replicator, Tier
+from .tiers.memory import MemoryTier
+from .tiers.object import ObjectTier
+
+if TYPE_CHECKING:
+    from .store import TieredStore
+
+log = logging.getLogger("tierfs")
+
+#: seconds between two looks at a store's background work while the exit waits for it
+_POLL = 0.05
+
+
+def local_dirs(tier: Holder) -> list[Path]:
+    """The local directories ``tier`` creates when it opens (none for a remote tier)."""
+    if isinstance(tier, MemoryTier):
+        return [tier.path]
+    if isinstance(tier, ObjectTier):
+        return [Path(tier.root)] if tier.protocol in ("file", "local") else []
+    if isinstance(tier, Replicator):  # the peer tier keeps its replicas in a RAM tier of its own, once bound
+        try:
+            local = getattr(tier, "local", None)
+        except Exception:  # noqa: BLE001 - not bound: nothing of it is on disk yet
+            return []
+        return [local.path] if isinstance(local, MemoryTier) else []
+    return []
+
+
+class Opening:
+    """A store's constructor's tiers and directories, undone by :meth:`undo` when it fails."""
+
+    def __init__(self) -> None:
+        self.made: list[Path] = []  # directories that did not exist before a tier opened
+        self.opened: list[Holder] = []
+        self.parts: Parts | None = None
+
+    def open(self, tier: Holder) -> None:
+        """Open ``tier``, noting the directories it is about to create."""
+        for d in local_dirs(tier):
+            self.made += missing_dirs(d)
+        self.opened.append(tier)
+        tier.open()
+
+    def build(self, tiers: list[Holder], reps: list[Replicator], group: Group, throttle: Throttle,
+              threads: int | None, file_size: int, block_size: int, clock: Callable[[], float]) -> Parts:
+        """Open the file tiers (every rank fails if one cannot), check which ranks share the first tier's
+        directory against the node numbers, fork the groups, bind the replicators and open them."""
+        ledger = StepLedger([t.name for t in tiers])
+        files = [t for t in tiers if isinstance(t, Tier)]
+        with agreement(group, "open the store"):  # a tier one rank cannot open fails every rank
+            for t in files:
+                with stage("open", tier=t.name):
+                    self.open(t)
+        layout = observe(group, files)
+        layout.check(group.nodes, env_node_source())
+        # one group per thread role, so collectives of different threads never interleave
+        commit_group = group.fork()  # a blocking save waits for the commit: full priority
+        copy_groups = {t.name: group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
+        for r in reps:
+            r.bind(files[0], group)
+            layout.check(r.nodes, f"{r.name}'s node numbers")
+        self.parts = Parts(
+            tiers=tiers, group=group, ledger=ledger, throttle=throttle,
+            commits=Worker("tierfs-commit", ledger.fail),
+            # one copy worker per slower tier: a slow upload never holds back the replicas to peers
+            copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
+            commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=file_size,
+            block_size=block_size, clock=clock, layout=layout)
+        for r in reps:
+            self.open(r)
+        return self.parts
+
+    def undo(self) -> None:
+        """Close what was opened, newest first, and remove the directories made that are empty now.
+        Never raises: the constructor's own error is the one to see."""
+        if self.parts is not None:
+            try:
+                self.parts.close()
+            except Exception as e:  # noqa: BLE001 - logged; the rest is still undone
+                log.warning("closing the store's workers failed (%s)", short(e, with_type=True))
+        for t in reversed(self.opened):
+            try:
+                t.close()
+            except Exception as e:  # noqa: BLE001 - logged; the rest is still undone
+                log.warning("tier %s: closing after a failed open failed (%s)", t.name, short(e, with_type=True))
+        self.opened.clear()
+        remove_new_dirs(self.made)
+
+
+# -- at exit ----------------------------------------------------------------------------------------
+def _idle(worker: Worker) -> bool:
+    """Whether ``worker`` has run every job submitted to it."""
+    q = getattr(worker, "_queue", None)
+    return q is None or not q.unfinished_tasks
+
+
+class StoreWork:
+    """A store's background work at exit (:class:`tierfs._exit.Work`): the steps whose commit or copies
+    are unfinished, and the jobs its workers still have."""
+
+    def __init__(self, store: "TieredStore") -> None:
+        self.store = store
+        self.parts: Parts = store._parts
+
+    def _busy(self) -> list[int]:
+        ledger = self.parts.ledger
+        return [s for s in sorted(ledger.snapshot().info) if ledger.busy(s)]
+
+    def _done(self) -> bool:
+        workers = [self.parts.commits, *self.parts.copies.values()]
+        return not self._busy() and all(_idle(w) for w in workers)
+
+    def _missing(self, step: int) -> list[Holder]:
+        """The tiers that took ``step`` but do not hold it yet."""
+        ledger = self.parts.ledger
+        held = set(ledger.holders(step))
+        return [t for t in self.parts.tiers
+                if t.name not in held and any(i.step == step for i in ledger.previous(t.name))]
+
+    def _nbytes(self, step: int) -> str:
+        try:
+            return f" ({_units.size(sum(self.parts.first.file_sizes(step).values()))})"
+        except Exception:  # noqa: BLE001 - only for the message
+            return ""
+
+    def pending(self) -> str | None:
+        if self._done():
+            return None
+        first = self.parts.first.name
+        said = []
+        for s in self._busy():
+            if first not in self.parts.ledger.holders(s):
+                said.append(f"step {s}{self._nbytes(s)} not yet committed")
+            else:
+                said.append(f"step {s}{self._nbytes(s)} not yet on {', '.join(t.name for t in self._missing(s))}")
+        return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")
+
+    def _drop_spares(self) -> None:
+        first = self.parts.first
+        if isinstance(first, MemoryTier):
+            first.drop_spares()  # spare buffers for a next save that never comes
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        self._drop_spares()
+        while not self._done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(_POLL, left))
+        self.store.raise_background_errors()
+        return True
+
+    def lost(self, reason: str) -> str:
+        self._drop_spares()
+        first = self.parts.first
+        said = []
+        for s in self._busy():
+            if first.name not in self.parts.ledger.holders(s):
+                said.append(f"step {s} is not committed (the next store on {first.location} removes it)")
+                continue
+            for t in self._missing(s):
+                where = getattr(t, "location", t.name)
+                hint = (f" (`tierfs cp {first.location} {where} --step {s}` copies it)"
+                        if self.parts.group.world_size == 1 and isinstance(t, Tier) else "")
+                said.append(f"step {s} is NOT durable on tier {t.name!r} ({where}): it is committed only in "
+                            f"the RAM tier at {first.location}{hint}")
+        if not said:
+            said.append(f"a step may be NOT durable on the slower tiers; the steps committed in the RAM tier stay "
+                        f"at {first.location}")
+        return f"tierfs: at exit, {reason}: " + "; ".join(said)
+
+    def close(self) -> None:
+        try:  # a failure of background work that no call raised yet (the last save's copy)
+            self.store.raise_background_errors()
+        except Exception as e:  # noqa: BLE001 - at exit: one line
+            log.warning("%s", self.lost(short(e)))
+        try:
+            self.store.close()
+        except Exception as e:  # noqa: BLE001 - at exit: one line
+            log.warning("tierfs: at exit, closing the store failed (%s)", short(e, with_type=True))
+
+
+def exit_work(store: "TieredStore") -> StoreWork | None:
+    """The store's work at exit; None once it is closed."""
+    return None if store._closed else StoreWork(store)
+
