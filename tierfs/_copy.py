@@ -81,7 +81,7 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
                     c = crc32c(src)
                     if c != job.expected[b]:
                         raise ChecksumError(
-                            f"checksum mismatch in {job.shown()} bytes {s}-{e}: stored "
+                            f"checksum mismatch in {job.shown()} (its bytes {s}-{e}): stored "
                             f"{job.expected[b]:#010x}, read {c:#010x}")
                     if job.dst is not None:
                         np.copyto(job.dst[s:e], src)
@@ -121,7 +121,7 @@ def verify_small(items: "list[Job] | list[tuple[Entry, np.ndarray]]", manifest: 
     for e, src in items:  # type: ignore[misc]
         c = crc32c(src)
         if c != e.crc32c[0]:
-            raise ChecksumError(f"checksum mismatch in {manifest.key(e.name)} bytes 0-{src.size}: stored "
+            raise ChecksumError(f"checksum mismatch in {manifest.key(e.name)} (its bytes 0-{src.size}): stored "
                                 f"{e.crc32c[0]:#010x}, read {c:#010x}")
 
 

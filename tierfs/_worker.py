@@ -18,7 +18,7 @@ log = logging.getLogger("tierfs")
 #: CPU priority (nice) of background work: tierfs's worker threads and the transfer threads of its groups
 BACKGROUND_NICE = 10
 #: bytes/s that background copies (to slower tiers, to peers, the fsspec drain's uploads) may move on
-#: average: keeps a training loop within a few percent on a 2-core machine (see docs/benchmarks.md)
+#: average: keeps a training loop within a few percent on a 2-core machine (see docs/performance.md)
 #: while a 2 GiB shard still reaches the slow tier in about 18 s (its checksum check and upload both count)
 DEFAULT_BACKGROUND_BANDWIDTH = 256e6
 

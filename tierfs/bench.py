@@ -240,7 +240,7 @@ def _bench_replication(nbytes: int, repeats: int, tick: Progress | None) -> dict
     class Timing(logging.Handler):  # the store's own measure: commit -> every copy verified
         def emit(self, record: logging.LogRecord) -> None:
             if record.msg.startswith("step %d replicated to peers"):
-                args: Any = record.args  # (step, MB, seconds) of the log line
+                args: Any = record.args  # (step, bytes, seconds) of the log line: numbers
                 seconds[int(args[0])] = float(args[2])
 
     handler = Timing()

@@ -208,6 +208,15 @@ def simulate(strategy: planning.Strategy, mttf: float, work: float, *, runs: int
                      Estimate.of(lost), Estimate.of(recovering), Estimate.of(failures), finish - done_work)
 
 
+#: what the columns of :func:`format_results` mean, printed under the table
+LEGEND = """columns (means over the runs; times in hours of wall time)
+  goodput         useful training time / job time, with its 95% confidence interval; plan: the planner's figure
+  job h           wall time to finish the training work, failures, saves and recoveries included
+  lost h          training and saves that failures threw away (redone after a rollback)
+  recovering h    restarts and reading the step back after each failure
+  failures        failures during one run"""
+
+
 def format_results(rows: Sequence[tuple[int, SimResult, float]]) -> str:
     """``(accelerators, result, planned goodput)`` rows as the table ``tierfs simulate`` prints."""
     def h(s: float) -> str:

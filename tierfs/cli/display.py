@@ -1,4 +1,5 @@
-"""What the commands show people: sizes, ages, and a progress bar on stderr while bytes move."""
+"""What the commands show people: ages, and a progress bar on stderr while bytes move (sizes, durations
+and rates: :mod:`tierfs._units`)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,17 @@ import argparse
 import sys
 from typing import Any
 
+from .._units import duration
 from ..errors import TierfsError
 from ..tiers.base import Tier
 
 
-def human_bytes(n: int) -> str:
-    """``512 B``, ``3.4 KiB``, ``1.0 GiB``: binary units, one decimal above bytes."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    raise AssertionError("unreachable")
-
-
 def age(seconds: float | None) -> str:
-    """``45 s ago``, ``10 min ago``, ``3.5 h ago`` or ``at an unknown time``."""
+    """``450 ms ago``, ``45 s ago``, ``10 min ago``, ``3.5 h ago`` or ``at an unknown time``."""
     if seconds is None:
         return "at an unknown time"
+    if seconds < 1:
+        return f"{duration(seconds)} ago"
     if seconds < 120:
         return f"{seconds:.0f} s ago"
     if seconds < 7200:

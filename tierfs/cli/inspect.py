@@ -12,11 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import FormatError, TierfsError
-from ..protocol import step_manifests, verify_shard
+from .._units import duration, rate, size
+from ..errors import ChecksumError, FormatError, TierfsError
+from ..ops import verify_shard
+from ..protocol import step_manifests
 from ..tiers.base import Tier
 from . import error
-from .display import add_no_progress, add_threads, human_bytes, progress_bar, step_bytes
+from .display import add_no_progress, add_threads, progress_bar, step_bytes
 from .targets import add_target_args, describe, select, storage_options_from_args, tiers_from_target
 
 # -- ls ---------------------------------------------------------------------------------------------
@@ -60,7 +62,7 @@ def _print_rows(rows: list[StepRow]) -> None:
     table = [("STEP", "STATE", "FILES", "SIZE", "WORLD", "COMMITTED")]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.committed)) if r.committed else "-"
-        table.append((str(r.step), r.state, str(r.files), human_bytes(r.nbytes),
+        table.append((str(r.step), r.state, str(r.files), size(r.nbytes),
                       "-" if r.world is None else str(r.world), when))
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     for row in table:
@@ -122,16 +124,20 @@ def verify_step(tier: Tier, step: int, threads: int | None = None,
     Raises
     ------
     TierfsError, OSError
-        The first problem; one in a shard starts with its manifest's name
-        (``rank_00001.manifest.json: checksum mismatch in 'w' ...``).
+        The first problem. A damaged block names its shard file, its bytes in that file and the user's
+        key (``step 7 rank 0 on ram: rank_00000.0003.bin bytes 1048576-2097152, part of 'model.0.weight'
+        (the chunk at 0,0): checksum mismatch ...``, :func:`tierfs.ops.verify_shard`); a truncated or missing
+        shard file starts with the rank.
     """
     _, _, manifests = step_manifests(tier, step)
     checked = sum(len(mbytes) for _, mbytes, _ in manifests)
-    for name, _, manifest in manifests:
+    for _, _, manifest in manifests:
         try:
             checked += verify_shard(tier, step, manifest, threads=threads, progress=progress)
+        except ChecksumError:
+            raise  # already names the step, the rank, the tier, the file and its bytes
         except (TierfsError, OSError) as e:
-            raise type(e)(f"{name}: {e}") from e
+            raise type(e)(f"step {step} rank {manifest.rank} on {tier.name}: {e}") from e
     return checked, len(manifests)
 
 
@@ -150,7 +156,7 @@ def _step_to_verify(args: argparse.Namespace, label: str, steps: dict[int, bool]
     if args.tier is None:
         print(f"{label}: step {args.step} {why}, skipped")
         return None, False
-    print(f"{label}: step {args.step}: FAILED: step {why}")
+    print(f"{label}: FAILED: step {args.step} {why}")
     return None, True
 
 
@@ -171,15 +177,15 @@ def _verify_tier(args: argparse.Namespace, tier: Tier) -> str:
     try:
         nbytes, nman = verify_step(tier, step, args.threads, bar.update if bar else None)
     except (TierfsError, OSError) as e:
-        print(f"{label}: step {step}: FAILED: {' '.join(str(e).split())}")
+        msg = " ".join(str(e).split())
+        print(f"{label}: FAILED: {msg if msg.startswith(f'step {step} ') else f'step {step}: {msg}'}")
         return "failed"
     finally:
         if bar is not None:
             bar.close()
     dt = time.perf_counter() - t0
-    rate = f"{nbytes / dt / 1e9:.2f} GB/s" if dt > 0 else "-"
     ranks = f"{nman} rank{'s' if nman != 1 else ''}"
-    print(f"{label}: step {step}: OK  {human_bytes(nbytes)} checked ({ranks}) in {dt:.3f} s, {rate}")
+    print(f"{label}: step {step}: OK  {size(nbytes)} checked ({ranks}) in {duration(dt)}, {rate(nbytes, dt)}")
     return "ok"
 
 

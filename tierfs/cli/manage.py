@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from .._rootdir import check_local_url
+from .._units import duration, rate, size
 from ..errors import TierfsError, TierUnavailableError
 from ..tiers.base import Tier
 from . import UsageError
-from .display import add_no_progress, add_threads, age, human_bytes, progress_bar, step_bytes
+from .display import add_no_progress, add_threads, age, progress_bar, step_bytes
 from .targets import (add_target_args, close_all, describe, is_config, is_url, select, storage_options_from_args,
                       tiers_from_config, tiers_from_target)
 from .units import parse_duration
@@ -99,8 +100,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
         dt = time.perf_counter() - t0
-        print(f"copied step {step} from {describe(src)} to {describe(dst)}: {human_bytes(n)} verified in "
-              f"{dt:.2f} s, commit marker written last")
+        print(f"copied step {step} from {describe(src)} to {describe(dst)}: {size(n)} verified in "
+              f"{duration(dt)} ({rate(n, dt)}), commit marker written last")
     finally:
         close_all([*src_all, dst])
     return 0
@@ -211,9 +212,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     finally:
         close_all(tiers)
     files = sorted({getattr(v, "relative_path", "") for v in md.storage_data.values()})
-    size = sum(os.path.getsize(os.path.join(args.directory, f)) for f in files if f)
-    print(f"exported {args.directory}: {len(files)} .distcp file(s), {human_bytes(size)} in "
-          f"{time.perf_counter() - t0:.2f} s; load it with dcp.load(state, "
+    nbytes = sum(os.path.getsize(os.path.join(args.directory, f)) for f in files if f)
+    dt = time.perf_counter() - t0
+    print(f"exported {args.directory}: {len(files)} .distcp file(s), {size(nbytes)} in {duration(dt)} "
+          f"({rate(nbytes, dt)}); load it with dcp.load(state, "
           f"storage_reader=FileSystemReader({args.directory!r}))")
     return 0
 

@@ -16,13 +16,36 @@ import sys
 from typing import Any, Callable
 
 from .. import planning as pl
+from .._units import duration, rate, size
 from . import UsageError
 from .display import add_no_progress
 from .targets import storage_options_from_args
-from .units import (nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration, parse_fraction,
-                    parse_rate, positive_int)
+from .units import (int_at_least, nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration,
+                    parse_duration_or_zero, parse_fraction, parse_rate, positive_int)
 
 # -- shared arguments -------------------------------------------------------------------------------
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return v
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The job, its failures, the tiers' bandwidths and the RAM tier: ``plan``'s and ``simulate``'s arguments."""
@@ -31,13 +54,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     size.add_argument("--params", type=parse_count, metavar="N", help="model parameters, e.g. 70B")
     size.add_argument("--checkpoint-size", type=parse_bytes, metavar="BYTES",
                       help="bytes of one whole checkpoint, e.g. 5TB (instead of --params)")
-    g.add_argument("--bytes-per-param", type=float, default=pl.BYTES_PER_PARAM, metavar="B",
-                   help="checkpoint bytes per parameter (default 12: fp32 weights + Adam's two moments)")
-    g.add_argument("--hosts", type=positive_int, metavar="N", help="hosts (nodes) in the job")
+    g.add_argument("--bytes-per-param", type=_positive_float, metavar="B",
+                   help="checkpoint bytes per parameter, with --params (default 12: fp32 weights + Adam's two "
+                        "moments)")
+    g.add_argument("--hosts", type=positive_int, metavar="N",
+                   help="hosts (nodes) in the job; give --hosts, --accelerators or both")
     g.add_argument("--accelerators", type=parse_count_int, metavar="N",
                    help="accelerators in the job (default: hosts x --accelerators-per-host)")
     g.add_argument("--accelerators-per-host", type=positive_int, default=8, metavar="N",
-                   help="accelerators per host (default 8); with only --accelerators, hosts = N / this")
+                   help="accelerators per host (default 8); with only --accelerators, hosts = N / this, "
+                        "rounded up")
     f = g.add_mutually_exclusive_group()
     f.add_argument("--mttf", type=parse_duration, metavar="DUR", help="the cluster's MTTF, e.g. 124min")
     f.add_argument("--accelerator-mttf", type=parse_duration, metavar="DUR",
@@ -49,15 +75,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of node losses that also lose every peer holding the replicas (default 0)")
     g.add_argument("--step-time", type=parse_duration, metavar="DUR",
                    help="seconds per training step; intervals are rounded to whole steps")
-    g.add_argument("--restart", type=parse_duration, default=60.0, metavar="DUR",
+    g.add_argument("--restart", type=parse_duration_or_zero, default=60.0, metavar="DUR",
                    help="time to restart the job after a failure, before reading a checkpoint (default 60s)")
-    g.add_argument("--replace", type=parse_duration, default=0.0, metavar="DUR",
+    g.add_argument("--replace", type=parse_duration_or_zero, default=0.0, metavar="DUR",
                    help="extra time to bring in a replacement node after a node loss (default 0)")
 
     b = p.add_argument_group("bandwidths (per host; from --bench, or given)")
     b.add_argument("--bench", metavar="FILE", help="a JSON file written by 'tierfs bench'")
     b.add_argument("--ram-bw", type=parse_rate, metavar="RATE", help="RAM-tier save, e.g. 5GB/s")
-    b.add_argument("--ram-restore-bw", type=parse_rate, metavar="RATE", help="RAM-tier restore")
+    b.add_argument("--ram-restore-bw", type=parse_rate, metavar="RATE",
+                   help="RAM-tier restore (default: as save)")
     b.add_argument("--peer-bw", type=parse_rate, metavar="RATE", help="transfer to or from a peer host")
     b.add_argument("--object-bw", type=parse_rate, metavar="RATE", help="object-store upload per host")
     b.add_argument("--object-read-bw", type=parse_rate, metavar="RATE",
@@ -74,7 +101,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="peer copies of each host's shard (default 1; 0: no peer tier)")
     r.add_argument("--replica-keep", type=positive_int, default=1, metavar="N",
                    help="steps of each replica a host keeps (default 1)")
-    r.add_argument("--headroom", type=float, default=0.15, metavar="F",
+    r.add_argument("--headroom", type=_nonneg_float, default=0.15, metavar="F",
                    help="RAM headroom fraction (default 0.15)")
     r.add_argument("--background-slowdown", type=parse_fraction, default=pl.DEFAULT_BACKGROUND_SLOWDOWN,
                    metavar="F", help="training time lost per second of background copy (default 0.05, "
@@ -96,10 +123,14 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
     """:class:`tierfs.planning.PlanInputs` from parsed arguments (ValueError with one line when inconsistent)."""
     from .. import bench
 
-    ckpt = args.checkpoint_size if args.checkpoint_size else pl.checkpoint_bytes(args.params, args.bytes_per_param)
+    if args.checkpoint_size and args.bytes_per_param is not None:
+        raise ValueError("--bytes-per-param goes with --params; --checkpoint-size is the whole checkpoint already")
+    bpp = pl.BYTES_PER_PARAM if args.bytes_per_param is None else args.bytes_per_param
+    ckpt = args.checkpoint_size if args.checkpoint_size else pl.checkpoint_bytes(args.params, bpp)
     per_host = args.accelerators_per_host
     if args.hosts is None and args.accelerators is None:
-        raise ValueError("give --hosts or --accelerators (or both)")
+        raise ValueError("give --hosts or --accelerators (or both)"
+                         + (", or --sizes" if getattr(args, "sizes", None) is not None else ""))
     hosts = args.hosts if args.hosts is not None else max(1, math.ceil(args.accelerators / per_host))
     accelerators = args.accelerators if args.accelerators is not None else hosts * per_host
     if accelerators < hosts:
@@ -215,9 +246,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """``tierfs simulate``: goodput, job time, work lost per strategy and cluster size, with 95% intervals."""
     from .. import simulate as sim
 
-    base = inputs_from_args(args)
     if args.sizes and args.accelerator_mttf is None:
         raise ValueError("--sizes needs --accelerator-mttf (the cluster's MTTF falls with its size)")
+    if args.sizes:
+        # the sizes are the clusters: hosts = size / --accelerators-per-host; a --hosts/--accelerators is not used
+        given = [f"{o} {v}" for o, v in (("--hosts", args.hosts), ("--accelerators", args.accelerators))
+                 if v is not None]
+        if given:
+            print(f"tierfs: note: --sizes gives the cluster sizes; {' and '.join(given)} not used", file=sys.stderr)
+        args = argparse.Namespace(**{**vars(args), "hosts": None, "accelerators": args.sizes[0]})
+    base = inputs_from_args(args)
     sizes = args.sizes or [base.accelerators]
     rows: list[tuple[int, sim.SimResult, float]] = []
     for i, n in enumerate(sizes):
@@ -233,9 +271,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"accelerators": n, "plan_goodput": g, **r.as_dict()} for n, r, g in rows], indent=2))
     else:
-        print(f"{args.runs} runs of {args.work / 86400:g} days of training per strategy and size, seed {args.seed}; "
+        work = f"{args.work / 86400:g} days" if args.work >= 86400 else duration(args.work)
+        print(f"{args.runs} runs of {work} of training per strategy and size, seed {args.seed}; "
               "95% confidence intervals")
         print(sim.format_results(rows))
+        print()
+        print(sim.LEGEND)
     if args.plot:
         try:
             sim.plot_goodput(rows, args.plot)
@@ -283,13 +324,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     r = data["ram"]
-    lines = [f"RAM tier: save {r['save_gbps']:.2f} GB/s (training waits), commit {r['commit_gbps']:.2f} GB/s, "
-             f"restore {r['restore_gbps']:.2f} GB/s"]
+
+    def gbps(x: float) -> str:
+        return rate(x * 1e9)
+
+    lines = [f"measured with {size(data['size_bytes'])} per process, median of {data['repeats']} repeats",
+             f"RAM tier: save {gbps(r['save_gbps'])} (training waits), commit {gbps(r['commit_gbps'])}, "
+             f"restore {gbps(r['restore_gbps'])}"]
     if data["object"]:
         o = data["object"]
-        lines.append(f"object tier {o['url']}: upload {o['write_gbps']:.3f} GB/s, download {o['read_gbps']:.3f} GB/s")
+        lines.append(f"object tier {o['url']}: upload {gbps(o['write_gbps'])}, download {gbps(o['read_gbps'])}")
     if data["peer"]:
-        lines.append(f"peers ({data['peer']['world_size']} processes, gloo): {data['peer']['gbps']:.2f} GB/s")
+        lines.append(f"peers ({data['peer']['world_size']} processes, {data['peer']['method']}): "
+                     f"{gbps(data['peer']['gbps'])}")
     lines += [f"note: {n}" for n in data["notes"]]
     if args.out:
         lines.append(f"written to {args.out} (use it with: tierfs plan --bench {args.out} ...)")
@@ -319,11 +366,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     """``simulate``'s own arguments (it takes :func:`add_model_args`'s too)."""
     g = p.add_argument_group("simulation")
     g.add_argument("--sizes", type=_sizes, metavar="N,N,...",
-                   help="cluster sizes in accelerators, e.g. 1k,3k,10k,30k,100k (needs --accelerator-mttf); "
-                        "default: the one cluster given")
+                   help="cluster sizes in accelerators, e.g. 1k,3k,10k,30k,100k, instead of --hosts/--accelerators "
+                        "(hosts = size / --accelerators-per-host); needs --accelerator-mttf. Default: the one "
+                        "cluster given")
     g.add_argument("--work", type=parse_duration, default=30 * 86400.0, metavar="DUR",
                    help="training time the job needs (default 30d)")
-    g.add_argument("--runs", type=positive_int, default=200, metavar="N", help="runs per strategy (default 200)")
+    g.add_argument("--runs", type=int_at_least(2), default=200, metavar="N",
+                   help="runs per strategy, at least 2 (default 200)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--plot", metavar="FILE.png", help="write goodput vs cluster size (needs matplotlib)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -347,8 +396,9 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("simulate", help="Monte-Carlo of a training run under failures", description=(
         "Simulate many runs of a job under exponential failures (node losses and process restarts, "
         "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
-        "or several sizes (--sizes with --accelerator-mttf). Prints goodput, job time, work lost and time "
-        "recovering with 95% confidence intervals, next to the plan's goodput."))
+        "(--hosts/--accelerators) or several sizes (--sizes with --accelerator-mttf). Needs a failure rate "
+        "(--mttf or --accelerator-mttf) and at least the object store's bandwidth. Prints goodput, job time, "
+        "work lost and time recovering with 95% confidence intervals, next to the plan's goodput."))
     add_model_args(p)
     add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -63,6 +63,14 @@ def parse_duration(text: str) -> float:
     return _parse(text, _TIME, "duration", "124min, 90s, 2h or 5.7y")
 
 
+def parse_duration_or_zero(text: str) -> float:
+    """As :func:`parse_duration`, but ``0`` (or ``0s``) is allowed: a time that may be nothing."""
+    m = re.fullmatch(_NUM + r"([A-Za-z]*)\s*", str(text))
+    if m and float(m.group(1)) == 0 and m.group(2).lower() in _TIME:
+        return 0.0
+    return parse_duration(text)
+
+
 def parse_fraction(text: str) -> float:
     """``0.5`` -> 0.5: a number in [0, 1]."""
     try:
@@ -94,6 +102,9 @@ positive_int, nonneg_int = int_at_least(1), int_at_least(0)
 
 
 def parse_count_int(text: str) -> int:
-    """``24k`` -> 24000: a count (see :func:`parse_count`), rounded to a whole number."""
-    return int(round(parse_count(text)))
+    """``24k`` -> 24000: a count (see :func:`parse_count`), rounded to a whole number, at least 1."""
+    v = int(round(parse_count(text)))
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"count {text!r} must be at least 1")
+    return v
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _copy
+from .. import _copy, _units
 from .._stages import stage
 from ..dist import Group, agree
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
@@ -59,7 +59,8 @@ class RestoreInfo:
     def __str__(self) -> str:
         s = f"step {self.step} from tier {self.tier!r}"
         s += f" (rank {self.peer})" if self.peer is not None else ""
-        s += f": {self.nbytes / 1e6:.1f} MB in {self.seconds:.3f}s"
+        s += f": {_units.size(self.nbytes)} in {_units.duration(self.seconds)}"
+        s += f" ({_units.rate(self.nbytes, self.seconds)})" if self.seconds > 0 else ""
         for tier, step, why in self.skipped:
             s += f"; skipped {tier!r} step {step}: {why}"
         return s
@@ -306,7 +307,7 @@ class Restore:
             return
         if rep.holdings().get(s):
             self.parts.ledger.stored(rep.name, s)
-        log.info("step %d: re-seeded %d peer copies in %.2fs", s, len(pairs), time.perf_counter() - t0)
+        log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
 
 
 def _kind(e: BaseException) -> type[TierfsError]:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .. import _args, _copy, _nogc, state as st
+from .. import _args, _copy, _nogc, _units, state as st
 from .._stages import stage
 from ..dist import Group, agree, agreement, seconds
 from ..errors import StepExistsError, TierfsError
@@ -285,8 +285,8 @@ class SavePath:
                 vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.pace(step, dst.name),
                                        batched=False)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
-        log.info("step %d copied %s -> %s: %.1f MB in %.2fs", step, src.name, dst.name, vote.mine / 1e6,
-                 time.perf_counter() - t0)
+        log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _units.Bytes(vote.mine),
+                 _units.Seconds(time.perf_counter() - t0))
         return True
 
     def _replicate(self, step: int, dst: Replicator, marker: Marker) -> bool:
@@ -309,5 +309,6 @@ class SavePath:
             log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: %s); "
                         "peers keep their previous step", step, len(failed), s, t, why)
             return False
-        log.info("step %d replicated to peers: %.1f MB sent in %.2fs", step, nbytes / 1e6, time.perf_counter() - t0)
+        log.info("step %d replicated to peers: %s sent in %s", step, _units.Bytes(nbytes),
+                 _units.Seconds(time.perf_counter() - t0))
         return True

@@ -45,8 +45,8 @@ from typing import Mapping
 BYTES_PER_PARAM = 12
 
 #: the slowdown of training while a background copy runs, as a fraction of the copy's duration: tierfs's
-#: default throttle measured +4.6% / -0.4% on a training loop, and +2.5% / +0.8% since it paces in bursts
-#: (docs/benchmarks.md); 5% is the bound it is held to
+#: default throttle measured +3.5% (-0.8% to +5.7%) on a training loop (docs/performance.md); 5% is the
+#: bound it is held to
 DEFAULT_BACKGROUND_SLOWDOWN = 0.05
 
 

@@ -110,9 +110,15 @@ def optimise(strategy: Strategy, mttf: float, *, fixed: Mapping[str, float] | No
             return None
         return tau
 
+    # each slower tier's ``every`` is a multiple of the one before (see ``snap``): a tier's cap bounds the
+    # tiers before it too, or an uncapped peer tier would push the object tier past its cap
+    caps: dict[str, float] = {}
+    for i, t in enumerate(strategy.tiers):
+        caps[t.name] = min(hi_b.get(u.name, math.inf) for u in strategy.tiers[i:])
+
     def bounds(name: str, tau: float) -> tuple[int, int]:
         kmin = max(1, math.ceil(lo_b.get(name, 0.0) / tau - 1e-9))
-        cap = hi_b.get(name, math.inf)
+        cap = caps.get(name, math.inf)
         return kmin, (max(kmin, int(cap / tau + 1e-9)) if not math.isinf(cap) else kmin + 100000)
 
     def ks(name: str, tau: float) -> list[int]:
@@ -209,17 +215,26 @@ def _finish(p: PlanInputs, name: str, base_name: str, base_yd: float, base_mttf:
         lo[tname] = transfer
     strat = optimise(Strategy(name, start, tuple(tiers), tuple(classes)), mttf, fixed=fixed,
                      step_time=p.step_time, min_interval=lo, max_interval=hi)
-    for t in strat.tiers[1:]:
+    yds = {base_name: (base_yd, base_mttf)} | {n: (yd, m) for n, yd, m, _, _ in others}
+    for t in strat.tiers:
         iv = t.every * strat.interval
         if t.name in lo and iv < lo[t.name] - 1e-9:
             notes.append(f"{name}: a {t.name} copy takes {duration(t.transfer)}, longer than its interval "
                          f"{duration(iv)}; copies will queue")
-        if t.name == "object" and t.name not in fixed and iv >= p.max_object_interval - strat.interval:
+        capped = (t.name == "object" and t.name not in fixed and bool(others)
+                  and iv >= p.max_object_interval - strat.interval)
+        if math.isinf(yds[t.name][1]):  # no failure class restores from this tier
+            why = ("it is saved as the source of the slower tiers' copies" if t.name == base_name and others else
+                   "it is saved for durability only" if t.name == "object" else "it is saved all the same, as "
+                   "the strategy has it")
+            how = " (--max-object-interval)" if capped else " (as given)" if t.name in fixed else ""
+            notes.append(f"{name}: no failure reads the {t.name} tier (--node-loss {p.node_loss:g}, "
+                         f"--replica-loss {p.replica_loss:g}); {why}, every {duration(iv)}{how}")
+        elif capped:
             notes.append(f"{name}: object interval held near the {duration(p.max_object_interval)} cap "
                          "(--max-object-interval)")
     strat = replace(strat, notes=tuple(notes))
     wall = strat.wall_per_interval()
-    yds = {base_name: (base_yd, base_mttf)} | {n: (yd, m) for n, yd, m, _, _ in others}
     plans = []
     for t in strat.tiers:
         iv = strat.interval * t.every

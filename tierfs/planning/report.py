@@ -14,6 +14,31 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+#: what each column of the strategy and recovery tables means, printed under them
+_LEGEND = (
+    ("interval", "training time between saves to the tier: the model's goodput maximum, in whole --step-time "
+                 "steps"),
+    ("", "(a slower tier takes every n-th save of the first tier: its interval is a multiple of that one)"),
+    ("Young/Daly", "sqrt(2 x stall x MTTF for it), where the search for the interval starts"),
+    ("MTTF for it", "mean time between the failures that restore from the tier; none: no failure does, so "
+                    "Young/Daly"),
+    ("", "is -, and the tier is saved for another reason (see the notes)"),
+    ("stall", "training time lost per save: the RAM copy, a synchronous upload, or for a copy in the "
+              "background"),
+    ("", "--background-slowdown x its transfer"),
+    ("transfer", "time a save takes to reach the tier; a copy in the background is usable only after it"),
+    ("write/host", "each host's average write rate into the tier: its shard per save (--replicas x its shard "
+                   "to peers)"),
+    ("", "over the wall time between saves, so tiers saved equally often show the same rate"),
+    ("write/job", "write/host x hosts: the whole job's (what an object store must absorb)"),
+    ("goodput", "expected useful training time / wall time, failures, saves and recoveries counted"),
+    ("share", "fraction of all failures in this class (from --node-loss and --replica-loss)"),
+    ("reads from", "the tier the class restores from; recovery: --restart, + --replace after a node loss, + "
+                   "reading"),
+    ("", "the step back from that tier"),
+)
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the readable text ``tierfs plan`` prints."""
     p, r = plan.inputs, plan.ram
@@ -40,12 +65,14 @@ def format_plan(plan: Plan) -> str:
                 f"  sustained write {rate(t.bandwidth_total)} for the job ({rate(t.bandwidth_per_host)} per host)"]
     if plan.strategies:
         out += ["", "strategies (intervals in training time; goodput = useful training / wall time)"]
-        rows = [("strategy", "tier", "interval", "Young/Daly", "MTTF for it", "blocks", "transfer",
+        rows = [("strategy", "tier", "interval", "Young/Daly", "MTTF for it", "stall", "transfer",
                  "write/host", "write/job", "goodput")]
         for sp in plan.strategies:
             for i, t in enumerate(sp.tiers):
+                unneeded = math.isinf(t.mttf)  # no failure class restores from this tier
                 rows.append((sp.strategy.name if i == 0 else "", t.name, duration(t.interval),
-                             duration(t.young_daly), duration(t.mttf), duration(t.blocking), duration(t.transfer),
+                             "-" if unneeded or math.isinf(t.young_daly) else duration(t.young_daly),
+                             "none" if unneeded else duration(t.mttf), duration(t.blocking), duration(t.transfer),
                              rate(t.bandwidth_per_host), rate(t.bandwidth_total),
                              f"{sp.goodput:.2%}" if i == 0 else ""))
         out += _table(rows)
@@ -56,6 +83,7 @@ def format_plan(plan: Plan) -> str:
                 rows.append((sp.strategy.name if i == 0 else "", c.name, f"{c.probability:.0%}", c.tier,
                              duration(c.recovery)))
         out += _table(rows)
+        out += ["", "columns"] + _table([(name, text) for name, text in _LEGEND])
     notes = list(plan.notes) + [n for sp in plan.strategies for n in sp.strategy.notes]
     if notes:
         out += [""] + [f"note: {n}" for n in notes]

@@ -1,40 +1,20 @@
-"""How the planner writes durations, sizes and rates for people (GB = 1e9 bytes, GB/s = 1e9 bytes/s)."""
+"""How the planner writes durations, sizes and rates for people: :mod:`tierfs._units`, sizes in decimal
+units (GB = 1e9 bytes, as the planner's inputs: ``70B`` parameters x 12 bytes = 840 GB) and rates in
+GB/s or MB/s (1e9 and 1e6 bytes/s)."""
 
 from __future__ import annotations
 
-import math
+from .. import _units
 
+#: seconds as ``660 ms``, ``90.0 s``, ``6.2 min``, ``2.0 h``, ``3.5 d`` (see :func:`tierfs._units.duration`)
+duration = _units.duration
 
-def duration(s: float) -> str:
-    """Seconds as ``0.50 s``, ``90.0 s``, ``6.2 min``, ``2.0 h`` or ``3.5 d``; ``never`` for inf, ``-`` for nan.
-
-    Parameters
-    ----------
-    s : float
-        Seconds.
-
-    Returns
-    -------
-    str
-        The duration in the largest unit that keeps it readable.
-    """
-    if math.isinf(s):
-        return "never"
-    if math.isnan(s):
-        return "-"
-    if s < 1:
-        return f"{s:.2f} s"
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    if s < 172800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
+#: bytes per second as ``13.44 GB/s`` or ``200.0 MB/s`` (see :func:`tierfs._units.rate`)
+rate = _units.rate
 
 
 def gigabytes(n: float) -> str:
-    """Bytes as ``840 GB`` (from 1 TB), ``26.25 GB`` (from 0.1 GB) or ``5.0 MB``.
+    """Bytes in decimal units: ``840.00 GB``, ``26.25 GB``, ``5.00 TB``, ``5.0 MB``.
 
     Parameters
     ----------
@@ -44,24 +24,6 @@ def gigabytes(n: float) -> str:
     Returns
     -------
     str
-        The size in GB, or in MB below 0.1 GB.
+        :func:`tierfs._units.size` with ``si=True``.
     """
-    if n >= 1e12:
-        return f"{n / 1e9:.0f} GB"
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
-
-
-def rate(n: float) -> str:
-    """Bytes per second as ``13.44 GB/s`` (from 1 GB/s) or ``200.0 MB/s``.
-
-    Parameters
-    ----------
-    n : float
-        Bytes per second.
-
-    Returns
-    -------
-    str
-        The rate in GB/s, or in MB/s below 1 GB/s.
-    """
-    return f"{n / 1e9:.2f} GB/s" if n >= 1e9 or n == 0 else f"{n / 1e6:.1f} MB/s"
+    return _units.size(n, si=True)

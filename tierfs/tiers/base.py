@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_ch
 
 import numpy as np
 
-from .. import _args
+from .. import _args, _units
 from .._copy import as_u8
 from ..errors import CapacityError
 from ..format import MARKER, Manifest, Marker, validate_filename
@@ -216,8 +216,8 @@ class Tier(ABC):
         avail = self.capacity().available
         if avail is not None and nbytes > avail:
             raise CapacityError(
-                f"tier {self.name!r}: saving {nbytes / 1e6:.1f} MB would exceed its space "
-                f"({avail / 1e6:.1f} MB left); raise the budget, free space or keep fewer steps")
+                f"tier {self.name!r}: saving {_units.size(nbytes)} would exceed its space "
+                f"({_units.size(avail)} left); raise the budget, free space or keep fewer steps")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
