@@ -9,12 +9,14 @@ from collections import defaultdict
 from typing import IO, Any, Callable, Mapping
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
 from .._fileio import atomic_write
 from .. import _args
-from ..errors import ArgumentError, StepNotFoundError
+from ..errors import ArgumentError, StepNotFoundError, TierfsError
+from ..format import DCP_EXTRA_PREFIX
 from ..store import TieredStore
+from . import _dcpextra
 from ._dcpmeta import as_tensor
 
 log = logging.getLogger("tierfs")
@@ -32,6 +34,13 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     DCP's ``Metadata`` pickled by DCP's own rules, with ``_StorageInfo(relative_path, offset, length)``
     storage data. It loads with ``dcp.load(state, storage_reader=FileSystemReader(directory))`` and no
     tierfs (and with any world size DCP can reshard to).
+
+    A :class:`~tierfs.CheckpointManager` step exports whole: the non-tensor values the manager keeps beside
+    DCP's items (``x|`` entries, per rank) become the bytes items a plain ``dcp.save`` of the same state
+    would have written: flattened as DCP's planner flattens a state (fqns and ``planner_data`` key paths
+    included), ``torch.save`` of the user's original value, ``BytesStorageMetadata``. Each is written once,
+    from rank 0, or from the lowest rank holding it when rank 0 does not (DCP too keeps one copy). Two values
+    that flatten to one fqn (which ``dcp.save`` rejects as well) are a :class:`~tierfs.errors.TierfsError`.
 
     Every entry is read through the store's verified path (fastest tier whose copy checks out, every
     crc32c verified), from any rank's shard, so this runs in one process (e.g. rank 0 alone, or a tool
@@ -71,20 +80,62 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     by_rank: dict[int, dict[str, list[MetadataIndex]]] = defaultdict(lambda: defaultdict(list))
     for idx, where in md.storage_data.items():
         by_rank[int(where["rank"])][str(where["entry"])].append(idx)
+    # a CheckpointManager step keeps its non-tensor values beside DCP's items, per rank (x| entries): they
+    # become the bytes items a plain dcp.save of the state would have written, each once, from the lowest
+    # rank that has it (rank 0's copy of a value every rank holds, as DCP keeps one copy)
+    world = store.read_marker(step, tiers=tiers).world_size
+    extra_names: dict[int, list[str]] = {}
+    for rank in range(world):
+        manifest, _ = store.read_manifest(step, rank, tiers=tiers)
+        names = [e.name for e in manifest.entries if e.name.startswith(DCP_EXTRA_PREFIX)]
+        if names:
+            extra_names[rank] = names
 
+    sdm: dict[str, Any] = dict(md.state_dict_metadata)
+    planner_data: dict[str, Any] | None = None if md.planner_data is None else dict(md.planner_data)
+    tensor_paths: dict[str, tuple[str | int, ...]] = {}
+    owner: dict[str, int] = {}  # fqn -> the rank whose copy of a non-tensor value is exported
     storage: dict[MetadataIndex, Any] = {}
     written: list[str] = []
-    for rank, wanted in sorted(by_rank.items()):
+    for rank in sorted(set(by_rank) | set(extra_names)):
+        wanted = by_rank.get(rank, {})
+        extras = extra_names.get(rank, [])
         rel = f"__{rank}_0{DEFAULT_SUFFIX}"
         path = os.path.join(directory, rel)
 
         def consume(found: Mapping[str, tuple[Any, Any]], tier: str, wanted: dict[str, list[MetadataIndex]] = wanted,
-                    rel: str = rel, path: str = path) -> None:
+                    extras: list[str] = extras, rank: int = rank, rel: str = rel, path: str = path) -> None:
+            nonlocal planner_data
+            items: list[tuple[str, bytes]] = []  # this rank's new bytes items: (fqn, torch.save of the value)
+            extra = _dcpextra.decode({n[len(DCP_EXTRA_PREFIX):]: found[n] for n in extras},
+                                     f"step {step} rank {rank}")
+            if progress is not None:
+                for n in extras:
+                    if found[n][0].kind == "array":
+                        progress(found[n][0].length)
+            if extra is not None:
+                for fqn, dcp_path, value in _dcpextra.bytes_items(extra):
+                    if fqn in sdm:
+                        if owner.get(fqn, rank) != rank:
+                            continue  # a lower rank's copy is exported
+                        raise TierfsError(f"step {step} cannot be a plain DCP checkpoint: rank {rank}'s value at "
+                                          f"{list(dcp_path)!r} and another item both flatten to {fqn!r}")
+                    sdm[fqn], owner[fqn] = BytesStorageMetadata(), rank
+                    if planner_data is None:
+                        planner_data = {}
+                    planner_data.setdefault(fqn, dcp_path)
+                    items.append((fqn, _dcpextra.serialize(value)))
+                for fqn, p in _dcpextra.tensor_paths(extra).items():
+                    tensor_paths.setdefault(fqn, p)
             names = list(wanted)
             # FileSystemWriter writes a file's bytes items first, then its tensors
             names.sort(key=lambda n: not n.startswith("b|"))
 
             def write(f: IO[bytes]) -> None:
+                for fqn, data in items:
+                    offset = f.tell()
+                    f.write(data)
+                    storage[MetadataIndex(fqn)] = _StorageInfo(rel, offset, len(data))
                 for name in names:
                     entry, raw = found[name]
                     offset = f.tell()
@@ -97,15 +148,20 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
                         storage[idx] = _StorageInfo(rel, offset, length)
                     if progress is not None:
                         progress(entry.length if entry.kind == "array" else length)
-            atomic_write(path, write, fsync=fsync)
+            if items or names:
+                atomic_write(path, write, fsync=fsync)
+                written.append(rel)
 
-        tier, skipped = store.read_entries(step, rank, list(wanted), tiers=tiers, consume=consume)
+        tier, skipped = store.read_entries(step, rank, list(wanted) + extras, tiers=tiers, consume=consume)
         for t, s, why in skipped:
             log.warning("export_dcp: step %d rank %d: skipped the %s copy (%s)", s, rank, t, why)
         log.info("export_dcp: step %d rank %d from %s -> %s", step, rank, tier, path)
-        written.append(rel)
 
-    out = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+    if planner_data is not None:
+        # the key paths a plain dcp.save records: list indices as ints (the manager's save saw its lists of
+        # tensors as dicts keyed by index)
+        planner_data.update((f, p) for f, p in tensor_paths.items() if f in planner_data)
+    out = Metadata(state_dict_metadata=sdm, planner_data=planner_data,
                    storage_data=storage, storage_meta=StorageMeta(checkpoint_id=directory,
                                                                   save_id=uuid.uuid4().hex),
                    version=CURRENT_DCP_VERSION)
