@@ -1,11 +1,11 @@
 # `make demo` and `make test` each build .venv when missing, then run. `make test` type-checks the
-# package (mypy, configured in pyproject.toml) before the suite.
+# package (mypy, configured in pyproject.toml) and builds the docs strictly before the suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet -d $(VENV)/site
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the docs site (mkdocs, material theme, API reference from the docstrings) in site/
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d site
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ram.py

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_crc.py [--size-gib 1] [--repeats 7]
 
 Every block tierfs saves, restores, uploads or receives from a peer goes through one crc32c, so its
-speed shows in every path. For each library installed among the crc32c package (tierfs's choice before
-session 5), google-crc32c, awscrt and fastcrc (``pip install crc32c awscrt`` to compare them all):
+speed shows in every path. For each library installed among the crc32c package (tierfs's earlier
+choice), google-crc32c, awscrt and fastcrc (``pip install crc32c awscrt`` to compare them all):
 
 - one core, a 4 MiB block in cache (a block checksummed right after it is copied, as saves do);
 - one core, a 512 MiB buffer in 8 MiB pieces (memory-bound: a restore's or upload's checks);

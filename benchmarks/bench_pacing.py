@@ -8,7 +8,7 @@ at the store's priority, a thread checking nothing as messages land), unloaded:
 
 - unpaced (``background_bandwidth=None``);
 - paced at the default 256 MB/s by ``Throttle(rate, burst)`` for each ``--bursts-mib``: 0 waits before
-  every message (tierfs before session 6), 64 is the default (bursts of 64 MiB, then a wait until back
+  every message (tierfs's earlier pacing), 64 is the default (bursts of 64 MiB, then a wait until back
   on the rate).
 
 For each: wall time and the process's CPU (every thread, ended ones included, ``getrusage``) per rank and

@@ -51,7 +51,7 @@ on a CPU, each ``copy_`` big enough for torch's two intra-op threads waits for a
 make the floor 5-100x slower), and every repeat. Before each timed section the benchmark waits up to
 ``--wait-quiet`` seconds for other processes to use under 0.25 CPUs. Markdown tables go to stdout,
 progress to stderr; the whole output (with the machine and the command line) is also written to
-``benchmarks/results/stall/<timestamp>.md`` (``-quick`` appended for ``--quick``). Scratch directories
+``benchmarks/results/bench_stall-<timestamp>.md`` (``-quick`` appended for ``--quick``). Scratch directories
 under /dev/shm are removed at the end, also on failure.
 """
 
@@ -73,7 +73,7 @@ from typing import Any, Callable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import GB, GiB, MiB, Scratch, log, machine_note, mem_available, prefault  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "stall")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -761,7 +761,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         os.makedirs(args.out_dir, exist_ok=True)
-        path = os.path.join(args.out_dir, f"{stamp}{'-quick' if args.quick else ''}"
+        path = os.path.join(args.out_dir, f"bench_stall-{stamp}{'-quick' if args.quick else ''}"
                             f"{'-failed' if failed is not None else ''}.md")
         with open(path, "w") as f:
             f.write(out.text())

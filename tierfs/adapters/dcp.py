@@ -158,6 +158,8 @@ class TieredWriter(StorageWriter):
         Seconds (or a ``timedelta``) the save waits for the other ranks (default: the store's timeout);
         past it a RankWaitError names the stage and the rank(s) waited for.
 
+    Notes
+    -----
     Every argument is checked here, each a one-line :class:`~tierfs.errors.ArgumentError`. Failures inside
     ``dcp.save`` come out of it as DCP's ``CheckpointException`` (the original error in its ``failures``).
     """
