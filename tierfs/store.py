@@ -257,10 +257,21 @@ class TieredStore:
                 self._retention.delete(tier, s)
         return doomed
 
-    def delete(self, step: int, tiers: Sequence[str] | None = None) -> None:
-        """Delete ``step`` from the named tiers (default: all)."""
+    def in_progress(self, step: int) -> bool:
+        """Whether a save of ``step``, or a copy of it to a slower tier, is still under way."""
+        return self._parts.ledger.busy(_args.step(step))
+
+    def delete(self, step: int, tiers: Sequence[str] | None = None, *, wait: bool = True) -> None:
+        """Delete ``step`` from the named tiers (default: all), once all background work is done; with
+        ``wait=False`` at once, without waiting for other steps' work (``step`` itself must not be
+        :meth:`in_progress`)."""
         step, tiers = _args.step(step), _args.names(tiers, "tiers", self._parts.names)
-        self.wait_until_finished()
+        if not _args.flag(wait, "wait"):
+            if self._parts.ledger.busy(step):
+                raise TierfsError(f"step {step} is still being saved or copied; delete it once "
+                                  "in_progress(step) is False, or with wait=True")
+        else:
+            self.wait_until_finished()
         for t in self.tiers:
             if tiers is None or t.name in tiers:
                 self._retention.delete(t, step)
