@@ -340,7 +340,8 @@ class TieredStore:
                       ) -> tuple[Manifest, str]:
         """Any rank's manifest of ``step``, checked against the marker, from the fastest tier holding it.
 
-        Returns ``(manifest, tier name)``. Needs no collective (any rank may call it alone).
+        Returns ``(manifest, tier name)``. Needs no collective (any rank may call it alone). The manifest is
+        parsed once per step and shared by every later read of it: treat it as read-only.
         """
         return self._reader.read_manifest(_args.step(step), _args.integer(rank, "rank", 0),
                                           _args.names(tiers, "tiers", self._parts.names))

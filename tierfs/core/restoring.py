@@ -233,7 +233,8 @@ class Restore:
 
     def _info(self, s: int, tier: str, shard: Shard, seconds: float) -> RestoreInfo:
         m = shard.manifest
-        info = RestoreInfo(s, tier, m.nbytes, seconds, self.skipped, m.metadata, m.metrics)
+        # copies: the manifest is parsed once per step and shared by later reads
+        info = RestoreInfo(s, tier, m.nbytes, seconds, self.skipped, dict(m.metadata), dict(m.metrics))
         if self.sink is not None and self.sink.wanted is not None:
             info.unused = sorted(ReadViews.of(m).names - self.sink.wanted)
         return info
