@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# CPU wheel pinned on purpose: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[torch,s3,gcs,progress,dev]'
+	# torchtitan's own requirements pin fsspec<=2026.2 (through datasets), which s3fs cannot use; its
+	# checkpoint manager needs only tyro (in the dev extra)
+	$(BIN)/pip install --quiet --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 demo: $(STAMP)
