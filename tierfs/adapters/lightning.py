@@ -33,7 +33,7 @@ from . import _lightningcodec as codec
 
 log = logging.getLogger("tierfs")
 
-__all__ = ["TieredCheckpointIO", "SUPPORTED_LIGHTNING", "META_KEY"]
+__all__ = ["TieredCheckpointIO", "TieredModelParallelStrategy", "SUPPORTED_LIGHTNING", "META_KEY"]
 
 SUPPORTED_LIGHTNING = ">=2.2,<2.7"
 META_KEY = "lightning"  # manifest.metadata[META_KEY] = {"paths": [...], "global_step": ..., ...}
@@ -209,11 +209,10 @@ class TieredCheckpointIO(CheckpointIO):
         by_name = None
         for s in steps:
             try:
-                meta = store.manifest(s).metadata.get(META_KEY) or {}
+                paths = self._step_paths(store, s)
             except Exception as e:  # a step no tier can read now
                 log.debug("step %d: no readable manifest (%s)", s, e)
                 continue
-            paths = meta.get("paths", [])
             if key in paths:
                 return s
             if by_name is None and any(os.path.basename(p) == base for p in paths):
@@ -223,6 +222,11 @@ class TieredCheckpointIO(CheckpointIO):
         if base.startswith("last") and steps:
             return steps[0]
         raise StepNotFoundError(f"no tier holds a checkpoint saved as {key!r}; committed steps: {sorted(steps)[-10:]}")
+
+    def _step_paths(self, store: TieredStore, step: int) -> list[str]:
+        """The checkpoint paths recorded in ``step``'s metadata (raises when no tier can read it)."""
+        meta = store.manifest(step).metadata.get(META_KEY) or {}
+        return list(meta.get("paths", []))
 
     def _flush_removals(self, store: TieredStore | None = None) -> None:
         store = store or self._store
@@ -244,3 +248,6 @@ class TieredCheckpointIO(CheckpointIO):
         if self.remove_from == "first":
             return {store.tiers[0].name}
         return set(self.remove_from or ())
+
+
+from ._lightningsharded import TieredModelParallelStrategy  # noqa: E402 - part of this module's interface
