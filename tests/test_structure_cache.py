@@ -455,3 +455,42 @@ def test_one_rank_changing_structure_makes_every_rank_save_through_dcp(tmp_path,
         assert sorted(meta[step]) == sorted(outs[0]["base_fqns"] + ["mine.r1"])
     for step in ("5", "6"):
         assert sorted(meta[step]) == sorted(outs[0]["base_fqns"] + ["mine.r1", "mine.extra1"])
+
+
+# -- the reuse itself: planned once per structure ------------------------------------------------------
+def test_a_layout_is_planned_once_per_structure_and_dcp_runs_only_when_it_changes(shm_dir, monkeypatch):
+    """The fast paths are taken: the store plans a layout only for a structure it has not seen recently,
+    and the manager calls dcp.save only when the structure changed (every save still restores bit-exact)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierfs.core.layout import Layout
+
+    plans, dcp_saves = [0], [0]
+    real_plan, real_save = Layout.plan.__func__, dcp.save  # type: ignore[attr-defined]
+
+    def counting_plan(cls, *args, **kwargs):
+        plans[0] += 1
+        return real_plan(cls, *args, **kwargs)
+
+    def counting_save(*args, **kwargs):
+        dcp_saves[0] += 1
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(Layout, "plan", classmethod(counting_plan))
+    monkeypatch.setattr(dcp, "save", counting_save)
+    model, opt = trained(0)
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(2))]) as mgr:
+        for step in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            mgr.save(step, torch_form(model, opt))
+        mgr.wait_until_finished()
+        assert dcp_saves[0] == 1 and plans[0] == 1, (dcp_saves, plans)
+        bigger, bigger_opt = trained(1, extra_layer=True)
+        mgr.save(4, torch_form(bigger, bigger_opt))
+        mgr.wait_until_finished()
+        assert dcp_saves[0] == 2 and plans[0] == 2, (dcp_saves, plans)
+        target = torch_form(*trained(2))
+        assert mgr.restore(target, step=3) == 3
+        assert_states_equal(target, torch_form(model, opt))
