@@ -178,10 +178,46 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     version: int = FORMAT_VERSION
+    #: sets of ranks (sorted) that hold identical copies of some of this shard's entries (data parallelism)
+    groups: list[list[int]] = field(default_factory=list)
+    #: entries other ranks hold too: ``{"owner": rank, "group": index in groups, "parts": [[file, start,
+    #: end], ...]}``. Every rank of the group holds the bundle's entries at the same offsets relative to its
+    #: parts; only the owner's copy goes to shared tiers (see :meth:`held_files`)
+    bundles: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(self.files.values())
+
+    def _classes(self) -> tuple[set[str], set[str]]:
+        """The files holding other owners' bundles (node-local tiers only) and this rank's own bundles."""
+        got = self.__dict__.get("_file_classes")
+        if got is None:
+            local: set[str] = set()
+            owned: set[str] = set()
+            for b in self.bundles:
+                (owned if b["owner"] == self.rank else local).update(p[0] for p in b["parts"])
+            got = self.__dict__["_file_classes"] = (local, owned)
+        return got
+
+    @property
+    def local_files(self) -> set[str]:
+        """Files holding only copies of entries other ranks own: kept by node-local tiers (RAM) alone."""
+        return self._classes()[0]
+
+    def held_files(self, local: bool) -> dict[str, int]:
+        """The files a tier holds: all of them on a node-local tier, all but :attr:`local_files` on a shared
+        one (each distinct byte stored once across the job)."""
+        skip = self._classes()[0] if not local else ()
+        return {n: size for n, size in self.files.items() if n not in skip} if skip else self.files
+
+    @property
+    def replica_files(self) -> dict[str, int]:
+        """The files a peer keeps a replica of: those holding entries no other rank holds."""
+        local, owned = self._classes()
+        if not local and not owned:
+            return self.files
+        return {n: size for n, size in self.files.items() if n not in local and n not in owned}
 
     @property
     def is_dcp(self) -> bool:
@@ -245,6 +281,24 @@ class Manifest:
             if len(e.crc32c) != nblocks(e.length, self.block_size):
                 raise FormatError(f"entry {self.key(e.name)} has {len(e.crc32c)} checksums, expected "
                                   f"{nblocks(e.length, self.block_size)}")
+        self._validate_bundles()
+
+    def _validate_bundles(self) -> None:
+        def ranks(v: Any) -> bool:
+            return isinstance(v, list) and all(type(r) is int and 0 <= r < self.world_size for r in v)
+        if not isinstance(self.groups, list) or not all(ranks(g) and self.rank in g for g in self.groups):
+            raise FormatError("manifest has bad groups of ranks")
+        for b in self.bundles:
+            try:
+                owner, group, parts = b["owner"], b["group"], b["parts"]
+                ok = type(group) is int and 0 <= group < len(self.groups) and owner in self.groups[group]
+                ok = ok and isinstance(parts, list) and all(
+                    p[0] in self.files and type(p[1]) is int and type(p[2]) is int and 0 <= p[1] <= p[2] <= self.files[p[0]]
+                    for p in parts)
+            except (KeyError, TypeError, IndexError):
+                ok = False
+            if not ok:
+                raise FormatError(f"manifest has a bad bundle of shared entries: {str(b)[:200]}")
 
 
 def nblocks(length: int, block_size: int) -> int:

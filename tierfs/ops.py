@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import _copy
-from .errors import ChecksumError, FormatError, StepExistsError
+from .errors import ChecksumError, FormatError, StepExistsError, TierfsError
 from .format import Manifest, blocks, crc32c
 from .protocol import batches, commit, copy_shard, step_manifests
 from .tiers.base import Tier
@@ -90,7 +90,7 @@ def verify_shard(tier: Tier, step: int, manifest: Manifest, *, threads: int | No
         A file cannot be read.
     """
     checked = 0
-    for names in batches(manifest.files):
+    for names in batches(manifest.held_files(tier.is_local)):
         part = manifest.subset(names)
         files = tier.read_files(step, names)
         try:
@@ -134,6 +134,10 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
             what = "committed" if there else "partially written (an interrupted or running copy)"
             raise StepExistsError(f"step {step} is already {what} on {dst.name!r}; pass --overwrite to replace it")
         dst.delete_step(step)
+    if dst.is_local and not src.is_local and any(m.local_files for _, _, m in manifests):
+        raise TierfsError(f"step {step} on {src.name!r} stores the entries data-parallel ranks share once, in "
+                          f"their owners' shards; {dst.name!r} would need every rank's copy: restore it through "
+                          "a store (TieredStore.localize) or copy it to a shared tier")
     total = 0
     expected: dict[str, int | None] = {}
     for name, raw, m in manifests:
@@ -150,7 +154,7 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
                                 f"{dst.name!r}") from e
         except FormatError as e:
             raise FormatError(f"{name}: {e}; nothing committed on {dst.name!r}") from e
-        expected.update(m.files)
+        expected.update(m.held_files(dst.is_local))
         expected[name] = len(raw)
     commit(dst, step, marker_bytes, expected)
     return total

@@ -95,9 +95,10 @@ def batches(files: Mapping[str, int], max_bytes: int | None = BATCH_BYTES,
 
 def verify_shard(tier: Tier, step: int, manifest: Manifest, *, threads: int | None = None,
                  progress: Progress | None = None) -> int:
-    """Check every block of a shard on ``tier``, a batch of files at a time; returns the bytes checked."""
+    """Check every block of a shard on ``tier`` (the files it holds: :meth:`Manifest.held_files`), a batch
+    of files at a time; returns the bytes checked."""
     checked = 0
-    for names in batches(manifest.files):
+    for names in batches(manifest.held_files(tier.is_local)):
         part = manifest.subset(names)
         _copy.verify(part, tier.read_files(step, names), threads)
         checked += part.nbytes
@@ -114,8 +115,10 @@ def copy_shard(src: Tier, dst: Tier, step: int, manifest: Manifest, mbytes: byte
     files, and the result is checked complete. The marker is the caller's (:func:`commit`), once every
     rank's shard is there. ``pace(nbytes)`` is called before bytes are checked and before they are
     written (a bandwidth throttle); ``batched=False`` moves the whole shard at once (a RAM source: reads
-    are views). Returns the shard's bytes."""
-    groups = batches(manifest.files) if batched else [list(manifest.files)]
+    are views). Only the files ``dst`` holds are copied (:meth:`Manifest.held_files`: a shared tier
+    stores entries other ranks own only in their shards). Returns the bytes copied."""
+    held = manifest.held_files(dst.is_local)
+    groups = batches(held) if batched else [list(held)]
     for names in groups:
         files = src.read_files(step, names)
         part = manifest.subset(names)
@@ -126,8 +129,8 @@ def copy_shard(src: Tier, dst: Tier, step: int, manifest: Manifest, mbytes: byte
             progress(part.nbytes)
     mname = manifest_filename(manifest.rank)
     dst.write_file(step, mname, mbytes)
-    check_complete(dst, step, {**manifest.files, mname: len(mbytes)})
-    return manifest.nbytes
+    check_complete(dst, step, {**held, mname: len(mbytes)})
+    return sum(held.values())
 
 
 def commit(dst: Tier, step: int, marker: bytes, expected: Mapping[str, int | None]) -> None:

@@ -200,7 +200,7 @@ class TieredStore:
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
              preempted: bool = False, blocking: bool = True,
-             timeout: float | datetime.timedelta | None = None) -> bool:
+             timeout: float | datetime.timedelta | None = None, replicated: Any = None) -> bool:
         """Save ``state`` as ``step`` to the tiers whose policies take it; False when none does.
 
         With ``blocking=True`` it returns once the first tier holds a committed copy. With
@@ -210,11 +210,20 @@ class TieredStore:
         the last call. ``timeout`` bounds this save's waits on the other ranks instead of the store's.
         Every argument is checked first (an :class:`~tierfs.errors.ArgumentError`, or a bad leaf of
         ``state``, raised on every rank), before anything is written or replaced.
+
+        ``replicated`` declares what other ranks hold identically (data parallelism): a list of keys
+        (``["model", "optim"]``; nested keys joined by ``/``) whose arrays every rank of the job holds,
+        or ``{key: [ranks that hold it]}`` (HSDP: the ranks of one replica group). The RAM tier keeps
+        everything each rank needs; shared tiers store each such array once, the work spread over the
+        ranks holding it; peers replicate only what no other node holds; a restore gets each rank's
+        shared arrays from the ranks holding them. Worked out once per structure; at every commit the
+        ranks check, from their checksums, that they do hold the same values (else the step is not
+        committed).
         """
         self._check_open()
         return self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                 when_busy=self.when_busy, timeout=timeout)
+                                 when_busy=self.when_busy, timeout=timeout, replicated=replicated)
 
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:

@@ -22,13 +22,14 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .. import _hooks, state as st
 from ..errors import ArgumentError
-from ..format import Entry, Manifest, plan_files
+from ..format import Entry, Manifest
+from .sharing import Sharing, place
 
 # how a leaf is copied into its buffer
 TORCH, NUMPY, OTHER, JSON = 0, 1, 2, 3
@@ -107,13 +108,18 @@ class Layout:
     placement: list[tuple[str, int]]  # each array leaf's (file, offset)
     files: dict[str, int]
     json: list[int]  # indices of the leaves stored as JSON values
+    sharing: Sharing | None = None  # what other ranks hold too (the same object for every save)
+    bundles: list[dict[str, Any]] = field(default_factory=list)  # as the manifest stores them
+    groups: list[list[int]] = field(default_factory=list)
+    members: list[list[int]] = field(default_factory=list)  # each bundle's leaves, in order
     token: object = field(default_factory=object)  # names this layout in buffer memos
 
     @classmethod
-    def plan(cls, names: list[str], values: list[Any], signature: list[Any], rank: int, file_size: int
-             ) -> "Layout":
+    def plan(cls, names: list[str], values: list[Any], signature: list[Any], rank: int, file_size: int,
+             sharing: Sharing | Callable[[list[str], dict[int, int]], Sharing] | None = None) -> "Layout":
         """Work out the layout of a new structure, checking every leaf as :func:`tierfs.state.to_leaf`
-        does (a leaf it cannot store is an ArgumentError naming it)."""
+        does (a leaf it cannot store is an ArgumentError naming it). ``sharing``: the leaves other ranks
+        hold too (:mod:`.sharing`), in files of their own."""
         if len(set(names)) != len(names):
             seen: set[str] = set()
             dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
@@ -123,7 +129,10 @@ class Layout:
         leaves = [st.to_leaf(n, v) for n, v in zip(names, values)]
         kinds = [JSON if lf.kind == "json" else k for k, lf in zip(kinds, leaves)]
         arrays = [i for i, lf in enumerate(leaves) if lf.kind == "array"]
-        placement, files = plan_files([leaves[i].nbytes for i in arrays], rank, file_size)
+        if callable(sharing):  # declared by the user: worked out from the leaves
+            sharing = sharing(list(names), {i: leaves[i].nbytes for i in arrays})
+        arrays, placement, files, bundles, groups, members = place(names, {i: leaves[i].nbytes for i in arrays}, arrays,
+                                                          sharing, rank, file_size)
         where = dict(zip(arrays, placement))
         entries = []
         for i, lf in enumerate(leaves):
@@ -133,7 +142,7 @@ class Layout:
                 f, o = where[i]
                 entries.append(Entry(lf.name, "array", lf.lib, lf.dtype, list(lf.shape), f, o, lf.nbytes))
         return cls(list(names), list(signature), kinds, entries, arrays, placement, files,
-                   [i for i, k in enumerate(kinds) if k == JSON])
+                   [i for i, k in enumerate(kinds) if k == JSON], sharing, bundles, groups, members)
 
     def views(self, bufs: Mapping[str, np.ndarray], memos: Mapping[str, dict[Any, Any] | None]
               ) -> tuple[list[Any], list[np.ndarray]]:
@@ -206,7 +215,7 @@ class Layout:
         for i, v in values.items():
             entries[i].value = v.item() if isinstance(v, np.generic) else v.value if type(v) is st.Trusted else v
         return Manifest(step, rank, world_size, entries, dict(self.files), block_size, metadata=metadata,
-                        metrics=metrics)
+                        metrics=metrics, groups=copy.deepcopy(self.groups), bundles=copy.deepcopy(self.bundles))
 
 
 class ReadViews:

@@ -27,6 +27,7 @@ from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
 from .layout import DIRECT_MAX, ReadViews, describe
 from .parts import Parts
+from .sharing import by_bundle
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
@@ -66,6 +67,10 @@ class Sink:
     def direct(self, e: Entry) -> Any:
         """A tensor that takes ``e`` with one ``copy_`` after verification (see :class:`InPlace`), or None."""
         return None
+
+    def elsewhere(self, manifest: Manifest, held: Mapping[str, int]) -> None:
+        """A partial sink reading a shard whose tier lacks some of its files (see :class:`Views`)."""
+        raise NotImplementedError
 
     def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
         """Copy each verified source (a typed view) into its target tensor (in :meth:`finish`)."""
@@ -204,9 +209,20 @@ class Views(Sink):
     def __init__(self, wanted: Sequence[str] | None) -> None:
         super().__init__()
         self.wanted = None if wanted is None else set(wanted)
+        self.away: dict[int, list[str]] = {}
 
     def json(self, e: Entry) -> None:
         self.values[e.name] = (e, e.value)
+
+    def elsewhere(self, manifest: Manifest, held: Mapping[str, int]) -> None:
+        """Wanted entries in files the tier does not hold for this rank go to :attr:`away` (by the rank whose
+        shard holds them there) and are no longer wanted here."""
+        assert self.wanted is not None
+        for b, es in zip(manifest.bundles, by_bundle(manifest.entries, manifest.bundles)):
+            for e in es:
+                if e.name in self.wanted and e.file not in held:
+                    self.away.setdefault(b["owner"], []).append(e.name)
+                    self.wanted.discard(e.name)
 
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         self.values[e.name] = (e, src)
@@ -283,16 +299,29 @@ class Reader:
         self.parts = parts
 
     def read_shard(self, tier: Tier, step: int, rank: int, sink: Sink | None) -> Shard:
-        """Rank ``rank``'s shard of ``step`` from ``tier``, verified and delivered to ``sink``."""
+        """Rank ``rank``'s shard of ``step`` from ``tier``, verified and delivered to ``sink``.
+
+        A shared tier holds the entries several ranks share only in their owner's shard
+        (:meth:`~tierfs.format.Manifest.held_files`): there the shard comes back without those files,
+        what is there verified, and is delivered to no sink (the restore completes it from other ranks,
+        :mod:`.completing`); a partial sink (``read_entries``) gets the others' names in ``sink.away``,
+        by owner, to read from the owners' shards."""
         with self.parts.ledger.pinned(tier.name, step), stage("read", step, tier.name):
             marker = bytes(tier.read_file(step, MARKER))
             manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
             if sink is not None:
                 sink.check(manifest)  # before reading: a wrong target costs no download
-            names = list(manifest.files)
+            held = manifest.held_files(tier.is_local)
+            whole = len(held) == len(manifest.files)
+            names = list(held)
             if sink is not None and sink.partial and sink.wanted is not None:  # the files holding wanted arrays
+                if not whole:
+                    sink.elsewhere(manifest, held)
                 names = sorted({e.file for e in manifest.entries if e.kind == "array" and e.name in sink.wanted})
             shard = Shard(manifest, mbytes, marker, tier.read_files(step, names) if names else {})
+            if not whole and (sink is None or not sink.partial):
+                _copy.verify(manifest.subset(names), shard.files, self.parts.threads)
+                return shard
             fill(tier, step, shard, sink, self.parts.threads)
             return shard
 
@@ -348,11 +377,20 @@ class Reader:
         for t in self.holding(step, tiers):
             sink = Views(wanted)
             with self.parts.ledger.pinned(t.name, step):
-                if self.first_verified([t], step, lambda t: self.read_shard(t, step, rank, sink), skipped,
+                if self.first_verified([t], step, lambda t: self._entries(t, step, rank, sink), skipped,
                                        f" rank {rank}") is not None:
                     consume(sink.values, t.name)  # while the tier's files are pinned
                     return t.name, skipped
         raise RestoreError(f"step {step} rank {rank}: no tier holds a verified copy ({_reasons(skipped)})")
+
+    def _entries(self, t: Tier, step: int, rank: int, sink: Views) -> None:
+        """Wanted entries of ``rank``'s shard on ``t``; those a shared tier holds in their owners' shards
+        read from there."""
+        self.read_shard(t, step, rank, sink)
+        for owner, names in sorted(sink.away.items()):
+            there = Views(names)
+            self.read_shard(t, step, owner, there)
+            sink.values.update(there.values)
 
     def verify(self, step: int, tier: Tier) -> Manifest:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""

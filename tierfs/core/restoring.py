@@ -31,7 +31,8 @@ from ..tiers.base import Holder, Replicator, Tier
 from ..tiers.peer import plan_fetch
 from .layout import ReadViews
 from .parts import Parts
-from .reading import Reader, Shard, Sink, Skipped, fill
+from .completing import NONE, OWNED, UNIQUE, WHOLE, complete, holds
+from .reading import UNUSABLE, Reader, Shard, Sink, Skipped, fill
 
 log = logging.getLogger("tierfs")
 
@@ -172,12 +173,46 @@ class Restore:
             mismatch = e
         if self.replicator is not None:
             got, mismatch = self._from_peers(s, plan, self.replicator, got, mismatch)
+            got, mismatch = self._complete(s, got, mismatch)  # the shared entries a peer's replica lacks
         if got is None and mismatch is None:
             try:
                 got = self._from_tiers(s, self.after, plan)
             except Exception as e:  # noqa: BLE001 - as above
                 mismatch = e
-        return got, mismatch
+        return self._complete(s, got, mismatch)  # the shared entries a shared tier keeps in their owners' shards
+
+    def _complete(self, s: int, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None
+                  ) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+        """Every rank takes part while ranks whose shard lacks shared entries get them from the ranks that
+        hold them (:mod:`.completing`), then fills its target; a rank that cannot drops its shard."""
+        shard = got[1] if got is not None else None
+        status = holds(shard.manifest, shard.files) if shard is not None else NONE
+        every = self.group.all_gather(status) if self.group.world_size > 1 else [status]
+        if not any(x in (UNIQUE, OWNED) for x in every):
+            return got, mismatch
+        t0 = time.perf_counter()
+        files = dict(shard.files) if shard is not None else {}
+        with stage("complete", s):
+            why = complete(self.group, s, shard.manifest if shard is not None else None, files, every)
+        if got is None or status == WHOLE:
+            return got, mismatch
+        info, shard = got
+        if why is None:
+            shard = Shard(shard.manifest, shard.mbytes, shard.marker, files)
+            try:
+                fill(None, s, shard, self.sink, self.parts.threads)
+                info.seconds += time.perf_counter() - t0
+                return (info, shard), mismatch
+            except (StateMismatchError, ArgumentError) as e:  # the target is wrong, not the copy
+                return None, e
+            except UNUSABLE as e:
+                why = f"{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
+                return None, e
+        log.warning("tier %s step %d: the entries shared with other ranks could not be completed (%s)",
+                    info.tier, s, why)
+        self.skipped.append((info.tier, s, f"shared entries: {why}"))
+        return None, mismatch
 
     def _from_tiers(self, s: int, tiers: Sequence[Tier], plan: RestorePlan) -> tuple[RestoreInfo, Shard] | None:
         """This rank's shard of ``s`` from the first of ``tiers`` holding a copy that verifies, or None."""
@@ -210,7 +245,8 @@ class Restore:
                 manifest, mbytes, marker, files = res
                 try:
                     shard = Shard(manifest, mbytes, marker, files)
-                    fill(None, s, shard, self.sink, self.parts.threads)
+                    if holds(manifest, files) == WHOLE:  # else completed from other ranks first
+                        fill(None, s, shard, self.sink, self.parts.threads)
                     info = self._info(s, rep.name, shard, time.perf_counter() - t0)
                     info.peer = assign[g.rank]
                     got = (info, shard)
@@ -302,7 +338,8 @@ class Restore:
                 _copy.shard_views(shard.manifest, shard.files)
         except (TierfsError, OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
-        failed = rep.replicate(s, shard.marker, shard.mbytes, shard.files, pairs=pairs, role="main", error=error)
+        files = {n: shard.files[n] for n in shard.manifest.replica_files} if error is None else {}
+        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, role="main", error=error)
         if failed:
             log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
             return

@@ -32,6 +32,7 @@ from ..tiers.base import Holder, Replicator, Tier
 from .layout import Layout, describe
 from .parts import Parts
 from .retention import Retention
+from .sharing import Sharing, check_digests, declared, digests
 
 log = logging.getLogger("tierfs")
 
@@ -55,13 +56,21 @@ class Staged:
                                     self.metrics)
 
 
+def _declaration(replicated: Any) -> Any:
+    """A ``replicated=`` declaration in a form compared with ``==`` (lists and mappings of lists)."""
+    if isinstance(replicated, Mapping):
+        return {k: tuple(v) if isinstance(v, (list, tuple, range)) else v for k, v in replicated.items()}
+    return tuple(replicated) if isinstance(replicated, (list, tuple)) else replicated
+
+
 class SavePath:
     """Saves of one store (see the module docstring)."""
 
     def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None],
                  raise_background_errors: Callable[[], None]) -> None:
         self.parts, self.retention = parts, retention
-        self._layouts: list[Layout] = []  # the structures saved most recently, newest first
+        # the structures saved most recently, newest first, with the replicated= declaration of each
+        self._layouts: list[tuple[Layout, Any]] = []
         self._wait_until_finished = wait_until_finished
         self._raise_background_errors = raise_background_errors
 
@@ -89,7 +98,7 @@ class SavePath:
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
-             max_in_flight: int, when_busy: str, timeout: Any = None) -> bool:
+             max_in_flight: int, when_busy: str, timeout: Any = None, replicated: Any = None) -> bool:
         p = self.parts
         mine, failure, wait = None, None, None
         try:  # this rank's view; every rank hears of a failure here before any of them goes on
@@ -99,7 +108,7 @@ class SavePath:
                 ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
             with _nogc.paused():
                 names, values, structure = describe(state)
-                layout = self._layout(names, values, structure)
+                layout = self._layout(names, values, structure, replicated)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             self._raise_background_errors()
             chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
@@ -163,16 +172,26 @@ class SavePath:
                 raise failed[0]
         return True
 
-    def _layout(self, names: list[str], values: list[Any], structure: list[Any]) -> Layout:
+    def _layout(self, names: list[str], values: list[Any], structure: list[Any], replicated: Any) -> Layout:
         """The layout of a state of this structure: a recent one that matches, or a new one (which checks
-        every leaf). JSON leaves are checked on every save; arrays of a known structure need no check."""
-        for lay in self._layouts:
-            if lay.signature == structure and lay.names == names:
+        every leaf). JSON leaves are checked on every save; arrays of a known structure need no check.
+        ``replicated``: a :class:`~.sharing.Sharing` (adapters), the user's declaration, or None; a
+        declaration is worked out once per structure."""
+        given = replicated if isinstance(replicated, Sharing) or replicated is None else None
+        declaration = None if given is not None or replicated is None else _declaration(replicated)
+        for lay, decl in self._layouts:
+            if lay.signature == structure and lay.names == names and (
+                    lay.sharing is given if declaration is None else decl == declaration):
                 for i in lay.json:
                     st.check_leaf(names[i], values[i])
                 return lay
-        lay = Layout.plan(names, values, structure, self.parts.group.rank, self.parts.file_size)
-        self._layouts = [lay, *self._layouts[:MAX_LAYOUTS - 1]]
+        g = self.parts.group
+        sharing: Any = given
+        if declaration is not None:
+            def sharing(names: list[str], sizes: dict[int, int]) -> Sharing:
+                return declared(names, sizes, replicated, g.rank, g.world_size)
+        lay = Layout.plan(names, values, structure, g.rank, self.parts.file_size, sharing)
+        self._layouts = [(lay, declaration), *self._layouts[:MAX_LAYOUTS - 1]]
         return lay
 
     def _stage(self, step: int, layout: Layout, values: list[Any], metadata: Mapping[str, Any] | None,
@@ -199,7 +218,7 @@ class SavePath:
                 try:
                     with _nogc.paused():
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)
-                    arrays = [e for e in manifest.entries if e.kind == "array"]
+                    arrays = [manifest.entries[i] for i in staged.layout.arrays]  # as the buffers are
                     with stage("checksum", step, first.name):
                         crcs = _copy.run([_copy.Job(e.name, buf, None, p.block_size)
                                           for e, buf in zip(arrays, staged.buffers)],
@@ -211,12 +230,15 @@ class SavePath:
                         mbytes = manifest.to_bytes()
                         first.write_file(step, manifest_filename(rank), mbytes)
                         check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
-                    vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes]
+                    held = digests([[manifest.entries[i] for i in m] for m in staged.layout.members],
+                                   manifest.bundles, manifest.groups) if manifest.bundles else []
+                    vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes, held]
                 except BaseException:
                     first.discard_staged(step)
                     raise
             parts = vote.results
-            marker = Marker(step, manifest.world_size, {n: c for n, c, _ in parts}, nbytes=sum(b for _, _, b in parts))
+            check_digests(step, [v[3] for v in parts])  # on every rank alike: all raise, or none
+            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in parts}, nbytes=sum(v[2] for v in parts))
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
@@ -298,7 +320,9 @@ class SavePath:
             with stage("replication", step, dst.name):
                 mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
                 manifest = Manifest.from_bytes(mbytes)
-                files, nbytes = src.read_files(step, list(manifest.files)), manifest.nbytes
+                # only what no other node holds: the bundles shared with other ranks live in their RAM too
+                sent = manifest.replica_files
+                files, nbytes = src.read_files(step, list(sent)), sum(sent.values())
         except (TierfsError, OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
         # no check before sending: each receiver verifies every block as it lands

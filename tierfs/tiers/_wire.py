@@ -75,7 +75,8 @@ def check_header(h: dict[str, Any], step: int, rank: int) -> tuple[Manifest, byt
     marker = Marker.from_bytes(marker_bytes)
     m = manifest_from_marker(marker, mbytes, step, rank)
     announced = {validate_filename(n): size for n, size in h["files"]}
-    if announced != m.files or list(announced) != list(m.files):
+    kept = m.replica_files  # a peer keeps and sends what no other node holds
+    if announced != kept or list(announced) != list(kept):
         raise FormatError(f"a peer's files for rank {rank} step {step} do not match the manifest")
     if not all(n.startswith(f"rank_{rank:05d}.") for n in announced) or not 0 <= rank < marker.world_size:
         raise FormatError(f"a peer's files for rank {rank} step {step} are named for another rank")

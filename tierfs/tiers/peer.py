@@ -277,9 +277,10 @@ class PeerTier(Replicator):
 
         def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
             m, mbytes, _ = _wire.check_header(h, step, src)
-            bufs = self.local.stage(step, m.files)  # CapacityError when the RAM budget has no room
+            kept = m.replica_files  # what no other node holds (check_header checked the sender offers it)
+            bufs = self.local.stage(step, kept)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
-            return m, {n: bufs[n] for n in m.files}  # in the order the sender sends them
+            return m, {n: bufs[n] for n in kept}  # in the order the sender sends them
 
         errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
         self.local.write_staged(step)  # the bytes are in the mapped files already
@@ -329,7 +330,7 @@ class PeerTier(Replicator):
                 with stage("fetch", step, self.name):  # this holder's copy of rank q's shard
                     marker = bytes(self.local.read_file(step, MARKER))
                     mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
-                    files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).files))
+                    files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).replica_files))
                 sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files))
             except (TierfsError, OSError, ValueError) as e:
                 why = f"{type(e).__name__}: {e}"
@@ -339,7 +340,7 @@ class PeerTier(Replicator):
         def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
             m, mbytes, marker = _wire.check_header(h, step, me)
             got.update(manifest=m, mbytes=mbytes, marker=marker,
-                       files={n: np.empty(size, dtype=np.uint8) for n, size in m.files.items()})
+                       files={n: np.empty(size, dtype=np.uint8) for n, size in m.replica_files.items()})
             return m, got["files"]
 
         incoming = [h for q, h in assign.items() if q == me]
