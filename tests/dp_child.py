@@ -1,8 +1,8 @@
 """One rank of a data-parallel job (gloo on localhost, each process its own node, RAM in SHM/node<N>).
 
     dp_child.py SHM OBJ MODE LAYOUT
-MODE: save (steps 1 and 2), restore (restore_into the newest step; the object tier may be gone), diverge
-(rank 1's copy of the shared model differs). LAYOUT: dp (every rank holds the same model and Adam state,
+MODE: save (steps 1 and 2, then step 3 with rank 1's copy of a shared tensor changed), restore
+(restore_into the newest step; the object tier may be gone). LAYOUT: dp (every rank holds the same model and Adam state,
 plus a small tensor of its own), hsdp (two replica groups of two ranks, each rank one half of the
 model's flattened parameters, replicated across the groups). Prints one JSON line with what it saw.
 """
@@ -93,20 +93,25 @@ def main() -> None:
         tiers.append(CountingObjectTier(f"file://{obj}", keep=LatestN(1)))
     store = TieredStore(tiers)
     out = {"rank": rank}
-    if mode in ("save", "diverge"):
+    if mode == "save":
         for step in (1, 2):
             state, declared = state_for(rank, step, layout)
-            if mode == "diverge" and rank == 1:
-                state["model" if layout == "dp" else "shard"]["0.weight"][0] += 1
-            try:
-                store.save(step, state, replicated=declared)
-                store.wait_until_finished()
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                out["error"] = f"{type(e).__name__}: {e}"
-                break
-        out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000002")) if "error" not in out else 0
+            store.save(step, state, replicated=declared)
+            store.wait_until_finished()
+        out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000002"))
         out["replicas"] = tree_bytes(os.path.join(ram_dir, "peers"))
+        out["objects"] = tree_bytes(os.path.join(obj, "step_000000000002"))
         out["state"] = sum(v.numel() * v.element_size() for v in _tensors(state))
+        out["unique"] = sum(v.numel() * v.element_size() for v in _tensors(state["mine"]))
+        # step 3: rank 1's copy of a shared tensor differs from the others'
+        state, declared = state_for(rank, 3, layout)
+        if rank == 1:
+            state["model" if layout == "dp" else "shard"]["0.weight"][0] += 1
+        try:
+            store.save(3, state, replicated=declared)
+            out["diverged"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["diverged"] = f"{type(e).__name__}: {e}"
         out["steps"] = store.steps()
     else:
         want, _ = state_for(rank, 2, layout)

@@ -46,6 +46,7 @@ class Plan:
     structure: list[Any]
     entries: list[tuple[str, str, bool]]  # (entry name, fqn, whether it is a DTensor's local shard)
     metadata: st.Trusted  # this rank's manifest metadata (the coordinator's holds DCP's Metadata), checked once
+    sharing: Any = None  # the items other ranks hold too (TieredWriter.sharing), the same object every save
 
 
 def structure(flat: Mapping[str, Any]) -> list[Any] | None:
@@ -115,14 +116,16 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
                                        for name, f, local in plan.entries}
             entries.update((DCP_EXTRA_PREFIX + k, v) for k, v in extra.items())
         return store.save(step, entries, metadata=cast(Mapping[str, Any], plan.metadata), metrics=metrics,
-                          force=force, overwrite=exists, preempted=preempted, blocking=blocking)
+                          force=force, overwrite=exists, preempted=preempted, blocking=blocking,
+                          replicated=plan.sharing)
     mgr._dcp_plan = None
     writer = TieredWriter(store, step, overwrite=exists, force=force, preempted=preempted,
                           metrics=metrics, blocking=blocking, extra=extra)
     ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
     if writer.saved and shape is not None and writer.written is not None:
         mgr._dcp_plan = Plan(shape, [(name, fqn, type(flat[fqn]).__name__ == "DTensor")
-                                     for name, fqn in writer.written], st.Trusted(writer.shard_metadata))
+                                     for name, fqn in writer.written], st.Trusted(writer.shard_metadata),
+                              writer.sharing)
     return bool(writer.saved)
 
 

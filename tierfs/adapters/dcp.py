@@ -107,7 +107,9 @@ from ..store import TieredStore
 from ._dcpmeta import (META_KEY, META_VERSION, cached_local_items, caching, check_kwargs, done, dtype_name,
                        entry_name, full_global_plan, metadata_from_json, metadata_from_plans, metadata_to_json,
                        parse_step, with_dtypes)
+from ..core.sharing import Sharing
 from ._dcpreader import TieredReader, check_target
+from ._dcpshare import HELD, SHARED, held, plan_sharing, sharing_of
 
 log = logging.getLogger("tierfs")
 
@@ -151,9 +153,12 @@ class TieredWriter(StorageWriter):
         ``"local"`` (the default): a tensor several ranks hold (replicated, e.g. data-parallel weights or
         Adam's step counts) is also kept in the shard of every rank that holds it, not only in the one
         rank's DCP picks, so each node's RAM tier holds all its ranks need to load again without reading
-        other nodes' shards. DCP's metadata is unchanged; ``TieredReader`` reads such items from the
-        rank's own shard. ``"dedup"``: each item is written once, as DCP plans it (less to copy; a load
-        on several nodes then reads replicated items from the durable tier).
+        other nodes' shards. Shared tiers still store it once (in the shard of the rank DCP planned it
+        on, so the upload is spread as DCP spreads the items), peers do not replicate it (other nodes
+        hold it), and a restore gets it from a rank that holds it. DCP's metadata is unchanged;
+        ``TieredReader`` reads such items from the rank's own shard. ``"dedup"``: each item is written
+        once, as DCP plans it (less RAM; a load on several nodes then reads replicated items from the
+        durable tier).
     timeout:
         Seconds (or a ``timedelta``) the save waits for the other ranks (default: the store's timeout);
         past it a RankWaitError names the stage and the rank(s) waited for.
@@ -191,6 +196,8 @@ class TieredWriter(StorageWriter):
         #: to write the same shard again without DCP (CheckpointManager does, for an unchanged structure)
         self.written: list[tuple[str, str]] | None = None
         self.shard_metadata: dict[str, Any] = {}
+        #: after write_data: which of this rank's items other ranks hold too, and who stores each
+        self.sharing: Sharing | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -232,7 +239,10 @@ class TieredWriter(StorageWriter):
         # the items before DCP drops replicated ones from all ranks but one; a caching planner's unchanged
         # plan comes without items (usable=False): write_data takes them from DCP's cache
         self._local_items = list(plan.items) if plan.usable else None
-        return dataclasses.replace(plan, storage_data={"tierfs_rank": self.store.group.rank})
+        data: dict[str, Any] = {"tierfs_rank": self.store.group.rank}
+        if plan.usable and self.replicated == "local":  # for the coordinator: which items other ranks hold too
+            data[HELD] = held(plan.items)
+        return dataclasses.replace(plan, storage_data=data)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if len(plans) != self.store.group.world_size:
@@ -241,6 +251,11 @@ class TieredWriter(StorageWriter):
         self._deltas = list(plans)
         if all(p.usable for p in plans):  # else deltas of a caching planner: write_data derives it
             self._derive(self._deltas)  # fails now, before anything is written, if it cannot be stored
+            # each rank's replicated items, by owner (a caching planner keeps this in its final plans)
+            ranks = [p.storage_data["tierfs_rank"] for p in plans]
+            shares = plan_sharing(plans, ranks, self.save_id)
+            plans = [dataclasses.replace(p, storage_data={"tierfs_rank": r, SHARED: sh})
+                     for p, r, sh in zip(plans, ranks, shares)]
         return plans
 
     def _derive(self, plans: list[SavePlan]) -> None:
@@ -251,21 +266,28 @@ class TieredWriter(StorageWriter):
         self._plans = plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        shared = plan.storage_data.get(SHARED) if isinstance(plan.storage_data, dict) else None
         if not caching(planner):
             state, results, _ = self._entries(plan, planner, False)
             self._metadata_of_plans(planner)
         else:  # the ranks agree first: a failure on one (e.g. no metadata) fails all before anything is written
             mine, failure = None, None
             try:
-                state, results, mine = self._entries(plan, planner, True)
+                state, results, dtypes = self._entries(plan, planner, True)
                 self._metadata_of_plans(planner)
+                mine = [dtypes, shared["sid"] if shared else None]
             except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
                 failure = e
             group = self.store.group if self.timeout is None else self.store.group.with_timeout(self.timeout)
             views = agree(group, mine, failure, f"DCP save of step {self.step}", outcome="nothing saved")
             if self.is_coordinator and self._plans is not None and self._base_json is not None:
-                written = {(fqn, tuple(off)): dtype for v in views for fqn, off, dtype in v}
+                written = {(fqn, tuple(off)): dtype for v in views for fqn, off, dtype in v[0]}
                 self._metadata_json = with_dtypes(self._base_json, self._plans, written)
+            if len({v[1] for v in views}) != 1:  # a plan changed since its sharing was worked out
+                log.info("step %d: a rank's DCP plan changed, not every rank has the same sharing: replicated "
+                         "items are stored by every rank holding them", self.step)
+                shared = None
+        self.sharing = sharing_of(shared)
         meta: dict[str, Any] = {SHARD_KEY: META_VERSION}
         if self.is_coordinator:
             meta[META_KEY] = self._metadata_json
@@ -276,7 +298,7 @@ class TieredWriter(StorageWriter):
         # collective over the store's ranks: the marker is written once every rank's shard is
         self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
                                      overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
-                                     timeout=self.timeout)
+                                     timeout=self.timeout, replicated=self.sharing)
         return done(results)
 
     def _metadata_of_plans(self, planner: SavePlanner) -> None:

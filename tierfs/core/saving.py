@@ -181,7 +181,7 @@ class SavePath:
         declaration = None if given is not None or replicated is None else _declaration(replicated)
         for lay, decl in self._layouts:
             if lay.signature == structure and lay.names == names and (
-                    lay.sharing is given if declaration is None else decl == declaration):
+                    (lay.sharing is given or lay.sharing == given) if declaration is None else decl == declaration):
                 for i in lay.json:
                     st.check_leaf(names[i], values[i])
                 return lay

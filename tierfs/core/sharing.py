@@ -30,13 +30,13 @@ from ..errors import ArgumentError, TierfsError
 from ..format import Entry, align, crc32c, shard_filename
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Sharing:
     """Which leaves of this rank's state other ranks hold identically.
 
     ``groups`` are sorted tuples of ranks; ``owners`` maps a leaf's name to ``(owner rank, index in
-    groups)``. Leaves not named are this rank's alone. Compared by identity: pass the same object for
-    every save of one structure (``CheckpointManager`` and ``TieredWriter`` do).
+    groups)``. Leaves not named are this rank's alone. A save whose sharing is the same object as the
+    previous one's (``CheckpointManager``) is not compared further.
     """
 
     groups: tuple[tuple[int, ...], ...]
