@@ -62,6 +62,7 @@ def main() -> None:
         step = mgr.restore(state)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
+        mgr.wait_until_finished()  # replicas a replaced node kept for others come back in the background
         ref_model, ref_opt = build()
         for s in range(1, step + 1):
             train(ref_model, ref_opt, s)

@@ -99,6 +99,7 @@ def main() -> None:
             target = {"w": np.zeros(20_000 + rank, np.float32), "step": -1}
             call("restore", lambda: store.restore_into(target).step)
             out["exact"] = target["w"].tobytes() == state_for(rank, 2)["w"].tobytes()
+            store.wait_until_finished()  # the re-seeding of the replaced node's replicas runs in the background
     elif stage in ("planning", "read"):
         store.save(2, state_for(rank, 2))
         store.wait_until_finished()

@@ -109,6 +109,7 @@ def main() -> None:
                    skipped=[list(x) for x in info.skipped],
                    exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b"))
                    and target["step"] == info.step)
+        store.wait_until_finished()  # the replicas a replaced node kept for others come back in the background
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
         out["loops"] = loops(before)
     store.close()

@@ -246,3 +246,22 @@ def test_estimate_ci():
     # mean 2.5, sd 1.2910, half width 1.96 x 1.2910 / 2 = 1.2652
     assert e.mean == 2.5 and e.half_width == pytest.approx(1.959964 * 1.290994 / 2, rel=1e-5)
     assert 2.0 in e and 4.0 not in e
+
+
+def test_data_parallel_stores_each_distinct_byte_once_and_replicates_nothing():
+    ckpt = checkpoint_bytes(70e9)  # 840 GB, 64 copies over 1024 hosts
+    base = dict(checkpoint=ckpt, hosts=1024, accelerators=8192, mttf=3600.0 * 5, ram_save=5e9, peer=10e9,
+                object_write=1e9, replicas=1)
+    plan = make_plan(PlanInputs(**base, data_parallel=64))
+    assert plan.inputs.shard == pytest.approx(ckpt * 64 / 1024)
+    assert plan.ram.replicas == 0 and plan.ram.own == pytest.approx(2 * ckpt * 64 / 1024)
+    by_name = {sp.strategy.name: sp for sp in plan.strategies}
+    dp = by_name["RAM + data-parallel peers + object"]
+    assert "RAM + peers + object" not in by_name
+    obj = dp.strategy.tier("object")
+    assert obj.nbytes_total == pytest.approx(ckpt) and obj.nbytes_per_host == pytest.approx(ckpt / 1024)
+    node = next(c for c in dp.strategy.classes if c.name == "node")
+    assert node.tier == "ram" and node.recovery == pytest.approx(60 + ckpt * 64 / 1024 / 10e9)
+    assert "not 53.76 TB" in format_plan(plan)
+    with pytest.raises(ValueError, match="data-parallel degree 2048"):
+        PlanInputs(**base, data_parallel=2048)

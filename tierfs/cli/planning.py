@@ -68,6 +68,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--mttf", type=parse_duration, metavar="DUR", help="the cluster's MTTF, e.g. 124min")
     f.add_argument("--accelerator-mttf", type=parse_duration, metavar="DUR",
                    help="one accelerator's MTTF, e.g. 5.66y; the cluster's is this / accelerators")
+    g.add_argument("--data-parallel", type=positive_int, default=1, metavar="N",
+                   help="copies of the model across hosts (DDP replicas, HSDP replica groups; default 1)")
     g.add_argument("--node-loss", type=parse_fraction, default=0.5, metavar="F",
                    help="fraction of failures that lose the node's RAM; the rest restart the process "
                         "(default 0.5, an assumption: take it from your cluster's logs)")
@@ -151,7 +153,7 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
         object_total=args.object_total_bw, keep=args.keep, in_flight=args.in_flight, replicas=args.replicas,
         replica_keep=args.replica_keep, headroom=args.headroom, background_slowdown=args.background_slowdown,
         intervals=intervals, saves_per_mttf=args.saves_per_mttf, max_object_interval=args.max_object_interval,
-        **bw)
+        data_parallel=args.data_parallel, **bw)
 
 
 def intervals_from_config(path: str, step_time: float | None) -> dict[str, float]:

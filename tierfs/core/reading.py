@@ -238,17 +238,21 @@ def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
                                  f"{manifest.rank}): {keys}; remove them from the target or restore another step")
 
 
-def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
+def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None,
+         verified: bool = False) -> None:
     """Verify every block of the shard's wanted entries and copy them into the sink (no sink: verify the
-    whole shard, copy nothing). ``tier`` is where the shard was read (None: received from a peer)."""
+    whole shard, copy nothing). ``tier`` is where the shard was read (None: received from a peer).
+    ``verified``: every block was checked already (as it landed from a peer): only copy."""
     with _nogc.paused():
-        _fill(tier, step, shard, sink, threads)
+        _fill(tier, step, shard, sink, threads, verified)
 
 
-def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None) -> None:
+def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None,
+          verified: bool = False) -> None:
     manifest = shard.manifest
     if sink is None:
-        _copy.verify(manifest, shard.files, threads)
+        if not verified:
+            _copy.verify(manifest, shard.files, threads)
         return
     sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
     sink.check(manifest)
@@ -281,12 +285,16 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
                 continue
         else:
             src = raw[e.file][e.offset:e.offset + e.length]
-        jobs.append(_copy.Job(e.name, src, None if target is not None else sink.array(e, src, tier, step),
-                              manifest.block_size, e.crc32c, functools.partial(manifest.key, e.name)))
-    _copy.verify_small([_copy.Job(e.name, src, None, manifest.block_size, e.crc32c,
-                                  functools.partial(manifest.key, e.name)) for e, src in small]
-                       if _hooks.active("block") else small, manifest)
-    _copy.run(jobs, threads)
+        dst = None if target is not None else sink.array(e, src, tier, step)
+        if verified and dst is None:
+            continue  # nothing to check, nothing to copy here (a direct target's copy comes below)
+        jobs.append(_copy.Job(e.name, src, dst, manifest.block_size, None if verified else e.crc32c,
+                              functools.partial(manifest.key, e.name)))
+    if not verified:
+        _copy.verify_small([_copy.Job(e.name, src, None, manifest.block_size, e.crc32c,
+                                      functools.partial(manifest.key, e.name)) for e, src in small]
+                           if _hooks.active("block") else small, manifest)
+    _copy.run(jobs, threads, checksum=not verified)
     if targets:
         sink.copy_direct(targets, sources)
     sink.finish()

@@ -200,7 +200,8 @@ class Restore:
         if why is None:
             shard = Shard(shard.manifest, shard.mbytes, shard.marker, files)
             try:
-                fill(None, s, shard, self.sink, self.parts.threads)
+                # every block was checked: where it was read (a tier, a peer's replica) or as it landed
+                fill(None, s, shard, self.sink, self.parts.threads, verified=True)
                 info.seconds += time.perf_counter() - t0
                 return (info, shard), mismatch
             except (StateMismatchError, ArgumentError) as e:  # the target is wrong, not the copy
@@ -246,7 +247,8 @@ class Restore:
                 try:
                     shard = Shard(manifest, mbytes, marker, files)
                     if holds(manifest, files) == WHOLE:  # else completed from other ranks first
-                        fill(None, s, shard, self.sink, self.parts.threads)
+                        # every block was checked as it landed
+                        fill(None, s, shard, self.sink, self.parts.threads, verified=True)
                     info = self._info(s, rep.name, shard, time.perf_counter() - t0)
                     info.peer = assign[g.rank]
                     got = (info, shard)
@@ -325,26 +327,38 @@ class Restore:
 
     def _reseed(self, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:
         """After restoring the newest step, give ranks that lost their replicas (a replaced node) the
-        copies they kept for others again."""
+        copies they kept for others again: in the background, on the replicator's copy worker (every rank
+        submits it here, in the same order), so the restore returns as soon as the state is in place."""
         if any(step > s for step, _ in plan.holders):
             return  # peers keep a newer step: that one matters
         pairs = plan.lost_replicas(s, rep.targets)
         if not pairs:
             return
+        p = self.parts
+        log.info("step %d: re-seeding %d peer copies in the background", s, len(pairs))
+        p.ledger.pin(p.first.name, s)  # the shard this rank sends stays until it is sent
+        p.copies[rep.name].submit(lambda: self._send_replicas(rep, s, pairs, shard))
+
+    def _send_replicas(self, rep: Replicator, s: int, pairs: list[tuple[int, int]], shard: Shard) -> None:
+        p = self.parts
         t0 = time.perf_counter()
-        error = None
         try:
-            with stage("reseed", s, rep.name):  # this rank's part: its shard, as read, is what it sends
-                _copy.shard_views(shard.manifest, shard.files)
-        except (TierfsError, OSError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
-        files = {n: shard.files[n] for n in shard.manifest.replica_files} if error is None else {}
-        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, role="main", error=error)
+            error = None
+            try:
+                with stage("reseed", s, rep.name):  # this rank's part: its shard, as read, is what it sends
+                    _copy.shard_views(shard.manifest, shard.files)
+                    files = {n: shard.files[n] for n in shard.manifest.replica_files}
+            except (TierfsError, OSError, ValueError, KeyError) as e:
+                error, files = f"{type(e).__name__}: {e}", {}  # still take part: the receivers refuse
+            failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=p.pace(s, rep.name),
+                                   error=error)
+        finally:
+            p.ledger.unpin(p.first.name, s)
         if failed:
             log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
             return
         if rep.holdings().get(s):
-            self.parts.ledger.stored(rep.name, s)
+            p.ledger.stored(rep.name, s)
         log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
 
 

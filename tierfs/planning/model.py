@@ -331,6 +331,11 @@ class PlanInputs:
         Save the object tier this many times per MTTF (``interval = mttf / n``), the seed's rule.
     max_object_interval : float
         With peers, node losses rarely need the object tier; its interval is capped at this.
+    data_parallel : int
+        Copies of the model across hosts (DDP's replicas, HSDP's replica groups): each host holds
+        ``checkpoint * data_parallel / hosts``, the object store takes each distinct byte once (the upload
+        spread over every host), and a lost node's state is in the RAM of the hosts holding the same
+        part, so peers replicate nothing.
     """
 
     checkpoint: float
@@ -357,6 +362,7 @@ class PlanInputs:
     intervals: Mapping[str, float] = field(default_factory=dict)
     saves_per_mttf: float | None = None
     max_object_interval: float = 3600.0
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not self.checkpoint > 0:
@@ -383,11 +389,18 @@ class PlanInputs:
                                  "peer or object")
         if self.saves_per_mttf is not None and not self.saves_per_mttf > 0:
             raise ValueError("saves per MTTF must be positive")
+        if not 1 <= self.data_parallel <= self.hosts:
+            raise ValueError(f"data-parallel degree {self.data_parallel} must be from 1 to the hosts ({self.hosts})")
 
     @property
     def shard(self) -> float:
-        """Bytes each host holds of one checkpoint."""
-        return self.checkpoint / self.hosts
+        """Bytes each host holds of one checkpoint (its part of one data-parallel copy)."""
+        return self.checkpoint * self.data_parallel / self.hosts
+
+    @property
+    def peer_replicas(self) -> int:
+        """Replicas the peer tier keeps of each host's shard: none when other hosts hold it (data parallel)."""
+        return self.replicas if self.data_parallel == 1 else 0
 
     def object_rate(self, per_host: float | None) -> float | None:
         """The job's aggregate object-store bandwidth for a per-host one."""

@@ -204,11 +204,12 @@ def _finish(p: PlanInputs, name: str, base_name: str, base_yd: float, base_mttf:
     if math.isinf(start):
         start = p.max_object_interval
     start = fixed.get(base_name, start)
-    tiers = [TierModel(base_name, 1, base_blocking, 0.0, base_blocking, p.shard, p.checkpoint)]
+    tiers = [TierModel(base_name, 1, base_blocking, 0.0, base_blocking, p.shard, p.shard * p.hosts)]
     lo: dict[str, float] = {}
     hi: dict[str, float] = {"object": p.max_object_interval} if others else {}
     for tname, yd, _m, blocking, transfer in others:
-        per_host = p.shard * (p.replicas if tname == "peer" else 1)
+        # the object store takes each distinct byte once, spread over every host
+        per_host = p.shard * p.peer_replicas if tname == "peer" else p.checkpoint / p.hosts
         want = fixed.get(tname, max(yd, transfer) if not math.isinf(yd) else p.max_object_interval)
         tiers.append(TierModel(tname, max(1, round(want / start)), blocking, transfer, transfer, per_host,
                                per_host * p.hosts))
@@ -263,7 +264,7 @@ def make_plan(p: PlanInputs) -> Plan:
     Plan
         Strategies that lack a bandwidth or the MTTF are left out, with a note saying what to give.
     """
-    ram = ram_per_host(p.checkpoint, p.hosts, keep=p.keep, in_flight=p.in_flight, replicas=p.replicas,
+    ram = ram_per_host(p.shard * p.hosts, p.hosts, keep=p.keep, in_flight=p.in_flight, replicas=p.peer_replicas,
                        replica_keep=p.replica_keep, headroom=p.headroom)
     notes: list[str] = []
     strategies: list[StrategyPlan] = []
@@ -276,7 +277,7 @@ def make_plan(p: PlanInputs) -> Plan:
         rule_iv = p.mttf / p.saves_per_mttf
     if rule_iv is not None:
         rule = TierPlan("object", rule_iv, math.nan, p.mttf or math.inf, 0.0, 0.0,
-                        sustained_bandwidth(p.shard, rule_iv), sustained_bandwidth(p.checkpoint, rule_iv))
+                        sustained_bandwidth(p.checkpoint / p.hosts, rule_iv), sustained_bandwidth(p.checkpoint, rule_iv))
 
     if p.mttf is None:
         notes.append("no MTTF given (--mttf or --accelerator-mttf): intervals and goodput need one")
@@ -313,7 +314,19 @@ def make_plan(p: PlanInputs) -> Plan:
                               sn))
 
     # 3. RAM + peers + object: node losses read the lost shard from a peer
-    if p.replicas < 1:
+    if p.data_parallel > 1 and p.peer is not None:  # the hosts holding the same part have it in RAM
+        sn = []
+        others = [_background(p, "object", t_obj_w, _rate_of(p.mttf, f * q))]
+        cls = [proc, FailureClass("node", f * (1 - q), "ram", p.restart + p.replace + p.shard / p.peer),
+               FailureClass("node+replicas", f * q, "object", node_recover_obj)]
+        cls = [c for c in cls if c.probability > 0]
+        m_dp = _rate_of(p.mttf, 1 - f * q)  # every failure but the loss of a part's every copy reads RAM
+        strategies.append(_finish(p, "RAM + data-parallel peers + object", "ram", young_daly(c_ram, m_dp), m_dp,
+                                  c_ram, others, cls, sn))
+    elif p.data_parallel > 1:
+        notes.append("no peer bandwidth (--peer-bw or --bench under torchrun): RAM + data-parallel peers + object "
+                     "left out")
+    elif p.replicas < 1:
         notes.append("--replicas 0: the RAM + peers + object strategy is left out")
     elif p.peer is None:
         notes.append("no peer bandwidth (--peer-bw or --bench under torchrun): RAM + peers + object left out")

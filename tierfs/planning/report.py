@@ -44,13 +44,17 @@ def format_plan(plan: Plan) -> str:
     p, r = plan.inputs, plan.ram
     out = [f"checkpoint {gigabytes(p.checkpoint)}, {p.hosts} hosts, {p.accelerators} accelerators, "
            f"shard per host {gigabytes(p.shard)}"]
+    if p.data_parallel > 1:
+        out.append(f"data-parallel degree {p.data_parallel}: the object store takes {gigabytes(p.checkpoint)} per "
+                   f"save ({gigabytes(p.checkpoint / p.hosts)} per host), not {gigabytes(p.checkpoint * p.data_parallel)}; "
+                   "peers replicate nothing (the hosts holding the same part have it in RAM)")
     if p.mttf is not None:
         out.append(f"cluster MTTF {duration(p.mttf)}; failures losing the node {p.node_loss:.0%}"
                    + (f", of those losing every replica too {p.replica_loss:.0%}" if p.replicas else ""))
     out += ["", "RAM per host for the RAM tier"]
     rows: list[tuple[str, ...]] = [("own steps kept", f"{p.keep} x {gigabytes(r.shard)}", gigabytes(r.own)),
             ("steps in flight", f"{p.in_flight} x {gigabytes(r.shard)}", gigabytes(r.in_flight)),
-            ("replicas held for others", f"{p.replicas} x {p.replica_keep} x {gigabytes(r.shard)}",
+            ("replicas held for others", f"{p.peer_replicas} x {p.replica_keep} x {gigabytes(r.shard)}",
              gigabytes(r.replicas)),
             ("headroom", f"{p.headroom:.0%}", gigabytes(r.headroom)),
             ("total", "", gigabytes(r.total))]
