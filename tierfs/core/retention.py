@@ -54,6 +54,14 @@ class Retention:
             log.error("tier %s: retention failed (%s); raised by the next call", tier.name, e)
             on_error(e)
 
+    def pending(self, tier: Holder) -> bool:
+        """Whether ``tier`` holds a step its keep policy lets go that is still being read or copied (its
+        space comes free once that is done)."""
+        snap = self.parts.ledger.snapshot()
+        committed = sorted(snap.held[tier.name] - snap.transient)
+        keep = set(tier.keep_policy.keep([snap.info.get(s, StepInfo(s)) for s in committed])) if committed else set()
+        return any(s not in keep and s in snap.pinned[tier.name] for s in committed)
+
     def plan(self) -> dict[str, list[int]]:
         """``{tier: [steps its keep policy would delete now]}``, deleting nothing, for every tier, as the
         deletions would go tier by tier. Steps this process did not save get their commit time and metrics

@@ -246,13 +246,22 @@ class SavePath:
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))
+        # the step is committed whatever retention does: a failure there is the next call's to raise. Before
+        # the copies start: the buffers it frees take the replicas this step brings
+        self.retention.apply(first, on_error=p.ledger.fail)
         for t in slow:
             p.ledger.pin(first.name, step)
-            p.copies[t.name].submit(lambda t=t: self._hand_on(step, t, marker))  # type: ignore[misc]
+            p.copies[t.name].submit(lambda t=t: self._hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
         p.ledger.done(step)
-        # the step is committed whatever retention does: a failure there is the next call's to raise
-        self.retention.apply(first, on_error=p.ledger.fail)
-        p.commits.submit(lambda: first.prepare(step, manifest.files))  # pre-fault the next step's buffers
+        if not slow:
+            self._prepare(step, manifest.files)
+
+    def _prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+        """Pre-fault the next step's buffers in the first tier, once the copies of ``step`` are done and
+        nothing the keep policy lets go is still held (the buffers such steps and old replicas free are
+        the spares: RAM holds the committed step, one replica and one spare set)."""
+        if not self.retention.pending(self.parts.first):
+            self.parts.commits.submit(lambda: self.parts.first.prepare(step, sizes))
 
     def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank
@@ -274,7 +283,7 @@ class SavePath:
             raise
 
     # -- hand on ------------------------------------------------------------------------------------
-    def _hand_on(self, step: int, dst: Holder, marker: Marker) -> None:
+    def _hand_on(self, step: int, dst: Holder, marker: Marker, sizes: Mapping[str, int]) -> None:
         """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
         bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
         p, first = self.parts, self.parts.first
@@ -293,6 +302,8 @@ class SavePath:
         if p.ledger.retire(step, first.name):  # staged only for the slower tiers, which now have it
             self.retention.delete(first, step)
         self.retention.apply(first)
+        if not p.ledger.busy(step):  # the last copy of the step
+            self._prepare(step, sizes)
 
     def _upload(self, step: int, dst: Tier, marker: Marker) -> bool:
         """Byte copy of this rank's files from the first tier to ``dst``, verified before upload, marker

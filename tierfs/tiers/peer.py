@@ -111,11 +111,14 @@ def plan_fetch(wanted: Mapping[int, Sequence[int]], sizes: Mapping[int, int] | N
 
 
 class _Replicas(MemoryTier):
-    """The directory of replicas this rank keeps; it shares the RAM tier's budget."""
+    """The directory of replicas this rank keeps; it shares the RAM tier's budget, and its pool of spare
+    buffers (one spare set serves both: the buffers of this rank's step that retention frees when the
+    next one commits take the next replica, and the replica's old buffers the next step)."""
 
     def __init__(self, path: Any, ram: MemoryTier, name: str) -> None:
         super().__init__(path, name=name)
         self._ram = ram
+        self._pool, self._lock = ram._pool, ram._lock  # one pool, used under one lock
 
     def capacity(self) -> Capacity:
         return self._ram.capacity()  # counts this directory too: it lies inside the RAM tier's
