@@ -23,6 +23,9 @@ rank and receives the previous one's, so each link carries one shard each way at
   buffers are mapped and reused, as in a long job).
   The slowdown excludes the time inside ``save`` (the stall, see bench_async.py); "replica lands" is the
   time from ``save`` until that step is replicated.
+- a lost node (``benchmarks/_lostnode.py``): ``restore_into`` on a replaced node, its shard from the peer
+  keeping its replica, or, for a data-parallel state, from the ranks holding it in RAM, beside a plain gloo
+  transfer of as many bytes to it (``--lost-node-only`` runs this phase alone).
 
 Results are medians over ranks and repeats; rank 0 prints the tables (stdout) and progress (stderr).
 """
@@ -40,6 +43,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import GB, MiB, Result, Scratch, launch_ranks, log, machine_note, table  # noqa: E402
+
+from _lostnode import lost_node, report as report_lost_node  # noqa: E402
 
 from tierfs._worker import BACKGROUND_NICE  # noqa: E402
 
@@ -222,6 +227,18 @@ def worker(args: argparse.Namespace) -> None:
     state = {f"layer{i}": torch.randn(nbytes // 4 // 8, generator=g) for i in range(8)}
     scratch = Scratch(f"bench-peer-{rank}-")
     results: dict[str, list[float]] = {}
+    if args.lost_node_only:
+        try:
+            results = lost_node(dist, scratch, nbytes, args.repeats, say)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, results)
+        finally:
+            scratch.cleanup()
+        if rank == 0:
+            report_lost_node(nbytes, world, {k: [x for r in gathered for x in r.get(k, [])]
+                                             for k in set().union(*gathered)})
+        dist.destroy_process_group()
+        return
     try:
         say(f"{world} ranks, {args.size_mib} MiB per rank: plain socket copy, gloo, tierfs replication")
         buf_out = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8)
@@ -300,12 +317,16 @@ def worker(args: argparse.Namespace) -> None:
             for store in stores.values():
                 store.close()
             ring.close()
+        results.update(lost_node(dist, scratch, nbytes, args.repeats, say))
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
     finally:
         scratch.cleanup()
     if rank == 0:
         report(args, world, nbytes, gathered)
+        report_lost_node(nbytes, world, {k: [x for r in gathered for x in r.get(k, [])]
+                                         for k in set().union(*gathered) if ": " in k and k.split(": ")[0] in
+                                         ("own shards", "data parallel")})
     dist.destroy_process_group()
 
 
@@ -359,6 +380,7 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=1, help="saves per training-loop variant and round")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of the training-loop variants")
     ap.add_argument("--chunk-ms", type=float, default=50.0)
+    ap.add_argument("--lost-node-only", action="store_true", help="only the lost-node phase")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:

@@ -71,14 +71,15 @@ class RestoreInfo:
 class RestorePlan:
     """What one gather told every rank (the same on every rank).
 
-    ``own[r]`` are the steps rank ``r`` can read from its own tiers; ``holders[(step, r)]`` the ranks
-    that keep a replica of rank ``r``'s shard of ``step``; ``local`` (this rank's alone) the steps each of
-    its file tiers holds.
+    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
+    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
+    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
     """
 
     own: list[set[int]]
     holders: dict[tuple[int, int], list[int]]
     local: dict[str, set[int]]
+    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
 
     @property
     def every(self) -> set[int]:
@@ -120,15 +121,16 @@ def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None
             before, rep, after = parts.roles(usable)
             local = {t.name: parts.ledger.holding(t.name) for t in before + after}
             held = rep.holdings() if rep is not None else {}
-            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs]]
+            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
+                    sorted(set().union(*(local[t.name] for t in before)))]
     except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
         failure = e
     views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=_kind)
     holders: dict[tuple[int, int], list[int]] = {}
-    for h, (_, kept) in enumerate(views):
+    for h, (_, kept, _) in enumerate(views):
         for s, r in kept:
             holders.setdefault((s, r), []).append(h)
-    return RestorePlan([set(v[0]) for v in views], holders, local)
+    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
 
 
 class Restore:
@@ -167,12 +169,17 @@ class Restore:
         raises between collectives."""
         got: tuple[RestoreInfo, Shard] | None = None
         mismatch: BaseException | None = None
-        try:
-            got = self._from_tiers(s, self.before, plan)
-        except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
-            mismatch = e
-        if self.replicator is not None:
-            got, mismatch = self._from_peers(s, plan, self.replicator, got, mismatch)
+        self.tried: set[tuple[int, int]] = set()
+        rep = self.replicator
+        mine = s in plan.fast[self.parts.group.rank]
+        early = [s not in fast for fast in plan.fast] if rep is not None else []
+        if any(early):  # ranks whose RAM lacks the step fetch it first: they fill while the others read theirs
+            assert rep is not None
+            got, mismatch = self._from_peers(s, plan, rep, got, mismatch, early)
+        if mine:
+            got, mismatch = self._read_local(s, plan)
+        if rep is not None:
+            got, mismatch = self._from_peers(s, plan, rep, got, mismatch)  # local copies that did not verify
             got, mismatch = self._complete(s, got, mismatch)  # the shared entries a peer's replica lacks
         if got is None and mismatch is None:
             try:
@@ -215,6 +222,13 @@ class Restore:
         self.skipped.append((info.tier, s, f"shared entries: {why}"))
         return None, mismatch
 
+    def _read_local(self, s: int, plan: RestorePlan) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+        """This rank's shard from its tiers before the replicator: ``(got, mismatch)``."""
+        try:
+            return self._from_tiers(s, self.before, plan), None
+        except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
+            return None, e
+
     def _from_tiers(self, s: int, tiers: Sequence[Tier], plan: RestorePlan) -> tuple[RestoreInfo, Shard] | None:
         """This rank's shard of ``s`` from the first of ``tiers`` holding a copy that verifies, or None."""
         def read(t: Tier) -> tuple[Shard, float]:
@@ -226,13 +240,14 @@ class Restore:
         tier, (shard, seconds) = found
         return self._info(s, tier.name, shard, seconds), shard
 
-    def _from_peers(self, s: int, plan: RestorePlan, rep: Replicator, got: Any, mismatch: BaseException | None
-                    ) -> tuple[Any, BaseException | None]:
-        """Ranks still without their shard get it from a peer that keeps a copy; every rank takes part
-        (holders send). Holders that fail are dropped and the next one tried."""
+    def _from_peers(self, s: int, plan: RestorePlan, rep: Replicator, got: Any, mismatch: BaseException | None,
+                    needs: list[bool] | None = None) -> tuple[Any, BaseException | None]:
+        """Ranks still without their shard (``needs``, the same on every rank; default: asked) get it from a
+        peer that keeps a copy; every rank takes part (holders send). Holders that fail are dropped and the
+        next one tried."""
         g = self.group
-        needs = g.all_gather(got is None and mismatch is None)
-        tried: set[tuple[int, int]] = set()
+        needs = list(needs) if needs is not None else g.all_gather(got is None and mismatch is None)
+        tried = self.tried
         while True:
             options = {r: [h for h in plan.holders.get((s, r), []) if (r, h) not in tried]
                        for r, need in enumerate(needs) if need}
@@ -246,9 +261,8 @@ class Restore:
                 manifest, mbytes, marker, files = res
                 try:
                     shard = Shard(manifest, mbytes, marker, files)
-                    if holds(manifest, files) == WHOLE:  # else completed from other ranks first
-                        # every block was checked as it landed
-                        fill(None, s, shard, self.sink, self.parts.threads, verified=True)
+                    if self.sink is not None:
+                        self.sink.check(manifest)  # the target's mismatch, before the others hear it landed
                     info = self._info(s, rep.name, shard, time.perf_counter() - t0)
                     info.peer = assign[g.rank]
                     got = (info, shard)
@@ -268,6 +282,13 @@ class Restore:
                     tried.add((r, assign[r]))
                     if good:
                         needs[r] = False
+            if ok and got is not None and mismatch is None and holds(got[1].manifest, got[1].files) == WHOLE:
+                try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
+                    # it landed; a failure now is the target's (else completed from other ranks first)
+                    fill(None, s, got[1], self.sink, self.parts.threads, verified=True)
+                    got[0].seconds = time.perf_counter() - t0
+                except Exception as e:  # noqa: BLE001 - raised by all ranks
+                    got, mismatch = None, e
 
     def _info(self, s: int, tier: str, shard: Shard, seconds: float) -> RestoreInfo:
         m = shard.manifest
