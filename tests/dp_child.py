@@ -101,8 +101,8 @@ def main() -> None:
         out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000002"))
         out["replicas"] = tree_bytes(os.path.join(ram_dir, "peers"))
         out["objects"] = tree_bytes(os.path.join(obj, "step_000000000002"))
-        out["state"] = sum(v.numel() * v.element_size() for v in _tensors(state))
-        out["unique"] = sum(v.numel() * v.element_size() for v in _tensors(state["mine"]))
+        out["state"] = sum(v.numel() * v.element_size() for v in tensors(state))
+        out["unique"] = sum(v.numel() * v.element_size() for v in tensors(state["mine"]))
         # step 3: rank 1's copy of a shared tensor differs from the others'
         state, declared = state_for(rank, 3, layout)
         if rank == 1:
@@ -123,10 +123,10 @@ def main() -> None:
     finish(out)
 
 
-def _tensors(d: dict):
+def tensors(d: dict):
     for v in d.values():
         if isinstance(v, dict):
-            yield from _tensors(v)
+            yield from tensors(v)
         elif isinstance(v, torch.Tensor):
             yield v
 

@@ -9,7 +9,6 @@ its own), hsdp (FSDP2 ``fully_shard`` over a 2x2 mesh: shards within a pair of r
 the pairs). Prints one JSON line: the digest of the full state saved or restored, bytes per tier.
 """
 
-import hashlib
 import os
 import sys
 import warnings
@@ -25,7 +24,8 @@ from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
 from _child import finish  # tests/ is the script's directory, first on sys.path
-from dp_child import CountingObjectTier, tree_bytes
+from _digest import state_digest as digest
+from dp_child import CountingObjectTier, tensors, tree_bytes
 
 warnings.filterwarnings("ignore")
 
@@ -54,25 +54,6 @@ def state_of(model, opt, rank: int, step: int) -> dict:
     return {"model": msd, "optim": osd, "mine": {f"rank{rank}": torch.full((100,), float(step * 10 + rank))}}
 
 
-def digest(state: dict) -> str:
-    """sha256 over every full (unsharded) tensor of the state."""
-    h = hashlib.sha256()
-
-    def walk(x, path):
-        if isinstance(x, dict):
-            for k in sorted(x, key=str):
-                walk(x[k], f"{path}.{k}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{path}.{i}")
-        elif isinstance(x, torch.Tensor):
-            full = x.full_tensor() if hasattr(x, "full_tensor") else x
-            h.update(path.encode() + str(full.dtype).encode() + str(tuple(full.shape)).encode())
-            h.update(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    walk(state, "")
-    return h.hexdigest()
-
-
 def main() -> None:
     shm, obj, mode, layout = sys.argv[1:5]
     dist.init_process_group("gloo")
@@ -95,7 +76,7 @@ def main() -> None:
             out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000003"))
             out["replicas"] = tree_bytes(os.path.join(ram_dir, "peers"))
             out["state"] = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
-                               for part in ("model", "optim", "mine") for t in _tensors(state[part]))
+                               for part in ("model", "optim", "mine") for t in tensors(state[part]))
         else:
             train(model, opt, 0)  # Adam's state exists; different values than saved
             target = state_of(model, opt, rank, -1)
@@ -105,14 +86,6 @@ def main() -> None:
             out["tier"] = mgr.last_restore_info.tier
             out["object_read"] = CountingObjectTier.read_bytes
     finish(out)
-
-
-def _tensors(d):
-    for v in d.values():
-        if isinstance(v, dict):
-            yield from _tensors(v)
-        elif isinstance(v, torch.Tensor):
-            yield v
 
 
 if __name__ == "__main__":

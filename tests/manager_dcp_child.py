@@ -15,7 +15,6 @@ Prints one JSON line: rank, world, the digest of the full (unsharded) state save
 restored step, the tier that served it, the steps per tier, and the restored per-rank values.
 """
 
-import hashlib
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.tiers import MemoryTier, ObjectTier
 
 from _child import finish  # tests/ is the script's directory, first on sys.path
+from _digest import state_digest
 
 warnings.filterwarnings("ignore")
 
@@ -59,24 +59,7 @@ def state_of(model, opt, rank: int, step: int) -> dict:
 def digest(model, opt) -> str:
     """sha256 over every full (unsharded) tensor and every other value of the model and optimizer."""
     msd, osd = get_state_dict(model, opt)
-    h = hashlib.sha256()
-
-    def walk(x, path):
-        if isinstance(x, dict):
-            for k in sorted(x, key=str):
-                walk(x[k], f"{path}.{k}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, f"{path}.{i}")
-        elif isinstance(x, torch.Tensor):
-            full = x.full_tensor() if hasattr(x, "full_tensor") else x
-            h.update(path.encode() + str(full.dtype).encode() + str(tuple(full.shape)).encode())
-            h.update(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{path}={x!r}".encode())
-
-    walk({"model": msd, "optim": osd}, "")
-    return h.hexdigest()
+    return state_digest({"model": msd, "optim": osd})
 
 
 def restore(mgr, model, opt, target, rank, out) -> None:

@@ -127,14 +127,9 @@ class _Packer:
         for n in sizes:
             rel.append(align(end))
             end = rel[-1] + n
-        if end <= self.file_size:
-            if self.cur is None or (self.used > 0 and self.used + end > self.file_size):
-                self.new_file()
-            assert self.cur is not None
-            start = self.used
-            self.files[self.cur] = start + end
-            self.used = align(start + end)
-            return [(self.cur, start + r) for r in rel], [[self.cur, start, start + end]]
+        if end <= self.file_size:  # placed as one entry of its whole length
+            f, start = self.add(end)
+            return [(f, start + r) for r in rel], [[f, start, start + end]]
         self.new_file()
         where = []
         parts: dict[str, list[int]] = {}
