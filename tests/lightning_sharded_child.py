@@ -52,9 +52,9 @@ class Model(pl.LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 4, generator=g)
-        y = x.sum(1, keepdim=True) + 0.1 * torch.randn(32, 1, generator=g)
+        g = torch.Generator().manual_seed(0)  # one batch per epoch: a run resumed at any step sees the same
+        x = torch.randn(16, 4, generator=g)
+        y = x.sum(1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=False)
 
     def on_train_start(self):

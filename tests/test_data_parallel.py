@@ -41,7 +41,8 @@ def _lose_node_then_everything(child: str, layout: str, shm: Path, obj: Path) ->
     return from_peers, gloo_job.run_job(4, HERE / child, str(shm), str(obj), "restore", layout)
 
 
-@pytest.mark.parametrize("layout", ["dp", "hsdp"])
+# HSDP declared by hand works alike (dp_child.py "hsdp"); the suite runs HSDP through FSDP2 below
+@pytest.mark.parametrize("layout", ["dp"])
 def test_declared_replicas_are_stored_once_and_restored_from_the_ranks_holding_them(layout, shm_dir, tmp_path):
     shm, obj = Path(shm_dir), tmp_path / "obj"
     saved = gloo_job.run_job(4, HERE / "dp_child.py", str(shm), str(obj), "save", layout)

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,17 +41,50 @@ def _assert_equal(a_path, b_path):
     assert not bad, bad
 
 
-def test_sharded_save_resume_bit_exact(tmp_path, shm_dir):
-    t = tmp_path
-    tiered = {"ram": str(shm_dir), "obj": (t / "obj").as_uri(), "ckpt_dir": str(t / "ck")}
-    first = _run({**tiered, "max_steps": 3, "out": str(t / "a.pt")}, t)
-    assert first["last"] == str(t / "ck" / "last.ckpt")
-    assert not (t / "ck").exists()  # nothing written at Lightning's paths
-    second = _run({**tiered, "max_steps": 5, "out": str(t / "b.pt"), "resume": first["last"]}, t)
-    assert second["restored"] == {"step": 3, "sources": {"0": "ram"}}  # rank 0 read its shard from RAM
-    _assert_equal(t / "b.pt.start", t / "a.pt")  # the restored states are the saved ones, bit for bit
-    # Lightning's own ModelParallelStrategy (DCP directories + meta.pt) on the same schedule ends identical
-    plain = {"plain": 1, "ram": "", "obj": "", "ckpt_dir": str(t / "pck")}
-    _run({**plain, "max_steps": 3, "out": str(t / "pa.pt")}, t)
-    _run({**plain, "max_steps": 5, "out": str(t / "pb.pt"), "resume": str(t / "pck" / "last.ckpt")}, t)
-    _assert_equal(t / "b.pt", t / "pb.pt")
+def _committed(ram, obj):
+    from tierfs import TieredStore
+    from tierfs.tiers import MemoryTier, ObjectTier
+
+    store = TieredStore([MemoryTier(ram), ObjectTier(obj)], cleanup=False)
+    try:
+        return store.steps()
+    finally:
+        store.close()
+
+
+def test_sharded_kill_and_resume_end_where_an_uninterrupted_run_ends(tmp_path, shm_dir):
+    """RAM saves every step, the object tier every 2nd; the job (both ranks) is SIGKILLed mid-run; resumed
+    from RAM and then, RAM wiped, from the object tier, it ends bit-exact where an uninterrupted run ends."""
+    t, total = tmp_path, 6
+    _run({"ram": str(shm_dir) + "-ref", "obj": (t / "objref").as_uri(), "ckpt_dir": str(t / "ckref"),
+          "max_steps": total, "out": str(t / "ref.pt")}, t)
+    tiered = {"ram": str(shm_dir), "obj": (t / "obj").as_uri(), "ckpt_dir": str(t / "ck"), "max_steps": total}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, CHILD, json.dumps({**tiered, "sleep": 0.5, "out": str(t / "killed.pt")})],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(t), start_new_session=True)
+    deadline = time.time() + 90
+    try:
+        while True:  # until RAM holds step 3 and the object tier step 2 (committed, by listing)
+            assert p.poll() is None, p.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "no step committed in time"
+            steps = _committed(str(shm_dir), tiered["obj"])
+            if 3 in steps and any(s >= 2 and "file" in tiers for s, tiers in steps.items()):
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # both ranks (Lightning started rank 1 from this process)
+        p.wait()
+    assert not (t / "killed.pt").exists()
+    steps = _committed(str(shm_dir), tiered["obj"])
+    newest = max(steps)
+    step = max(s for s, tiers in steps.items() if "file" in tiers)  # the object tier's newest, before resuming
+    assert newest < total
+    got = _run({**tiered, "out": str(t / "resumed.pt"), "resume": str(t / "ck" / "last.ckpt")}, t)
+    assert got["restored"] == {"step": newest, "sources": {"0": "ram"}}
+    _assert_equal(t / "resumed.pt", t / "ref.pt")
+    for f in Path(shm_dir).iterdir():  # another machine: RAM is empty, the object tier serves
+        subprocess.run(["rm", "-rf", str(f)], check=True)
+    got = _run({**tiered, "out": str(t / "resumed2.pt"), "resume": str(t / "ck" / f"epoch={step - 1}-step={step}.ckpt")},
+               t)
+    assert got["restored"]["step"] == step and got["restored"]["sources"]["0"] == "file"
+    _assert_equal(t / "resumed2.pt", t / "ref.pt")
