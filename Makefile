@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[torch,s3,gcs,progress,dev]'
 	# torchtitan's own requirements pin fsspec<=2026.2 (through datasets), which s3fs cannot use; its
-	# checkpoint manager needs only tyro (in the dev extra)
-	$(BIN)/pip install --quiet --no-deps torchtitan==0.3.0
+	# checkpoint manager needs only tyro (in the dev extra), its OptimizersContainer spmd_types (no requirements)
+	$(BIN)/pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3
 	touch $(STAMP)
 
 demo: $(STAMP)
