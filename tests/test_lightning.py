@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
+from _steps import committed  # noqa: E402
 from tierfs import TieredStore  # noqa: E402
 from tierfs.adapters import _lightningcodec as codec  # noqa: E402
 from tierfs.adapters.lightning import TieredCheckpointIO  # noqa: E402
@@ -150,14 +151,6 @@ def test_paths_aliases_and_removal(tmp_path, shm_dir):
 
 
 # -- real training, killed and resumed -----------------------------------------------------------------------
-def _committed(ram, obj):
-    store = TieredStore([MemoryTier(ram), ObjectTier(obj)], cleanup=False)
-    try:
-        return store.steps()
-    finally:
-        store.close()
-
-
 def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
     total = 12
     ref = _run(_cfg(dirs, ckpt_dir=str(dirs["tmp"] / "ref" / "ckpts"), ram=dirs["ram"] + "-ref",
@@ -170,7 +163,7 @@ def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
         while True:  # until RAM holds a step >= 7 and the object tier a step >= 6 (committed, by listing)
             assert p.poll() is None, p.stderr.read().decode()[-3000:]
             assert time.time() < deadline, "no step committed in time"
-            steps = _committed(dirs["ram"], dirs["obj"])
+            steps = committed(dirs["ram"], dirs["obj"])
             if any(s >= 7 for s in steps) and any(s >= 6 and "file" in t for s, t in steps.items()):
                 break
             time.sleep(0.05)
@@ -178,7 +171,7 @@ def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert not os.path.exists(cfg["out"])
-    steps = _committed(dirs["ram"], dirs["obj"])
+    steps = committed(dirs["ram"], dirs["obj"])
     newest = max(steps)
     assert newest < total
     last = os.path.join(dirs["ckpt_dir"], "last.ckpt")  # what callback.last_model_path named
@@ -188,7 +181,7 @@ def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
     # RAM wiped (another machine): the object tier serves its newest step, by its checkpoint path
     for f in Path(dirs["ram"]).iterdir():
         subprocess.run(["rm", "-rf", str(f)], check=True)
-    obj_steps = sorted(s for s, t in _committed(dirs["ram"], dirs["obj"]).items() if "file" in t)
+    obj_steps = sorted(s for s, t in committed(dirs["ram"], dirs["obj"]).items() if "file" in t)
     step = obj_steps[-1]
     path = os.path.join(dirs["ckpt_dir"], f"epoch={step - 1}-step={step}.ckpt")
     got = _run(_cfg(dirs, max_steps=total, resume=path, out=str(dirs["tmp"] / "resumed2.pt")))

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("lightning")
 
+from _steps import committed  # noqa: E402
+
 CHILD = str(Path(__file__).with_name("lightning_sharded_child.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -41,17 +43,6 @@ def _assert_equal(a_path, b_path):
     assert not bad, bad
 
 
-def _committed(ram, obj):
-    from tierfs import TieredStore
-    from tierfs.tiers import MemoryTier, ObjectTier
-
-    store = TieredStore([MemoryTier(ram), ObjectTier(obj)], cleanup=False)
-    try:
-        return store.steps()
-    finally:
-        store.close()
-
-
 def test_sharded_kill_and_resume_end_where_an_uninterrupted_run_ends(tmp_path, shm_dir):
     """RAM saves every step, the object tier every 2nd; the job (both ranks) is SIGKILLed mid-run; resumed
     from RAM and then, RAM wiped, from the object tier, it ends bit-exact where an uninterrupted run ends."""
@@ -67,7 +58,7 @@ def test_sharded_kill_and_resume_end_where_an_uninterrupted_run_ends(tmp_path, s
         while True:  # until RAM holds step 3 and the object tier step 2 (committed, by listing)
             assert p.poll() is None, p.stderr.read().decode()[-3000:]
             assert time.time() < deadline, "no step committed in time"
-            steps = _committed(str(shm_dir), tiered["obj"])
+            steps = committed(str(shm_dir), tiered["obj"])
             if 3 in steps and any(s >= 2 and "file" in tiers for s, tiers in steps.items()):
                 break
             time.sleep(0.05)
@@ -75,7 +66,7 @@ def test_sharded_kill_and_resume_end_where_an_uninterrupted_run_ends(tmp_path, s
         os.killpg(p.pid, signal.SIGKILL)  # both ranks (Lightning started rank 1 from this process)
         p.wait()
     assert not (t / "killed.pt").exists()
-    steps = _committed(str(shm_dir), tiered["obj"])
+    steps = committed(str(shm_dir), tiered["obj"])
     newest = max(steps)
     step = max(s for s, tiers in steps.items() if "file" in tiers)  # the object tier's newest, before resuming
     assert newest < total

@@ -16,6 +16,7 @@ pytest.importorskip("torchtitan.components.checkpoint")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
+from _steps import committed  # noqa: E402
 
 from tierfs.adapters.torchtitan import TieredCheckpointManager  # noqa: E402
 
@@ -26,17 +27,6 @@ def job(shm: str, obj: Path, dump: Path, async_mode: str = "disabled", total: in
     if start:
         return gloo_job.start_job(2, HERE / "torchtitan_child.py", *args)
     return gloo_job.run_job(2, HERE / "torchtitan_child.py", *args, timeout=180)
-
-
-def _steps(ram: str, obj: Path) -> dict[int, list[str]]:
-    from tierfs import TieredStore
-    from tierfs.tiers import MemoryTier, ObjectTier
-
-    store = TieredStore([MemoryTier(ram), ObjectTier(obj.as_uri())], cleanup=False)
-    try:
-        return store.steps()
-    finally:
-        store.close()
 
 
 def _same(a: Path, b: Path) -> None:
@@ -69,7 +59,7 @@ def test_killed_mid_run_resumes_where_an_uninterrupted_run_ends(shm_dir, tmp_pat
         while True:  # until both nodes' RAM holds step 3 and the object tier step 2
             assert all(p.poll() is None for p in procs), [p.stderr.read()[-2000:] for p in procs]
             assert time.time() < deadline, "no step committed in time"
-            views = [_steps(os.path.join(shm_dir, f"node{r}"), obj) for r in (0, 1)]
+            views = [committed(os.path.join(shm_dir, f"node{r}"), obj.as_uri()) for r in (0, 1)]
             if all(3 in v and 2 in v and "file" in v[2] for v in views):
                 break
             time.sleep(0.05)
@@ -77,8 +67,8 @@ def test_killed_mid_run_resumes_where_an_uninterrupted_run_ends(shm_dir, tmp_pat
         for p in procs:
             p.send_signal(signal.SIGKILL)
             p.wait()
-    ram_step = min(max(_steps(os.path.join(shm_dir, f"node{r}"), obj)) for r in (0, 1))
-    obj_step = max(s for s, tiers in _steps(os.path.join(shm_dir, "node0"), obj).items() if "file" in tiers)
+    ram_step = min(max(committed(os.path.join(shm_dir, f"node{r}"), obj.as_uri())) for r in (0, 1))
+    obj_step = max(s for s, tiers in committed(os.path.join(shm_dir, "node0"), obj.as_uri()).items() if "file" in tiers)
     assert ram_step < 6
     shutil.copytree(obj, tmp_path / "obj-then")  # the object tier as the kill left it
     for r in job(shm_dir, obj, tmp_path / "resumed"):
