@@ -262,6 +262,17 @@ def test_simulate_sizes_alone_needs_no_hosts(capsys):
     assert out2 == out
 
 
+def test_simulate_shows_the_object_store_at_each_size_with_data_parallelism(capsys):
+    code, out, err = run(capsys, "simulate", *SIM, "--peer-bw", "10GB/s", "--sizes", "1k,100k", "--data-parallel", "8")
+    assert code == 0, err
+    assert "RAM + data-parallel peers + object" in out
+    lines = [ln for ln in out.splitlines() if "if every copy were stored" in ln]
+    assert [ln.split()[0] for ln in lines] == ["1000", "100000"]
+    assert all("782.3 GiB per save (6.1 TiB if every copy were stored)" in ln for ln in lines)  # 840 GB once
+    code, out, err = run(capsys, "simulate", *SIM, "--sizes", "1k", "--data-parallel", "200")
+    assert code == 2 and "data-parallel degree 200" in err  # 125 hosts
+
+
 def test_simulate_options_match_their_help(capsys):
     code, _, err = run(capsys, "simulate", *SIM, "--sizes", "1k", "--runs", "1")
     assert code == 2 and "--runs" in err and "at least 2" in err

@@ -260,6 +260,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     base = inputs_from_args(args)
     sizes = args.sizes or [base.accelerators]
     rows: list[tuple[int, sim.SimResult, float]] = []
+    stores: list[tuple[int, int, float, float, float]] = []  # the object store at each size
     for i, n in enumerate(sizes):
         p = pl.scaled(base, n, args.accelerator_mttf, args.accelerators_per_host) if args.sizes else base
         if p.mttf is None:
@@ -270,13 +271,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for sp in plan.strategies:
             r = sim.simulate(sp.strategy, p.mttf, args.work, runs=args.runs, seed=args.seed + i)
             rows.append((n, r, sp.goodput))
+        best = max(plan.strategies, key=lambda sp: sp.goodput)
+        write = max((t.bandwidth_total for t in best.tiers if t.name == "object"), default=0.0)
+        stores.append((n, p.hosts, p.checkpoint, p.checkpoint * p.data_parallel, write))
     if args.json:
-        print(json.dumps([{"accelerators": n, "plan_goodput": g, **r.as_dict()} for n, r, g in rows], indent=2))
+        store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write}
+                    for n, _, once, _, write in stores}
+        print(json.dumps([{"accelerators": n, "plan_goodput": g, **store_of[n], **r.as_dict()} for n, r, g in rows],
+                         indent=2))
     else:
         work = f"{args.work / 86400:g} days" if args.work >= 86400 else duration(args.work)
         print(f"{args.runs} runs of {work} of training per strategy and size, seed {args.seed}; "
               "95% confidence intervals")
         print(sim.format_results(rows))
+        print()
+        print(f"object store (data-parallel degree {base.data_parallel}: each distinct byte once per save; the "
+              "bandwidth is the best strategy's)")
+        print("\n".join(f"  {n} accelerators, {hosts} hosts: {size(once)} per save ({size(whole)} if every copy "
+                        f"were stored), {rate(write)} for the job" for n, hosts, once, whole, write in stores))
         print()
         print(sim.LEGEND)
     if args.plot:
