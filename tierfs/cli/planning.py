@@ -285,10 +285,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               "95% confidence intervals")
         print(sim.format_results(rows))
         print()
-        print(f"object store (data-parallel degree {base.data_parallel}: each distinct byte once per save; the "
-              "bandwidth is the best strategy's)")
-        print("\n".join(f"  {n} accelerators, {hosts} hosts: {size(once)} per save ({size(whole)} if every copy "
-                        f"were stored), {rate(write)} for the job" for n, hosts, once, whole, write in stores))
+        dp = base.data_parallel
+        print("object store (the best strategy's writes" + (f"; data-parallel degree {dp}: each distinct byte once "
+                                                            "per save)" if dp > 1 else ")"))
+        print("\n".join(f"  {n} accelerators, {hosts} hosts: {size(once)} per save"
+                        + (f" ({size(whole)} if every copy were stored)" if dp > 1 else "")
+                        + f", {rate(write)} for the job" for n, hosts, once, whole, write in stores))
         print()
         print(sim.LEGEND)
     if args.plot:
