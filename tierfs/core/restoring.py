@@ -145,6 +145,7 @@ class Restore:
         # this rank's own tiers, fastest first; the replicator (peers); the tiers after it
         self.before, self.replicator, self.after = parts.roles(self.usable)
         self.skipped: Skipped = []
+        self.tried: set[tuple[int, int]] = set()  # (rank, holder) pairs tried for the step being tried
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
         g = self.group
@@ -169,7 +170,7 @@ class Restore:
         raises between collectives."""
         got: tuple[RestoreInfo, Shard] | None = None
         mismatch: BaseException | None = None
-        self.tried: set[tuple[int, int]] = set()
+        self.tried = set()
         rep = self.replicator
         mine = s in plan.fast[self.parts.group.rank]
         early = [s not in fast for fast in plan.fast] if rep is not None else []
