@@ -2,8 +2,8 @@
 
     dp_child.py SHM OBJ MODE LAYOUT
 MODE: save (steps 1 and 2, then step 3 with rank 1's copy of a shared tensor changed), restore
-(restore_into the newest step; the object tier may be gone). LAYOUT: dp (every rank holds the same model and Adam state,
-plus a small tensor of its own), hsdp (two replica groups of two ranks, each rank one half of the
+(restore_into the newest step; the object tier may be gone). LAYOUT: dp (every rank holds the same model and Adam state
+and a 1.2 MB embedding, plus a small and a 1.1 MB tensor of its own), hsdp (two replica groups of two ranks, each rank one half of the
 model's flattened parameters, replicated across the groups). Prints one JSON line with what it saw.
 """
 
@@ -49,7 +49,10 @@ def state_for(rank: int, step: int, layout: str) -> tuple[dict, object]:
     """This rank's state and its ``replicated=`` declaration."""
     if layout == "dp":
         state = model_state(step, 0)
-        state["mine"] = {"rng": torch.full((257,), float(rank * 100 + step))}
+        # and an embedding and a rank's own buffer over 1 MiB: a restore receives them straight in place
+        state["model"]["embed"] = torch.randn(300_000, generator=torch.Generator().manual_seed(step))
+        state["mine"] = {"rng": torch.full((257,), float(rank * 100 + step)),
+                         "big": torch.full((270_000,), float(rank * 100 + step))}
         return state, ["model", "optim"]
     # hsdp: ranks 0, 2 hold shard 0 and ranks 1, 3 shard 1 (group = the ranks holding the same shard)
     full = model_state(step, 0)

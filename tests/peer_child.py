@@ -112,6 +112,9 @@ def main() -> None:
         store.wait_until_finished()  # the replicas a replaced node kept for others come back in the background
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
         out["loops"] = loops(before)
+        # again into new arrays: a replaced node's shard still comes from its peer (restore_into left RAM as is)
+        again, info = store.restore()
+        out.update(again_tier=info.tier, again_exact=all(again[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
     store.close()
     finish(out)
 

@@ -101,6 +101,8 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     # groups (2 connections) at full priority; the copy groups of the object tier (1) and peers (2) at nice 10
     assert all(o["loops"] == [0] * 4 + [BACKGROUND_NICE] * 3 for o in outs), [o["loops"] for o in outs]
     assert (shm / "node1" / "peers" / "rank_00001" / step_dirname(3) / "rank_00000.manifest.json").exists()
+    # into new arrays: the replaced node's shard again from its peer, its large entry received in place
+    assert [o["again_tier"] for o in outs] == ["ram", "peer", "ram", "ram"] and all(o["again_exact"] for o in outs)
 
 
 def test_two_neighbours_lost_with_one_replica_falls_back_to_the_object_tier(saved_r1, tmp_path):

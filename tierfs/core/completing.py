@@ -21,6 +21,7 @@ import numpy as np
 from .. import _copy, _units
 from ..format import Entry, Manifest
 from ..tiers import _wire
+from ..tiers.base import Landing
 from .sharing import by_bundle, group_key
 
 log = logging.getLogger("tierfs")
@@ -28,6 +29,9 @@ log = logging.getLogger("tierfs")
 #: what a rank's shard holds after the first round: nothing, only its own entries (a peer's replica), its
 #: own entries and the bundles it owns (a shared tier), or every file
 NONE, UNIQUE, OWNED, WHOLE = 0, 1, 2, 3
+
+#: a bundle in a transfer: ``((owner, group key), its parts' bytes, its entries, its parts [file, start, end])``
+_Item = tuple[tuple[int, int], list[np.ndarray], list[Entry], list[list[Any]]]
 
 
 def holds(manifest: Manifest | None, files: Mapping[str, Any]) -> int:
@@ -59,14 +63,15 @@ def _key(manifest: Manifest, b: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any], status: Sequence[int],
-             pace: Any = None, wire: _wire.Wire = _wire.Wire()) -> str | None:
+             pace: Any = None, wire: _wire.Wire = _wire.Wire(), landing: Landing | None = None) -> str | None:
     """This rank's part of completing every rank's shard (collective; ``status``: every rank's
     :func:`holds`, the same on every rank). Missing files of this rank's shard are allocated in ``files``
-    and filled. Returns why this rank's shard is still incomplete, or None."""
+    and filled, except the entries ``landing(manifest)`` names: they land straight in its arrays (and
+    their bytes in ``files`` are undefined). Returns why this rank's shard is still incomplete, or None."""
     me = g.rank
     needy = {r for r, s in enumerate(status) if s in (UNIQUE, OWNED)}
-    out: dict[int, list[tuple[tuple[int, int], list[np.ndarray]]]] = {}
-    want: dict[int, list[tuple[tuple[int, int], list[np.ndarray], list[Entry], list[list[Any]]]]] = {}
+    out: dict[int, list[_Item]] = {}
+    want: dict[int, list[_Item]] = {}
     missing = None
     if manifest is not None:
         raw = {n: _copy.as_u8(f) for n, f in files.items()}
@@ -78,7 +83,8 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
                 if needy and (owner == me or not _has(status, owner, owner)):  # this rank may be the source
                     for q in group:
                         if q in needy and not _has(status, owner, q) and source(status, owner, group, q) == me:
-                            out.setdefault(q, []).append((key, [raw[f][a:z] for f, a, z in b["parts"]]))
+                            out.setdefault(q, []).append((key, [raw[f][a:z] for f, a, z in b["parts"]],
+                                                          ents, b["parts"]))
                 continue
             src = source(status, owner, group, me)
             if src is None:
@@ -89,33 +95,26 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
                     files[f] = raw[f] = np.empty(manifest.files[f], dtype=np.uint8)
             want.setdefault(src, []).append((key, [raw[f][a:z] for f, a, z in b["parts"]],
                                              ents, b["parts"]))
-    sends = []
+    assert manifest is not None or not (out or want)
+    sends: list[_wire.Send] = []
     for q, items in sorted(out.items()):
         items.sort(key=lambda it: it[0])
-        head = {"step": step, "bundles": [[k[0], k[1], [int(p.size) for p in parts]] for k, parts in items]}
-        sends.append((q, json.dumps(head).encode(), {f"{n}": p for n, p in
-                                                     enumerate(p for _, parts in items for p in parts)}))
+        head = {"step": step, "bundles": [[k[0], k[1], [int(p.size) for p in parts]] for k, parts, _, _ in items]}
+        m, bufs = _carried(step, q, manifest, items)  # type: ignore[arg-type]
+        sends.append((q, json.dumps(head).encode(), bufs, m))
     for wanted in want.values():
         wanted.sort(key=lambda it: it[0])
+    views = landing(manifest) if landing is not None and want and manifest is not None else {}
 
-    def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
+    def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
         items = want[src]
         if h.get("step") != step or h.get("bundles") != [[k[0], k[1], [int(p.size) for p in bufs]]
                                                          for k, bufs, _, _ in items]:
             raise ValueError(f"rank {src} offered other shared entries than rank {me} holds (different structures?)")
-        bufs, entries = {}, []
-        n = 0
-        for _, views, ents, parts in items:  # each part a "file" of its own, entries relative to it
-            for view, (f, a, z) in zip(views, parts):
-                bufs[str(n)] = view
-                entries += [Entry(e.name, "array", e.lib, e.dtype, e.shape, str(n), e.offset - a, e.length, e.crc32c)
-                            for e in ents if e.file == f and a <= e.offset and e.offset + e.length <= z]
-                n += 1
-        assert manifest is not None
-        return Manifest(step, me, manifest.world_size, entries, {k: v.size for k, v in bufs.items()},
-                        manifest.block_size), bufs
+        m, bufs = _carried(step, me, manifest, items)  # type: ignore[arg-type]
+        return m, bufs, _wire.direct(m, views, bufs)
 
-    errors = _wire.transfer(g, sends, sorted(want), accept, pace, wire)
+    errors = _wire.transfer(g, sends, sorted(want), accept, pace, wire, land=True)
     bad = [f"from rank {s}: {why}" for s, why in errors.items() if why]
     if bad:
         return "; ".join(bad)
@@ -123,6 +122,21 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
         got = sum(int(v.size) for items in want.values() for _, views, _, _ in items for v in views)
         log.info("step %d: received %s of shared entries from ranks %s", step, _units.Bytes(got), sorted(want))
     return missing
+
+
+def _carried(step: int, rank: int, manifest: Manifest, items: Sequence[_Item]) -> tuple[Manifest, dict[str, np.ndarray]]:
+    """Bundles as one transfer carries them (sender and receiver alike): each part a file of its own
+    (``"0"``, ``"1"``, ...), its entries' offsets relative to it."""
+    bufs: dict[str, np.ndarray] = {}
+    entries: list[Entry] = []
+    for _, views, ents, parts in items:
+        for view, (f, a, z) in zip(views, parts):
+            n = str(len(bufs))
+            bufs[n] = view
+            entries += [Entry(e.name, "array", e.lib, e.dtype, e.shape, n, e.offset - a, e.length, e.crc32c)
+                        for e in ents if e.file == f and a <= e.offset and e.offset + e.length <= z]
+    return Manifest(step, rank, manifest.world_size, entries, {k: v.size for k, v in bufs.items()},
+                    manifest.block_size), bufs
 
 
 def _short(group: Sequence[int]) -> str:

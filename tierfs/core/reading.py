@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,39 @@ class Shard:
     mbytes: bytes
     marker: bytes
     files: Mapping[str, Any]
+    #: entries received straight into the sink's arrays, ``{name: uint8 view}``: their bytes in ``files``
+    #: are undefined (see :meth:`whole`)
+    landed: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def whole(self) -> Shard:
+        """This shard with every byte in its files: the landed entries copied back from where they landed
+        (for sending it on, while the restore still owns those arrays)."""
+        if not self.landed:
+            return self
+        raw = {n: _copy.as_u8(f) for n, f in self.files.items()}
+        for e in self.manifest.entries:
+            v = self.landed.get(e.name)
+            if v is not None:
+                raw[e.file][e.offset:e.offset + e.length] = v
+        return Shard(self.manifest, self.mbytes, self.marker, self.files)
+
+
+class _Files(Mapping[str, Any]):
+    """Files of a step in a tier, each read when first used."""
+
+    def __init__(self, tier: Tier, step: int, names: Sequence[str]) -> None:
+        self.tier, self.step, self.names = tier, step, list(names)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.tier.read_file(self.step, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 class Sink:
@@ -67,6 +100,14 @@ class Sink:
     def direct(self, e: Entry) -> Any:
         """A tensor that takes ``e`` with one ``copy_`` after verification (see :class:`InPlace`), or None."""
         return None
+
+    def land(self, e: Entry) -> np.ndarray | None:
+        """A writable uint8 array of ``e``'s length that a peer's bytes of ``e`` may be received straight
+        into (after :meth:`check`), or None. The entry's value is then in place once :meth:`took` is called."""
+        return None
+
+    def took(self, e: Entry) -> None:
+        """``e``'s bytes landed, all verified, in the array :meth:`land` gave."""
 
     def elsewhere(self, manifest: Manifest, held: Mapping[str, int]) -> None:
         """A partial sink reading a shard whose tier lacks some of its files (see :class:`Views`)."""
@@ -95,6 +136,17 @@ class NewArrays(Sink):
     def __init__(self, zero_copy: bool = False) -> None:
         super().__init__()
         self.zero_copy = zero_copy
+        self._landing: dict[str, Any] = {}
+
+    def land(self, e: Entry) -> np.ndarray | None:
+        if self.wanted is not None and e.name not in self.wanted:
+            return None
+        obj, raw = st.allocate(e.lib, e.dtype, e.shape)
+        self._landing[e.name] = obj
+        return raw
+
+    def took(self, e: Entry) -> None:
+        self.values[e.name] = self._landing[e.name]
 
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         if self.zero_copy and tier is not None and tier.zero_copy:
@@ -157,6 +209,11 @@ class InPlace(Sink):
         if self._fits and e.length <= DIRECT_MAX and e.lib == "torch":
             return self.targets[self.index[e.name]]
         return None
+
+    def land(self, e: Entry) -> np.ndarray | None:
+        if e.name not in self.index:
+            return None
+        return st.target_view(e.name, self.targets[self.index[e.name]], e.lib, e.dtype, e.shape)
 
     def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
         self._direct[0].extend(targets)
@@ -257,6 +314,7 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
     sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
     sink.check(manifest)
     raw = _copy.shard_views(manifest, shard.files)
+    landed = shard.landed
     jobs: list[_copy.Job] = []
     views = ReadViews.of(manifest)
     targets: list[Any] = []
@@ -272,6 +330,9 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
             continue
         if e.kind == "json":
             sink.json(e)
+            continue
+        if e.name in landed:  # received straight into its array, every block checked as it landed
+            sink.took(e)
             continue
         target = sink.direct(e)
         if target is not None:  # verified first, copied with the others after
@@ -332,6 +393,14 @@ class Reader:
                 return shard
             fill(tier, step, shard, sink, self.parts.threads)
             return shard
+
+    def open_shard(self, tier: Tier, step: int, rank: int) -> Shard:
+        """Rank ``rank``'s shard of ``step`` in ``tier`` as it is, for sending on: its manifest checked
+        against the marker, its blocks not read (each receiver checks them as they land); each file is
+        read when first used."""
+        marker = bytes(tier.read_file(step, MARKER))
+        manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
+        return Shard(manifest, mbytes, marker, _Files(tier, step, list(manifest.held_files(tier.is_local))))
 
     def first_verified(self, tiers: Sequence[Tier], step: int, read: Callable[[Tier], T], skipped: Skipped,
                        what: str = "") -> tuple[Tier, T] | None:

@@ -15,6 +15,7 @@ holding a verified copy; all ranks move on to an older step together when any ra
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -25,9 +26,10 @@ from .. import _copy, _units
 from .._stages import stage
 from ..dist import Group, agree
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
-from ..format import Marker, manifest_filename
+from ..format import Manifest, Marker, manifest_filename
 from ..protocol import commit, common_steps
 from ..tiers.base import Holder, Replicator, Tier
+from ..tiers._wire import lands
 from ..tiers.peer import plan_fetch
 from .layout import ReadViews
 from .parts import Parts
@@ -146,6 +148,7 @@ class Restore:
         self.before, self.replicator, self.after = parts.roles(self.usable)
         self.skipped: Skipped = []
         self.tried: set[tuple[int, int]] = set()  # (rank, holder) pairs tried for the step being tried
+        self._views: tuple[Manifest, dict[str, np.ndarray]] | None = None  # see _landing
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
         g = self.group
@@ -174,10 +177,18 @@ class Restore:
         rep = self.replicator
         mine = s in plan.fast[self.parts.group.rank]
         early = [s not in fast for fast in plan.fast] if rep is not None else []
-        if any(early):  # ranks whose RAM lacks the step fetch it first: they fill while the others read theirs
+        if any(early):  # ranks whose RAM lacks the step fetch it first; the others read theirs meanwhile
             assert rep is not None
-            got, mismatch = self._from_peers(s, plan, rep, got, mismatch, early)
-        if mine:
+            if mine:  # this rank sends what it keeps and, from its RAM copy, the entries it shares
+                serve = self._unverified(s, plan)
+                with _Beside(lambda: self._read_local(s, plan)) as local:
+                    self._from_peers(s, plan, rep, got, mismatch, early)
+                    self._complete(s, None, None, serve)
+                got, mismatch = local.result
+            else:
+                got, mismatch = self._from_peers(s, plan, rep, got, mismatch, early)
+                got, mismatch = self._complete(s, got, mismatch)
+        elif mine:
             got, mismatch = self._read_local(s, plan)
         if rep is not None:
             got, mismatch = self._from_peers(s, plan, rep, got, mismatch)  # local copies that did not verify
@@ -189,24 +200,30 @@ class Restore:
                 mismatch = e
         return self._complete(s, got, mismatch)  # the shared entries a shared tier keeps in their owners' shards
 
-    def _complete(self, s: int, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None
-                  ) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+    def _complete(self, s: int, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None,
+                  serve: Shard | None = None) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
         """Every rank takes part while ranks whose shard lacks shared entries get them from the ranks that
-        hold them (:mod:`.completing`), then fills its target; a rank that cannot drops its shard."""
-        shard = got[1] if got is not None else None
+        hold them (:mod:`.completing`), then fills its target; a rank that cannot drops its shard. A rank
+        still reading its own copy sends from it as it is (``serve``, :meth:`_unverified`)."""
+        shard = got[1] if got is not None else serve
         status = holds(shard.manifest, shard.files) if shard is not None else NONE
         every = self.group.all_gather(status) if self.group.world_size > 1 else [status]
         if not any(x in (UNIQUE, OWNED) for x in every):
             return got, mismatch
         t0 = time.perf_counter()
+        if shard is not None and status in (OWNED, WHOLE):
+            shard = shard.whole()  # it may send entries on
+            got = (got[0], shard) if got is not None else None
         files = dict(shard.files) if shard is not None else {}
         with stage("complete", s):
-            why = complete(self.group, s, shard.manifest if shard is not None else None, files, every)
+            why = complete(self.group, s, shard.manifest if shard is not None else None, files, every,
+                           landing=self._landing)
         if got is None or status == WHOLE:
             return got, mismatch
         info, shard = got
         if why is None:
-            shard = Shard(shard.manifest, shard.mbytes, shard.marker, files)
+            shard = Shard(shard.manifest, shard.mbytes, shard.marker, files,
+                          self._landed(shard, set(files) - set(shard.files)))
             try:
                 # every block was checked: where it was read (a tier, a peer's replica) or as it landed
                 fill(None, s, shard, self.sink, self.parts.threads, verified=True)
@@ -257,11 +274,12 @@ class Restore:
                 return got, mismatch
             t0 = time.perf_counter()
             with self.parts.ledger.pinned(rep.name, s):  # retention must not delete what a holder sends
-                res = rep.fetch(s, assign)
+                res = rep.fetch(s, assign, landing=self._landing)
             if isinstance(res, tuple):
                 manifest, mbytes, marker, files = res
                 try:
                     shard = Shard(manifest, mbytes, marker, files)
+                    shard.landed = self._landed(shard, set(files))
                     if self.sink is not None:
                         self.sink.check(manifest)  # the target's mismatch, before the others hear it landed
                     info = self._info(s, rep.name, shard, time.perf_counter() - t0)
@@ -290,6 +308,47 @@ class Restore:
                     got[0].seconds = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - raised by all ranks
                     got, mismatch = None, e
+
+    def _unverified(self, s: int, plan: RestorePlan) -> Shard | None:
+        """This rank's shard of ``s`` in its fastest tier holding it, unverified (for sending on while it
+        is read and verified for this rank), or None."""
+        for t in self.before:
+            if s in plan.local[t.name]:
+                try:
+                    return self.reader.open_shard(t, s, self.parts.group.rank)
+                except UNUSABLE as e:
+                    log.info("tier %s step %d: sending nothing from this rank's copy (%s)", t.name, s, e)
+                return None
+        return None
+
+    def _landing(self, m: Manifest) -> dict[str, np.ndarray]:
+        """Where a peer's entries of this rank's shard land straight (the ``landing`` of a fetch): the
+        sink's own arrays, for the entries a transfer moves apart (:func:`~tierfs.tiers._wire.lands`) that it can take in place. The same arrays
+        for one manifest (a fetch and the completion after it); a target that does not match takes none
+        (the mismatch is raised once the copy is in)."""
+        if self._views is not None and self._views[0] is m:
+            return self._views[1]
+        views: dict[str, np.ndarray] = {}
+        if self.sink is not None:
+            try:
+                self.sink.check(m)
+                for e in m.entries:
+                    if lands(e):
+                        v = self.sink.land(e)
+                        if v is not None:
+                            views[e.name] = v
+            except (TierfsError, ValueError):
+                views = {}
+        self._views = (m, views)
+        return views
+
+    def _landed(self, shard: Shard, files: set[str]) -> dict[str, np.ndarray]:
+        """The entries of ``files`` that landed straight in the sink's arrays (with those already landed)."""
+        views = self._views[1] if self._views is not None and self._views[0] is shard.manifest else {}
+        out = dict(shard.landed)
+        if views:
+            out.update((e.name, views[e.name]) for e in shard.manifest.entries if e.name in views and e.file in files)
+        return out
 
     def _info(self, s: int, tier: str, shard: Shard, seconds: float) -> RestoreInfo:
         m = shard.manifest
@@ -326,6 +385,7 @@ class Restore:
         first = p.first
         wrote = False
         if info.tier != first.name:
+            shard = shard.whole()
             try:
                 with stage("localize", s, first.name):
                     bufs = first.stage(s, shard.manifest.files)
@@ -357,6 +417,8 @@ class Restore:
         if not pairs:
             return
         p = self.parts
+        if any(r == p.group.rank for r, _ in pairs):
+            shard = shard.whole()  # the arrays it landed in are the caller's once the restore returns
         log.info("step %d: re-seeding %d peer copies in the background", s, len(pairs))
         p.ledger.pin(p.first.name, s)  # the shard this rank sends stays until it is sent
         p.copies[rep.name].submit(lambda: self._send_replicas(rep, s, pairs, shard))
@@ -382,6 +444,31 @@ class Restore:
         if rep.holdings().get(s):
             p.ledger.stored(rep.name, s)
         log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
+
+
+class _Beside:
+    """Runs ``fn`` on a thread of its own while the ``with`` block runs; ``result`` once the block ends."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tierfs-restore-local", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            self._error = e
+
+    def __enter__(self) -> _Beside:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
 
 def _kind(e: BaseException) -> type[TierfsError]:

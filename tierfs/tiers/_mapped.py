@@ -72,8 +72,9 @@ def create(path: Path, size: int) -> MappedFile:
     return MappedFile(path, size, mm, writable=True)
 
 
-def open_mapped(path: Path, size: int, writable: bool) -> MappedFile:
-    """An existing file, mapped (read-only unless ``writable``) and pre-faulted."""
+def open_mapped(path: Path, size: int, writable: bool, populate: bool = True) -> MappedFile:
+    """An existing file, mapped (read-only unless ``writable``) and pre-faulted unless ``populate`` is False
+    (then each page is mapped as it is first read)."""
     if size == 0:
         return MappedFile(path, 0, None, writable)
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -82,10 +83,11 @@ def open_mapped(path: Path, size: int, writable: bool) -> MappedFile:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
-    try:
-        mm.madvise(MADV_POPULATE_READ)
-    except OSError:
-        pass
+    if populate:
+        try:
+            mm.madvise(MADV_POPULATE_READ)
+        except OSError:
+            pass
     return MappedFile(path, size, mm, writable)
 
 

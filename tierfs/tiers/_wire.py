@@ -10,11 +10,14 @@ A transfer is one round of shard moves between ranks over a group's point-to-poi
 3. every receiver checks the header (the manifest against its marker, the file names) and says yes or
    no; refused copies send nothing more;
 4. the files move in messages of ``Wire.chunk`` bytes, every block checked against the manifest as its
-   bytes land, while they are still in cache.
+   bytes land, while they are still in cache. In a *landing* transfer (a restore's) the messages are also
+   cut around every array entry of at least :data:`LAND_MIN` bytes (both sides cut by the manifest), so a
+   receiver can take such an entry straight into the array it restores: no buffer to fault in, no copy.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -24,7 +27,7 @@ import numpy as np
 from .. import _copy
 from ..dist import framed
 from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError
-from ..format import Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
+from ..format import Entry, Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
 
 #: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
@@ -34,8 +37,15 @@ CHUNK = 8 << 20
 FIRST = 64 << 10
 #: the longest header a receiver accepts
 MAX_HEADER = 1 << 30
+#: array entries of at least this many bytes move in messages of their own in a landing transfer
+LAND_MIN = 1 << 20
 
-Accept = Callable[[int, dict[str, Any]], tuple[Manifest, dict[str, np.ndarray]]]
+#: where a receiver lands a file's entries itself: ``{file: {entry offset: uint8 array of its length}}``
+Direct = Mapping[str, Mapping[int, np.ndarray]]
+#: ``accept(source, header) -> (manifest, {file: buffer of its size}, direct)``
+Accept = Callable[[int, dict[str, Any]], tuple[Manifest, dict[str, np.ndarray], Direct]]
+#: ``(to rank, header, files, the manifest the files belong to: a landing transfer cuts by it)``
+Send = tuple[int, bytes, Mapping[str, Any], Manifest | None]
 
 
 @dataclass(frozen=True)
@@ -83,20 +93,53 @@ def check_header(h: dict[str, Any], step: int, rank: int) -> tuple[Manifest, byt
     return m, mbytes, marker_bytes
 
 
-def transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], incoming: Sequence[int],
-             accept: Accept, pace: Pace | None, wire: Wire = Wire()) -> dict[int, str | None]:
+def cuts(manifest: Manifest) -> dict[str, list[int]]:
+    """Per file, the offsets where a landing transfer cuts its messages besides every ``chunk`` bytes: the
+    ends of each array entry of at least :data:`LAND_MIN` bytes. Sender and receiver cut by the same
+    manifest, so their messages pair up."""
+    out: dict[str, set[int]] = {}
+    for e in manifest.entries:
+        if lands(e):
+            out.setdefault(e.file, set()).update((e.offset, e.offset + e.length))
+    return {f: sorted(v) for f, v in out.items()}
+
+
+def lands(e: Entry) -> bool:
+    """Whether a landing transfer moves entry ``e`` in messages of its own (that may land in its array)."""
+    return e.kind == "array" and e.length >= LAND_MIN
+
+
+def direct(m: Manifest, views: Mapping[str, np.ndarray], files: Mapping[str, Any]) -> Direct:
+    """``{file: {offset: array}}`` for the entries of ``files`` that ``views`` (``{entry name: array}``)
+    names and that move in messages of their own (:func:`lands`); each array must hold exactly its
+    entry's bytes."""
+    out: dict[str, dict[int, np.ndarray]] = {}
+    if views:
+        for e in m.entries:
+            v = views.get(e.name)
+            if v is not None and lands(e) and e.file in files:
+                if v.nbytes != e.length:
+                    raise ValueError(f"entry {m.key(e.name)} cannot land in an array of {v.nbytes} bytes")
+                out.setdefault(e.file, {})[e.offset] = v
+    return out
+
+
+def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Accept, pace: Pace | None,
+             wire: Wire = Wire(), land: bool = False) -> dict[int, str | None]:
     """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
     as it lands. A header goes in a first message of ``wire.first`` bytes with its length; the rest of a longer
     one follows only once its receiver agreed to its length (one out of range is refused before the rest
-    is sent). ``sends`` are ``(to rank, header, files)``; returns ``{source: error or None}``."""
+    is sent). With ``land`` (the same on every rank) messages are also cut around large entries, and each
+    receiver takes the entries ``accept`` names in its ``direct`` straight into their arrays. Returns
+    ``{source: error or None}``."""
     room = wire.first - 8
     first_in = [(s, np.zeros(wire.first, dtype=np.uint8)) for s in incoming]
-    g.exchange([(t, framed(h, wire.first)) for t, h, _ in sends], first_in)
+    g.exchange([(t, framed(h, wire.first)) for t, h, _, _ in sends], first_in)
     lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
     errors: dict[int, str | None] = {
         s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
         for s, n in lengths.items() if not 0 < n <= wire.max_header}
-    long_out = [(t, h) for t, h, _ in sends if len(h) > room]
+    long_out = [(t, h) for t, h, _, _ in sends if len(h) > room]
     long_in = [s for s in incoming if lengths[s] > room]
     rest_in: dict[int, np.ndarray] = {}
     if long_out or long_in:  # only the pairs with a long header take these two rounds
@@ -111,6 +154,7 @@ def transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inco
         g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
                     if go[0]], list(rest_in.items()))
     bufs: dict[int, dict[str, np.ndarray]] = {}
+    direct: dict[int, Direct] = {}
     manifests: dict[int, Manifest] = {}
     for s, first in first_in:
         if errors.get(s):
@@ -118,40 +162,68 @@ def transfer(g: Any, sends: Sequence[tuple[int, bytes, Mapping[str, Any]]], inco
         try:
             raw = first[8:8 + min(lengths[s], room)].tobytes() + (rest_in[s].tobytes() if s in rest_in else b"")
             h = json.loads(raw)
-            manifests[s], bufs[s] = accept(s, h)
+            manifests[s], bufs[s], direct[s] = accept(s, h)
             errors[s] = None
         except Exception as e:  # noqa: BLE001 - between rounds: the sender hears of it in the next one
             errors[s] = f"{type(e).__name__}: {e}"
     ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
-    ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _ in sends]
+    ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _, _ in sends]
     g.exchange(ok_out, ok_in)
-    data_out = [(t, chunk) for (t, _, files), (_, ok) in zip(sends, ok_in) if ok[0]
-                for f in files.values() for chunk in _chunks(wire, _copy.as_u8(f))]
+    data_out: list[tuple[int, np.ndarray]] = []
+    for (t, _, files, m), (_, ok) in zip(sends, ok_in):
+        at = cuts(m) if land and m is not None else {}
+        if ok[0]:
+            for name, f in files.items():
+                out = _copy.as_u8(f)
+                data_out += [(t, out[a:b]) for a, b in _pieces(wire, out.size, at.get(name, ()))]
     checks = {(s, name): _FileCheck(manifests[s], name) for s in incoming if errors[s] is None for name in bufs[s]}
-    data_in = [(s, name, buf, i) for s in incoming if errors[s] is None for name, buf in bufs[s].items()
-               for i, _ in enumerate(_chunks(wire, buf))]
+    data_in: list[tuple[int, str, np.ndarray, int, int]] = []  # (source, file, where, start, end)
+    for s in incoming:
+        if errors[s] is None:
+            at = cuts(manifests[s]) if land else {}
+            for name, buf in bufs[s].items():
+                data_in += [(s, name, where, a, b) for where, a, b in
+                            _landing(buf, _pieces(wire, buf.size, at.get(name, ())), direct[s].get(name, {}))]
 
     def landed(k: int) -> None:
-        s, name, buf, i = data_in[k]
+        s, name, where, a, b = data_in[k]
         if errors[s] is None:
             try:
-                checks[s, name].feed(buf, i * wire.chunk, min(buf.size, (i + 1) * wire.chunk))
+                checks[s, name].feed(where, a, b)
             except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
 
-    g.exchange(data_out, [(s, chunk) for s in incoming if errors[s] is None for buf in bufs[s].values()
-                          for chunk in _chunks(wire, buf)], pace=pace, on_received=landed)
-    for (s, name), check in checks.items():  # blocks no chunk reached (empty files)
+    g.exchange(data_out, [(s, where) for s, _, where, _, _ in data_in], pace=pace, on_received=landed)
+    for (s, name), check in checks.items():  # blocks no message reached (empty files)
         if errors[s] is None:
             try:
-                check.feed(bufs[s][name], bufs[s][name].size, bufs[s][name].size)
+                size = bufs[s][name].size
+                check.feed(bufs[s][name][size:], size, size)
             except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
     return errors
 
 
-def _chunks(wire: Wire, buf: np.ndarray) -> list[np.ndarray]:
-    return [buf[i:i + wire.chunk] for i in range(0, buf.size, wire.chunk)]
+def _pieces(wire: Wire, size: int, at: Sequence[int]) -> list[tuple[int, int]]:
+    """A file's messages, ``(start, end)``: every ``wire.chunk`` bytes and at the offsets ``at``."""
+    points = sorted({0, size, *range(0, size, wire.chunk), *(x for x in at if 0 < x < size)})
+    return list(zip(points, points[1:]))
+
+
+def _landing(buf: np.ndarray, pieces: Sequence[tuple[int, int]], direct: Mapping[int, np.ndarray]
+             ) -> list[tuple[np.ndarray, int, int]]:
+    """Where each message of a file lands: inside an entry ``direct`` holds an array for (``{offset:
+    array}``), that array; elsewhere the file's buffer ``buf``."""
+    starts = sorted(direct)
+    out = []
+    for a, b in pieces:
+        k = bisect.bisect_right(starts, a) - 1
+        o = starts[k] if k >= 0 else -1
+        if k >= 0 and b <= o + direct[o].size:
+            out.append((direct[o][a - o:b - o], a, b))
+        else:
+            out.append((buf[a:b], a, b))
+    return out
 
 
 class _FileCheck:
@@ -164,14 +236,14 @@ class _FileCheck:
                              for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
         self.next, self.crc = 0, 0
 
-    def feed(self, buf: np.ndarray, start: int, end: int) -> None:
-        """Bytes ``start:end`` of the file have landed (every byte before them already has)."""
+    def feed(self, data: np.ndarray, start: int, end: int) -> None:
+        """Bytes ``start:end`` of the file have landed, in ``data`` (every byte before them already has)."""
         while self.next < len(self.blocks):
             lo, hi, want, entry = self.blocks[self.next]
             if lo >= end and not (lo == hi == end):
                 return
             if max(lo, start) < min(hi, end):
-                self.crc = crc32c(buf[max(lo, start):min(hi, end)], self.crc)
+                self.crc = crc32c(data[max(lo, start) - start:min(hi, end) - start], self.crc)
             if hi > end:
                 return
             if self.crc != want:

@@ -247,6 +247,8 @@ class Holder(Protocol):
 
 #: a shard as ``fetch`` returns it to its receiver: manifest, manifest bytes, marker bytes, files
 Fetched = tuple[Manifest, bytes, bytes, dict[str, np.ndarray]]
+#: ``landing(manifest) -> {entry name: uint8 array of its length}``: where a receiver wants entries to land
+Landing = Callable[[Manifest], Mapping[str, np.ndarray]]
 #: ``(source rank, receiving rank, reason)`` of a copy that failed
 FailedCopy = tuple[int, int, str]
 
@@ -295,9 +297,12 @@ class Replicator(ABC):
         """
 
     @abstractmethod
-    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main") -> Fetched | str | None:
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",
+              landing: Landing | None = None) -> Fetched | str | None:
         """Move shards of ``step`` from holders to the ranks that lack them (collective); ``assign`` is
-        ``{rank: holder}``, the same on every rank. Returns, on a receiving rank, the shard (every block
+        ``{rank: holder}``, the same on every rank. ``landing`` (the receiver's, optional) names arrays
+        that entries go straight into: every entry it names in the returned files lands there, and its
+        bytes in those files are undefined. Returns, on a receiving rank, the shard (every block
         checked as it landed) or the reason it failed; None on other ranks."""
 
     # -- its own storage, as a tier's ---------------------------------------------------------------

@@ -53,6 +53,9 @@ class MemoryTier(Tier):
     """
 
     kind = "memory"
+    #: map every page of a file read up front (``MADV_POPULATE_READ``): a read that verifies every byte
+    #: then runs at memory speed
+    _populate_reads = True
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, save: SavePolicy | None = None,
                  keep: PreservationPolicy | None = None, budget: int | None = None, name: str = "ram") -> None:
@@ -338,8 +341,10 @@ class MemoryTier(Tier):
         b = self._bufs.get(path)
         if b is None:
             size = path.stat().st_size  # FileNotFoundError when missing
-            b = open_mapped(path, size, writable=False)
-            self._bufs[path] = b
+            new = open_mapped(path, size, writable=False, populate=self._populate_reads)
+            b = self._bufs.setdefault(path, new)  # a restore's threads may map a file at once: one mapping stays
+            if b is not new:
+                new.close()
         return b.array()
 
     def export(self, step: int, name: str) -> np.ndarray:

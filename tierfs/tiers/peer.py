@@ -32,7 +32,7 @@ from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from . import _wire
 from ._wire import Wire
-from .base import Capacity, FailedCopy, Fetched, Pace, Replicator, Tier
+from .base import Capacity, FailedCopy, Fetched, Landing, Pace, Replicator, Tier
 from .memory import MemoryTier
 
 #: ``strategy(rank, nodes, replicas) -> target ranks``; ``nodes[r]`` is the node number of rank ``r``
@@ -114,6 +114,9 @@ class _Replicas(MemoryTier):
     """The directory of replicas this rank keeps; it shares the RAM tier's budget, and its pool of spare
     buffers (one spare set serves both: the buffers of this rank's step that retention frees when the
     next one commits take the next replica, and the replica's old buffers the next step)."""
+
+    #: replicas are read only to be sent: their pages are mapped as the wire reads them, not all up front
+    _populate_reads = False
 
     def __init__(self, path: Any, ram: MemoryTier, name: str) -> None:
         super().__init__(path, name=name)
@@ -274,16 +277,16 @@ class PeerTier(Replicator):
         me = g.rank
         pairs = [(s, t) for s in range(g.world_size) for t in self.targets[s]] if pairs is None else list(pairs)
         header = _wire.header(step, me, manifest, marker, files, error=error, limit=self.wire.max_header)
-        sends = [(t, header, files) for s, t in pairs if s == me]
+        sends: list[_wire.Send] = [(t, header, files, None) for s, t in pairs if s == me]
         incoming = [s for s, t in pairs if t == me]
         received: dict[int, bytes] = {}
 
-        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
+        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
             m, mbytes, _ = _wire.check_header(h, step, src)
             kept = m.replica_files  # what no other node holds (check_header checked the sender offers it)
             bufs = self.local.stage(step, kept)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
-            return m, {n: bufs[n] for n in kept}  # in the order the sender sends them
+            return m, {n: bufs[n] for n in kept}, {}  # in the order the sender sends them
 
         errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
         self.local.write_staged(step)  # the bytes are in the mapped files already
@@ -315,17 +318,19 @@ class PeerTier(Replicator):
         mine = [(s, g.rank, why) for s, why in errors.items() if why]
         return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
 
-    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main") -> Fetched | str | None:
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",
+              landing: Landing | None = None) -> Fetched | str | None:
         """Move shards of ``step`` from holders to the ranks that lack them (collective).
 
         ``assign`` is ``{rank: holder}``, the same on every rank. A holder sends what it keeps (or says
         why it cannot); the receiver checks the manifest against the marker and every block as it lands.
-        Returns, on a receiving rank, ``(manifest, manifest bytes, marker bytes, files)`` or the reason it
-        failed; None on other ranks.
+        ``landing(manifest)`` (the receiver's) names arrays that entries land in straight, ``{entry name:
+        uint8 array of its length}``; their bytes never reach the returned files. Returns, on a receiving
+        rank, ``(manifest, manifest bytes, marker bytes, files)`` or the reason it failed; None on other ranks.
         """
         g = self._group(role)
         me = g.rank
-        sends = []
+        sends: list[_wire.Send] = []
         for q, h in sorted(assign.items()):
             if h != me:
                 continue
@@ -333,21 +338,24 @@ class PeerTier(Replicator):
                 with stage("fetch", step, self.name):  # this holder's copy of rank q's shard
                     marker = bytes(self.local.read_file(step, MARKER))
                     mbytes = bytes(self.local.read_file(step, manifest_filename(q)))
-                    files = self.local.read_files(step, list(Manifest.from_bytes(mbytes).replica_files))
-                sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files))
+                    m = Manifest.from_bytes(mbytes)
+                    files = self.local.read_files(step, list(m.replica_files))
+                sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files, m))
             except (TierfsError, OSError, ValueError) as e:
                 why = f"{type(e).__name__}: {e}"
-                sends.append((q, _wire.header(step, q, b"", b"", {}, error=why, limit=self.wire.max_header), {}))
+                sends.append((q, _wire.header(step, q, b"", b"", {}, error=why, limit=self.wire.max_header), {},
+                              None))
         got: dict[str, Any] = {}
 
-        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray]]:
+        def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
             m, mbytes, marker = _wire.check_header(h, step, me)
+            # the receive buffers' pages are touched only where no entry lands straight in its array
             got.update(manifest=m, mbytes=mbytes, marker=marker,
                        files={n: np.empty(size, dtype=np.uint8) for n, size in m.replica_files.items()})
-            return m, got["files"]
+            return m, got["files"], _wire.direct(m, landing(m) if landing is not None else {}, got["files"])
 
         incoming = [h for q, h in assign.items() if q == me]
-        errors = _wire.transfer(g, sends, incoming, accept, None, self.wire)
+        errors = _wire.transfer(g, sends, incoming, accept, None, self.wire, land=True)
         if not incoming:
             return None
         failed = errors[incoming[0]]
