@@ -237,6 +237,8 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             report_lost_node(nbytes, world, {k: [x for r in gathered for x in r.get(k, [])]
                                              for k in set().union(*gathered)})
+            print(f"- machine: {machine_note()}\n- command: `.venv/bin/python benchmarks/bench_peer.py "
+                  f"--lost-node-only --size-mib {args.size_mib} --repeats {args.repeats} --world {world}`")
         dist.destroy_process_group()
         return
     try:
