@@ -1,6 +1,7 @@
 """Data-parallel checkpointing: replicas declared with ``replicated=`` stored once, against every rank storing all.
 
     .venv/bin/python benchmarks/bench_dp.py [--worlds 1,2,4] [--hidden 256] [--layers 12] [--warmup 2] [--saves 4] [--retries 2]
+                                            [--bandwidth MBPS]
 
 For each data-parallel degree in ``--worlds`` and each variant one job of that many ranks (gloo on 127.0.0.1,
 each rank its own node with its own RAM directory under /dev/shm; one file:// object directory under /tmp
@@ -11,7 +12,8 @@ batches on every rank, so the replicas are bit-identical) plus a small tensor of
 4 KiB). Between saves every rank trains one more step on the same batch.
 
 The store of every job has the same tiers (RAM ``LatestN(1)``, ``PeerTier(1)`` when world > 1, object
-``LatestN(1)``, unthrottled); the variants:
+``LatestN(1)``, unthrottled, or with ``--bandwidth`` each rank's background transfers paced to that many
+MB/s, as when each node's own link to the object store is the limit); the variants:
 
 - ``replicated``: ``save(step, state, replicated=["model", "optim"], blocking=False)``: shared tiers store
   the replicated arrays once, peers replicate only what no other node holds;
@@ -201,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
     if world > 1:
         tiers.append(PeerTier(replicas=1))
     tiers.append(ObjectTier(f"file://{args.obj_root}", keep=LatestN(1)))
-    store = TieredStore(tiers, background_bandwidth=None)
+    store = TieredStore(tiers, background_bandwidth=args.bandwidth * 1e6 if args.bandwidth else None)
     try:
         dist.barrier()  # every rank's store open, none has saved
         base = shm_used() if rank == 0 else 0
@@ -269,12 +271,15 @@ def report(args: argparse.Namespace, jobs: dict[int, dict[str, dict]]) -> None:
     print("## Data-parallel checkpointing: replicas stored once (`replicated=`) vs every rank storing all\n")
     print(f"- machine: {j0['machine']}")
     print(f"- command: `.venv/bin/python benchmarks/bench_dp.py --worlds {args.worlds} --hidden {args.hidden} "
-          f"--layers {args.layers} --warmup {args.warmup} --saves {args.saves} --retries {args.retries}`")
+          f"--layers {args.layers} --warmup {args.warmup} --saves {args.saves} --retries {args.retries}"
+          + (f" --bandwidth {args.bandwidth:g}" if args.bandwidth else "") + "`")
     print(f"- state per rank: {j0['own_bytes'] / MiB:.2f} MiB = model + Adam {j0['shared_bytes'] / MiB:.2f} MiB "
           f"(identical on every rank; `replicated={DECLARED}` in the replicated variant) + its own "
           f"`mine/rng` {j0['mine_bytes']} B; distinct bytes = model + Adam once + world x own")
     print("- tiers: RAM LatestN(1) in /dev/shm per rank (each rank its own node), PeerTier(replicas=1) when world "
-          "> 1, file:// object tier LatestN(1) in /tmp (shared), background_bandwidth=None; one job per world "
+          "> 1, file:// object tier LatestN(1) in /tmp (shared), background_bandwidth="
+          + (f"{args.bandwidth:g} MB/s per rank (each node's link to the store)" if args.bandwidth else "None")
+          + "; one job per world "
           "size and variant (one store open at a time); `save(..., blocking=False)` then "
           f"`wait_until_finished()`, one training step between saves; {args.saves} timed saves after "
           f"{args.warmup} warm-up saves\n")
@@ -337,6 +342,9 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=4, help="timed saves per job (after the warm-up saves)")
     ap.add_argument("--retries", type=int, default=2,
                     help="runs again a job during which /dev/shm changed by more than 1 MiB outside it")
+    ap.add_argument("--bandwidth", type=float, default=0,
+                    help="each rank's background bandwidth in MB/s, as a node's own link to the object store "
+                         "(default 0: unpaced)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--ram-root", help=argparse.SUPPRESS)
@@ -366,7 +374,8 @@ def main() -> int:
                     t0 = time.perf_counter()
                     rc = launch_ranks(__file__, ["--variant", v, "--hidden", str(args.hidden), "--layers",
                                                  str(args.layers), "--warmup", str(args.warmup), "--saves",
-                                                 str(args.saves), "--ram-root", scratch.root, "--obj-root",
+                                                 str(args.saves), "--bandwidth", str(args.bandwidth),
+                                                 "--ram-root", scratch.root, "--obj-root",
                                                  os.path.join(obj_root, "obj"), "--result", result], world)
                     if rc:
                         log(f"world {world} {v}: a rank failed (exit code {rc})")

@@ -8,6 +8,7 @@ step and copied into at memory speed (its pages already exist). New files are re
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import mmap
@@ -19,6 +20,36 @@ import numpy as np
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+
+
+def _madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # no libc madvise: mmap.madvise, which holds the GIL
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_libc_madvise = _madvise()
+
+
+def populate_pages(mm: mmap.mmap, advice: int) -> None:
+    """Map every page of ``mm`` now (``MADV_POPULATE_READ`` or ``_WRITE``; nothing on kernels before 5.14).
+
+    Through libc, so the GIL is released while the kernel works (``mmap.madvise`` holds it: populating
+    256 MiB would stall every other thread of the process, the training loop's included, for tens of ms)."""
+    view = np.frombuffer(mm, dtype=np.uint8)
+    try:
+        if _libc_madvise is not None and _libc_madvise(view.ctypes.data, view.size, advice) == 0:
+            return
+    finally:
+        del view  # the mapping may be closed later only once no view is left
+    try:
+        mm.madvise(advice)
+    except OSError:  # kernels before 5.14
+        pass
 
 
 def no_space(e: OSError) -> bool:
@@ -63,10 +94,7 @@ def create(path: Path, size: int) -> MappedFile:
         if size:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS later
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                mm.madvise(MADV_POPULATE_WRITE)
-            except OSError:  # kernels before 5.14
-                pass
+            populate_pages(mm, MADV_POPULATE_WRITE)
     finally:
         os.close(fd)
     return MappedFile(path, size, mm, writable=True)
@@ -84,10 +112,7 @@ def open_mapped(path: Path, size: int, writable: bool, populate: bool = True) ->
     finally:
         os.close(fd)
     if populate:
-        try:
-            mm.madvise(MADV_POPULATE_READ)
-        except OSError:
-            pass
+        populate_pages(mm, MADV_POPULATE_READ)
     return MappedFile(path, size, mm, writable)
 
 
