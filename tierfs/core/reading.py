@@ -25,6 +25,7 @@ from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFou
 from ..format import MARKER, Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
+from ..tiers.memory import MemoryTier
 from .layout import DIRECT_MAX, ReadViews, describe
 from .parts import Parts
 from .sharing import by_bundle
@@ -62,7 +63,7 @@ class Shard:
 
 
 class _Files(Mapping[str, Any]):
-    """Files of a step in a tier, each read when first used."""
+    """Files of a step in a tier, each read when first used, to be sent on."""
 
     def __init__(self, tier: Tier, step: int, names: Sequence[str]) -> None:
         self.tier, self.step, self.names = tier, step, list(names)
@@ -70,6 +71,8 @@ class _Files(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         if name not in self.names:
             raise KeyError(name)
+        if isinstance(self.tier, MemoryTier):  # only sent on: the wire maps the pages as it reads them
+            return self.tier.read_file(self.step, name, populate=False)
         return self.tier.read_file(self.step, name)
 
     def __iter__(self) -> Iterator[str]:

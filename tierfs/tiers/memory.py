@@ -335,13 +335,16 @@ class MemoryTier(Tier):
         self.write_file(step, MARKER, data)
 
     # -- reading ------------------------------------------------------------------------------------
-    def read_file(self, step: int, name: str) -> np.ndarray:
-        """A view of the file's bytes through a kept mapping (read-only unless this process wrote it)."""
+    def read_file(self, step: int, name: str, *, populate: bool | None = None) -> np.ndarray:
+        """A view of the file's bytes through a kept mapping (read-only unless this process wrote it). A new
+        mapping's pages are all mapped at once unless ``populate`` is False (a file only sent on: the
+        wire maps them as it reads; default: the tier's choice)."""
         path = self._file(step, name)
         b = self._bufs.get(path)
         if b is None:
             size = path.stat().st_size  # FileNotFoundError when missing
-            new = open_mapped(path, size, writable=False, populate=self._populate_reads)
+            new = open_mapped(path, size, writable=False,
+                              populate=self._populate_reads if populate is None else populate)
             b = self._bufs.setdefault(path, new)  # a restore's threads may map a file at once: one mapping stays
             if b is not new:
                 new.close()
