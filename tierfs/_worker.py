@@ -1,4 +1,5 @@
-"""Background threads: a worker that runs jobs in order at low priority, and a bandwidth throttle."""
+"""Background threads: a worker that runs jobs in order at low priority, a bandwidth throttle, and a
+function run beside a block of the caller's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from . import _args
 from .errors import ArgumentError
@@ -119,3 +120,28 @@ class Throttle:
         delay = start - self._clock()  # measured again: a preempted thread does not oversleep
         if delay > 0:
             self._sleep(delay)
+
+
+class Beside:
+    """Runs ``fn`` on a thread of its own while the ``with`` block runs; ``result`` once the block ends."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tierfs-beside", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            self._error = e
+
+    def __enter__(self) -> Beside:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error

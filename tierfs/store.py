@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Sequence
 from . import _args, _exit, _lifecycle, _stages, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.parts import check_tiers
-from .core.reading import InPlace, NewArrays, Reader, Skipped
+from .core.reading import Reader, Skipped
+from .core.sinks import InPlace, NewArrays
 from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath

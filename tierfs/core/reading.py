@@ -1,8 +1,6 @@
 """Reading a rank's shard from a tier: verified, then copied once into where the caller wants it.
 
-A :class:`Sink` says where a shard's entries go: new arrays (``restore``), the caller's arrays in place
-(``restore_into``), or read-only views handed to a callback (``read_entries``, e.g. DCP's reader). Every
-read checks the manifest against the marker and every block of the wanted entries against the manifest
+A :class:`~tierfs.core.sinks.Sink` says where a shard's entries go (:mod:`.sinks`). Every read checks the manifest against the marker and every block of the wanted entries against the manifest
 before its bytes are used. :meth:`Reader.first_verified` is the one loop that tries tiers fastest first,
 logs each one skipped and why, and goes on.
 
@@ -13,22 +11,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from .. import _copy, _hooks, _nogc, state as st
+from .. import _copy, _hooks, _nogc
 from .._stages import stage
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
 from ..format import MARKER, Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
 from ..tiers.memory import MemoryTier
-from .layout import DIRECT_MAX, ReadViews, describe
+from .layout import ReadViews
 from .parts import Parts
-from .sharing import by_bundle
+from .sinks import Sink, Views
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
@@ -80,222 +77,6 @@ class _Files(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-class Sink:
-    """Where a shard's entries go. ``wanted`` names the entries to read (None: all); a ``partial`` sink
-    needs only the files holding them (a restore reads every file: they may re-seed peers)."""
-
-    wanted: set[str] | None = None
-    partial = False
-
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-
-    def json(self, e: Entry) -> None:
-        self.values[e.name] = e.value
-
-    def check(self, manifest: Manifest) -> None:
-        """Before any bytes are read: raise StateMismatchError when the caller's target cannot take this
-        shard (it is the caller's mistake, not a damaged copy)."""
-        check_wanted(manifest, self.wanted)
-
-    def direct(self, e: Entry) -> Any:
-        """A tensor that takes ``e`` with one ``copy_`` after verification (see :class:`InPlace`), or None."""
-        return None
-
-    def land(self, e: Entry) -> np.ndarray | None:
-        """A writable uint8 array of ``e``'s length that a peer's bytes of ``e`` may be received straight
-        into (after :meth:`check`), or None. The entry's value is then in place once :meth:`took` is called."""
-        return None
-
-    def took(self, e: Entry) -> None:
-        """``e``'s bytes landed, all verified, in the array :meth:`land` gave."""
-
-    def elsewhere(self, manifest: Manifest, held: Mapping[str, int]) -> None:
-        """A partial sink reading a shard whose tier lacks some of its files (see :class:`Views`)."""
-        raise NotImplementedError
-
-    def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
-        """Copy each verified source (a typed view) into its target tensor (in :meth:`finish`)."""
-        raise NotImplementedError
-
-    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        """Where the verified bytes ``src`` of array entry ``e`` are copied (None: nowhere). ``tier`` is
-        where they were read (None: received into this process, from a peer)."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """After every copy: move values that could not be written in place."""
-
-    def reset(self) -> None:
-        """A source failed midway: forget what it delivered."""
-        self.values.clear()
-
-
-class NewArrays(Sink):
-    """New arrays/tensors; with ``zero_copy``, read-only views of a zero-copy tier's files instead."""
-
-    def __init__(self, zero_copy: bool = False) -> None:
-        super().__init__()
-        self.zero_copy = zero_copy
-        self._landing: dict[str, Any] = {}
-
-    def land(self, e: Entry) -> np.ndarray | None:
-        if self.wanted is not None and e.name not in self.wanted:
-            return None
-        obj, raw = st.allocate(e.lib, e.dtype, e.shape)
-        self._landing[e.name] = obj
-        return raw
-
-    def took(self, e: Entry) -> None:
-        self.values[e.name] = self._landing[e.name]
-
-    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        if self.zero_copy and tier is not None and tier.zero_copy:
-            view = tier.export(step, e.file)[e.offset:e.offset + e.length]
-            view.flags.writeable = False
-            self.values[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
-            return None
-        obj, raw = st.allocate(e.lib, e.dtype, e.shape)
-        self.values[e.name] = obj
-        return raw
-
-
-class InPlace(Sink):
-    """The arrays/tensors of a nested state, overwritten in place (others are replaced).
-
-    When every tensor of the target has exactly its entry's dtype and shape (the usual restore), the
-    per-entry checks are skipped and small tensors are copied together after verification, from typed
-    views of the tier's mapped files kept with the mapping (see :class:`~tierfs.core.layout.ReadViews`).
-    """
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.state = state
-        with _nogc.paused():
-            self.names, self.targets, self.structure = describe(state)
-            self.index = {n: i for i, n in enumerate(self.names)}
-        self.wanted = set(self.index)
-        self._slots: dict[str, tuple[Any, Any]] | None = None
-        self._after: list[Callable[[], Any]] = []
-        self._fits = False
-        self._direct: tuple[list[Any], list[Any]] = ([], [])
-
-    @property
-    def slots(self) -> dict[str, tuple[Any, Any]]:
-        """Each leaf's (parent, key), for values replaced rather than written in place."""
-        if self._slots is None:
-            slots: dict[str, tuple[Any, Any]] = {}
-
-            def walk(d: Any, prefix: str) -> None:
-                for k, v in d.items():
-                    if isinstance(v, Mapping):
-                        walk(v, f"{prefix}{k}{st.SEP}")
-                    else:
-                        slots[f"{prefix}{k}"] = (d, k)
-            walk(self.state, "")
-            self._slots = slots
-        return self._slots
-
-    def check(self, manifest: Manifest) -> None:
-        super().check(manifest)
-        self._fits = ReadViews.of(manifest).fits(self.names, self.structure)
-        if self._fits:
-            return
-        for e in manifest.entries:  # every array/tensor target must take its entry in place
-            if e.kind == "array" and e.name in self.index:
-                st.check_target(manifest.key(e.name), self.targets[self.index[e.name]], e.lib, e.dtype, e.shape)
-
-    def direct(self, e: Entry) -> Any:
-        """The target tensor ``e`` is copied into after verification, or None (copied block by block)."""
-        if self._fits and e.length <= DIRECT_MAX and e.lib == "torch":
-            return self.targets[self.index[e.name]]
-        return None
-
-    def land(self, e: Entry) -> np.ndarray | None:
-        if e.name not in self.index:
-            return None
-        return st.target_view(e.name, self.targets[self.index[e.name]], e.lib, e.dtype, e.shape)
-
-    def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
-        self._direct[0].extend(targets)
-        self._direct[1].extend(sources)
-
-    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        target = self.targets[self.index[e.name]]
-        raw = st.target_view(e.name, target, e.lib, e.dtype, e.shape)
-        if raw is not None:
-            return raw
-        # a copy of the target's own kind (the checkpoint's may be the other library's), then into it
-        if st.is_tensor(target):
-            tmp, traw = st.allocate("torch", str(target.dtype).removeprefix("torch."), e.shape)
-            self._after.append(lambda: target.copy_(tmp))
-        elif isinstance(target, np.ndarray):
-            tmp, traw = st.allocate("numpy", target.dtype.str, e.shape)
-            self._after.append(lambda: np.copyto(target, tmp))
-        else:
-            tmp, traw = st.allocate(e.lib, e.dtype, e.shape)
-            parent, key = self.slots[e.name]
-            self._after.append(lambda: parent.__setitem__(key, tmp))
-        return traw
-
-    def finish(self) -> None:
-        dst, src = self._direct
-        if dst:
-            torch = sys.modules["torch"]
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
-            self._direct = ([], [])
-        for fn in self._after:
-            fn()
-        self._after.clear()
-        for name, v in self.values.items():  # JSON values
-            parent, key = self.slots[name]
-            parent[key] = v
-
-    def reset(self) -> None:
-        super().reset()
-        self._after.clear()
-        self._direct = ([], [])
-
-
-class Views(Sink):
-    """``{name: (entry, value)}``: read-only views of the tier's bytes for arrays (valid while the tier's
-    files are pinned), the value for JSON entries."""
-
-    partial = True
-
-    def __init__(self, wanted: Sequence[str] | None) -> None:
-        super().__init__()
-        self.wanted = None if wanted is None else set(wanted)
-        self.away: dict[int, list[str]] = {}
-
-    def json(self, e: Entry) -> None:
-        self.values[e.name] = (e, e.value)
-
-    def elsewhere(self, manifest: Manifest, held: Mapping[str, int]) -> None:
-        """Wanted entries in files the tier does not hold for this rank go to :attr:`away` (by the rank whose
-        shard holds them there) and are no longer wanted here."""
-        assert self.wanted is not None
-        for b, es in zip(manifest.bundles, by_bundle(manifest.entries, manifest.bundles)):
-            for e in es:
-                if e.name in self.wanted and e.file not in held:
-                    self.away.setdefault(b["owner"], []).append(e.name)
-                    self.wanted.discard(e.name)
-
-    def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        self.values[e.name] = (e, src)
-        return None
-
-
-def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
-    """A target with entries the checkpoint lacks is the caller's mistake, not a damaged copy."""
-    missing = wanted - ReadViews.of(manifest).names if wanted is not None else set()
-    if missing:
-        keys = ", ".join(manifest.key(n) for n in sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
-        raise StateMismatchError(f"target state has entries the checkpoint lacks (step {manifest.step} rank "
-                                 f"{manifest.rank}): {keys}; remove them from the target or restore another step")
 
 
 def fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads: int | None,

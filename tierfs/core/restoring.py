@@ -15,7 +15,6 @@ holding a verified copy; all ranks move on to an older step together when any ra
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -23,18 +22,20 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import _copy, _units
+from .._worker import Beside
 from .._stages import stage
 from ..dist import Group, agree
 from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
-from ..format import Manifest, Marker, manifest_filename
+from ..format import Marker, manifest_filename
 from ..protocol import commit, common_steps
 from ..tiers.base import Holder, Replicator, Tier
-from ..tiers._wire import lands
 from ..tiers.peer import plan_fetch
 from .layout import ReadViews
 from .parts import Parts
 from .completing import NONE, OWNED, UNIQUE, WHOLE, complete, holds
-from .reading import UNUSABLE, Reader, Shard, Sink, Skipped, fill
+from .landing import Landing
+from .reading import UNUSABLE, Reader, Shard, Skipped, fill
+from .sinks import Sink
 
 log = logging.getLogger("tierfs")
 
@@ -148,7 +149,7 @@ class Restore:
         self.before, self.replicator, self.after = parts.roles(self.usable)
         self.skipped: Skipped = []
         self.tried: set[tuple[int, int]] = set()  # (rank, holder) pairs tried for the step being tried
-        self._views: tuple[Manifest, dict[str, np.ndarray]] | None = None  # see _landing
+        self.landing = Landing(sink)  # where a peer's entries land straight
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
         g = self.group
@@ -181,7 +182,7 @@ class Restore:
             assert rep is not None
             if mine:  # this rank sends what it keeps and, from its RAM copy, the entries it shares
                 serve = self._unverified(s, plan)
-                with _Beside(lambda: self._read_local(s, plan)) as local:
+                with Beside(lambda: self._read_local(s, plan)) as local:
                     self._from_peers(s, plan, rep, got, mismatch, early)
                     self._complete(s, None, None, serve)
                 got, mismatch = local.result
@@ -217,13 +218,13 @@ class Restore:
         files = dict(shard.files) if shard is not None else {}
         with stage("complete", s):
             why = complete(self.group, s, shard.manifest if shard is not None else None, files, every,
-                           landing=self._landing)
+                           landing=self.landing)
         if got is None or status == WHOLE:
             return got, mismatch
         info, shard = got
         if why is None:
             shard = Shard(shard.manifest, shard.mbytes, shard.marker, files,
-                          self._landed(shard, set(files) - set(shard.files)))
+                          self.landing.landed(shard, set(files) - set(shard.files)))
             try:
                 # every block was checked: where it was read (a tier, a peer's replica) or as it landed
                 fill(None, s, shard, self.sink, self.parts.threads, verified=True)
@@ -274,12 +275,12 @@ class Restore:
                 return got, mismatch
             t0 = time.perf_counter()
             with self.parts.ledger.pinned(rep.name, s):  # retention must not delete what a holder sends
-                res = rep.fetch(s, assign, landing=self._landing)
+                res = rep.fetch(s, assign, landing=self.landing)
             if isinstance(res, tuple):
                 manifest, mbytes, marker, files = res
                 try:
                     shard = Shard(manifest, mbytes, marker, files)
-                    shard.landed = self._landed(shard, set(files))
+                    shard.landed = self.landing.landed(shard, set(files))
                     if self.sink is not None:
                         self.sink.check(manifest)  # the target's mismatch, before the others hear it landed
                     info = self._info(s, rep.name, shard, time.perf_counter() - t0)
@@ -320,35 +321,6 @@ class Restore:
                     log.info("tier %s step %d: sending nothing from this rank's copy (%s)", t.name, s, e)
                 return None
         return None
-
-    def _landing(self, m: Manifest) -> dict[str, np.ndarray]:
-        """Where a peer's entries of this rank's shard land straight (the ``landing`` of a fetch): the
-        sink's own arrays, for the entries a transfer moves apart (:func:`~tierfs.tiers._wire.lands`) that it can take in place. The same arrays
-        for one manifest (a fetch and the completion after it); a target that does not match takes none
-        (the mismatch is raised once the copy is in)."""
-        if self._views is not None and self._views[0] is m:
-            return self._views[1]
-        views: dict[str, np.ndarray] = {}
-        if self.sink is not None:
-            try:
-                self.sink.check(m)
-                for e in m.entries:
-                    if lands(e):
-                        v = self.sink.land(e)
-                        if v is not None:
-                            views[e.name] = v
-            except (TierfsError, ValueError):
-                views = {}
-        self._views = (m, views)
-        return views
-
-    def _landed(self, shard: Shard, files: set[str]) -> dict[str, np.ndarray]:
-        """The entries of ``files`` that landed straight in the sink's arrays (with those already landed)."""
-        views = self._views[1] if self._views is not None and self._views[0] is shard.manifest else {}
-        out = dict(shard.landed)
-        if views:
-            out.update((e.name, views[e.name]) for e in shard.manifest.entries if e.name in views and e.file in files)
-        return out
 
     def _info(self, s: int, tier: str, shard: Shard, seconds: float) -> RestoreInfo:
         m = shard.manifest
@@ -444,31 +416,6 @@ class Restore:
         if rep.holdings().get(s):
             p.ledger.stored(rep.name, s)
         log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
-
-
-class _Beside:
-    """Runs ``fn`` on a thread of its own while the ``with`` block runs; ``result`` once the block ends."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tierfs-restore-local", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-            self._error = e
-
-    def __enter__(self) -> _Beside:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._thread.join()
-        if self._error is not None and exc[0] is None:
-            raise self._error
 
 
 def _kind(e: BaseException) -> type[TierfsError]:
