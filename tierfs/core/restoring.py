@@ -217,7 +217,9 @@ class Restore:
             got = (got[0], shard) if got is not None else None
         files = dict(shard.files) if shard is not None else {}
         with stage("complete", s):
-            why = complete(self.group, s, shard.manifest if shard is not None else None, files, every,
+            rep = self.replicator  # its groups spread a transfer over several connections
+            g = rep.transfer_group() if rep is not None else None
+            why = complete(g or self.group, s, shard.manifest if shard is not None else None, files, every,
                            landing=self.landing)
         if got is None or status == WHOLE:
             return got, mismatch

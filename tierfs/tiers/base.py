@@ -305,6 +305,11 @@ class Replicator(ABC):
         bytes in those files are undefined. Returns, on a receiving rank, the shard (every block
         checked as it landed) or the reason it failed; None on other ranks."""
 
+    def transfer_group(self) -> Any:
+        """A group of its own for a restore's other bulk transfers between ranks (collective on first
+        use), or None: the store's."""
+        return None
+
     # -- its own storage, as a tier's ---------------------------------------------------------------
     def open(self) -> None:
         """Create its storage (after ``bind``)."""

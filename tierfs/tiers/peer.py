@@ -221,6 +221,10 @@ class PeerTier(Replicator):
             self._groups[role] = self._bound.fork(self.backend, lanes=self.connections)
         return self._groups[role]
 
+    def transfer_group(self) -> Any:
+        """The restore's groups (``connections`` of them): a restore's bulk transfers use them too."""
+        return self._group("main")
+
     @property
     def local(self) -> MemoryTier:
         """The replicas this rank keeps, as a RAM tier of their own (inside the RAM tier's directory)."""
