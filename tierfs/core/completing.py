@@ -124,7 +124,8 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
     return missing
 
 
-def _carried(step: int, rank: int, manifest: Manifest, items: Sequence[_Item]) -> tuple[Manifest, dict[str, np.ndarray]]:
+def _carried(step: int, rank: int, manifest: Manifest, items: Sequence[_Item]
+             ) -> tuple[Manifest, dict[str, np.ndarray]]:
     """Bundles as one transfer carries them (sender and receiver alike): each part a file of its own
     (``"0"``, ``"1"``, ...), its entries' offsets relative to it."""
     bufs: dict[str, np.ndarray] = {}

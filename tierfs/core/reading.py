@@ -1,6 +1,7 @@
 """Reading a rank's shard from a tier: verified, then copied once into where the caller wants it.
 
-A :class:`~tierfs.core.sinks.Sink` says where a shard's entries go (:mod:`.sinks`). Every read checks the manifest against the marker and every block of the wanted entries against the manifest
+A :class:`~tierfs.core.sinks.Sink` says where a shard's entries go (:mod:`.sinks`). Every read checks
+the manifest against the marker and every block of the wanted entries against the manifest
 before its bytes are used. :meth:`Reader.first_verified` is the one loop that tries tiers fastest first,
 logs each one skipped and why, and goes on.
 

@@ -313,12 +313,13 @@ class Restore:
                     got, mismatch = None, e
 
     def _unverified(self, s: int, plan: RestorePlan) -> Shard | None:
-        """This rank's shard of ``s`` in its fastest tier holding it, unverified (for sending on while it
-        is read and verified for this rank), or None."""
+        """This rank's whole shard of ``s`` in its fastest tier holding it, unverified (for sending on while
+        it is read and verified for this rank), or None (then it neither sends nor receives meanwhile)."""
         for t in self.before:
             if s in plan.local[t.name]:
                 try:
-                    return self.reader.open_shard(t, s, self.parts.group.rank)
+                    shard = self.reader.open_shard(t, s, self.parts.group.rank)
+                    return shard if holds(shard.manifest, shard.files) == WHOLE else None
                 except UNUSABLE as e:
                     log.info("tier %s step %d: sending nothing from this rank's copy (%s)", t.name, s, e)
                 return None
