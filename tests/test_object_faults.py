@@ -83,7 +83,8 @@ def either(request):
 # -- a fifth of the requests fail --------------------------------------------------------------------
 def test_saves_and_restores_are_bit_exact_with_a_fifth_of_requests_faulted(seaweed_url, proxy, shm_dir):
     url, opts = seaweed_url
-    proxy.set_faults(0.2)
+    # opening a store fails fast by design (one clear line when the store cannot be reached, after the
+    # client's own retry): the random faults start once it is open
     # and each kind at least once where it hurts most: a shard file's body cut, the marker's answer
     # late, a listing throttled, a ranged read's body cut, the marker's read failing
     proxy.fail_next(1, "reset", match=lambda r: r.method == "PUT" and ".bin" in r.path)
@@ -95,6 +96,7 @@ def test_saves_and_restores_are_bit_exact_with_a_fifth_of_requests_faulted(seawe
                      ObjectTier(url, via(proxy, opts, client_retries=1, read_timeout=0.5),
                                 save=FixedIntervalPolicy(2), keep=LatestN(2), part_size=PART_SIZE)]
     with CheckpointManager(tiers(), file_size=FILE_SIZE) as mgr:
+        proxy.set_faults(0.2)
         for step in range(5):
             assert mgr.save(step, state_for(step)) is True  # returns once copied into RAM
         mgr.wait_until_finished()
@@ -104,9 +106,11 @@ def test_saves_and_restores_are_bit_exact_with_a_fifth_of_requests_faulted(seawe
         assert_states_equal(got, state_for(4))
     shutil.rmtree(shm_dir)  # the node is gone: only the object store holds the steps
     Path(shm_dir).mkdir(mode=0o700)
-    proxy.fail_next(1, "reset", match=lambda r: r.method == "GET" and bool(r.range))
-    proxy.fail_next(1, "internal", match=lambda r: r.method == "GET" and r.path.endswith(MARKER))
+    proxy.set_faults(0.0)
     with CheckpointManager(tiers(), file_size=FILE_SIZE) as mgr:
+        proxy.set_faults(0.2)
+        proxy.fail_next(1, "reset", match=lambda r: r.method == "GET" and bool(r.range))
+        proxy.fail_next(1, "internal", match=lambda r: r.method == "GET" and r.path.endswith(MARKER))
         target = state_for(99)  # same shapes, other values: every leaf must be overwritten
         assert mgr.restore(target) == 4
         assert mgr.last_restore_info.tier == "s3"
