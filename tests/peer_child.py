@@ -2,11 +2,13 @@
 
     peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS[:FIRST]] [STEPS]   (FIRST: bytes of a transfer's first message)
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
-restore, localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
+restore, restore-early (restore; a rank receiving its shard from a peer waits, inside the receive, until
+every other rank has returned from restore_into), localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
 headers of at most 64 bytes, as if its limit differed). Prints one JSON line with what it saw.
 """
 
+import datetime
 import logging
 import os
 import signal
@@ -56,6 +58,17 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    side = None
+    if mode == "restore-early":
+        mode, side = "restore", dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+        dist.barrier(group=side)  # its connections (and I/O thread) now, not among the store's
+
+        def wait_for_the_others(stage, step, tier):  # the first receive only (not the restore into new arrays)
+            nonlocal side
+            if stage == "receive" and side is not None:
+                side, g = None, side
+                dist.barrier(group=g)
+        hooks.add("stage", wait_for_the_others)
     budget = 2_200_000 if mode == "tight" and rank == 1 else None  # step 1 (small) fits twice, step 2 once
     ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
     if mode == "mismatch" and rank == 1:
@@ -104,12 +117,16 @@ def main() -> None:
     else:
         target = target_for(rank)
         info = store.restore_into(target)
-        want = state_for(rank, info.step)
-        out.update(step=info.step, tier=info.tier, peer=info.peer, ranks=info.ranks,
-                   skipped=[list(x) for x in info.skipped],
+        want = state_for(rank, info.step)  # compared as it returns: in place then
+        out.update(step=info.step, tier=info.tier, peer=info.peer, skipped=[list(x) for x in info.skipped],
                    exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b"))
                    and target["step"] == info.step)
-        store.wait_until_finished()  # the replicas a replaced node kept for others come back in the background
+        if side is not None:  # returned while a replaced node still receives: it waits for this
+            dist.barrier(group=side)
+        # the rest of a restore that returned early, and the replicas a replaced node kept for others, come
+        # back in the background
+        store.wait_until_finished()
+        out["ranks"] = info.ranks
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
         out["loops"] = loops(before)
         # again into new arrays: a replaced node's shard still comes from its peer (restore_into left RAM as is)

@@ -91,7 +91,9 @@ def fresh_copy(saved: Path, tmp_path: Path) -> Path:
 def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1, tmp_path):
     shm = fresh_copy(saved_r1, tmp_path)
     wipe(shm, 1)
-    outs = job(4, shm, saved_r1 / "obj", "restore", 1)
+    # rank 1 takes its shard in only once the other ranks have returned, their state in place (else none
+    # returns: the job fails on its side group's timeout)
+    outs = job(4, shm, saved_r1 / "obj", "restore-early", 1)
     assert all(o["exact"] and o["step"] == 3 for o in outs)
     sources = [(r["tier"], r["peer"]) for r in outs[0]["ranks"]]
     assert sources == [("ram", None), ("peer", 2), ("ram", None), ("ram", None)]  # object tier untouched

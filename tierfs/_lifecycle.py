@@ -94,6 +94,8 @@ class Opening:
             commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
+            # the rest of a restore this rank returned from: sending to the ranks still receiving
+            restores=Worker("tierfs-restore", ledger.fail, nice=0),
             commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=file_size,
             block_size=block_size, clock=clock, layout=layout)
         for r in reps:
@@ -137,7 +139,7 @@ class StoreWork:
         return [s for s in sorted(ledger.snapshot().info) if ledger.busy(s)]
 
     def _done(self) -> bool:
-        workers = [self.parts.commits, *self.parts.copies.values()]
+        workers = [self.parts.restores, self.parts.commits, *self.parts.copies.values()]
         return not self._busy() and all(_idle(w) for w in workers)
 
     def _missing(self, step: int) -> list[Holder]:

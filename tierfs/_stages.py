@@ -7,8 +7,9 @@ wins), so that when ranks agree on a failure every rank can say where it happene
 out names the stage its thread is in.
 
 The stages: ``open``, ``staging``, ``checksum``, ``manifest``, ``marker``, ``copy`` (to a slower tier),
-``replication``, ``planning`` (of a restore), ``read`` (a shard from a tier), ``fetch`` (from a peer),
-``localize``, ``reseed``, ``retention``.
+``replication``, ``planning`` (of a restore), ``read`` (a shard from a tier), ``fetch`` (a holder's copy
+of another rank's shard, sent on), ``receive`` (this rank's shard, from a peer), ``localize``, ``reseed``,
+``retention``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterator
 from . import _hooks
 
 STAGES = ("open", "staging", "checksum", "manifest", "marker", "copy", "replication", "planning", "read",
-          "fetch", "localize", "reseed", "retention")
+          "fetch", "receive", "localize", "reseed", "retention")
 
 _local = threading.local()
 

@@ -1,5 +1,5 @@
 """Background threads: a worker that runs jobs in order at low priority, a bandwidth throttle, and a
-function run beside a block of the caller's."""
+function run on a thread of its own until joined."""
 
 from __future__ import annotations
 
@@ -122,26 +122,24 @@ class Throttle:
             self._sleep(delay)
 
 
-class Beside:
-    """Runs ``fn`` on a thread of its own while the ``with`` block runs; ``result`` once the block ends."""
+class Detached:
+    """Runs ``fn`` on a thread of its own from now on; :meth:`join` waits for it and returns its result or
+    raises its exception (on the thread that joins)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.result: Any = None
+        self._result: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tierfs-beside", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="tierfs-detached", daemon=True)
+        self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, fn: Callable[[], Any]) -> None:
         try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            self._result = fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the thread that joins
             self._error = e
 
-    def __enter__(self) -> Beside:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def join(self) -> Any:
         self._thread.join()
-        if self._error is not None and exc[0] is None:
+        if self._error is not None:
             raise self._error
+        return self._result

@@ -30,7 +30,7 @@ from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath
 from .dist import Group, default_group, seconds
-from .errors import ArgumentError, BackgroundError, TierfsError
+from .errors import ArgumentError, BackgroundError, RestoreError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
 from .tiers.base import Holder, Replicator, Tier
@@ -230,6 +230,8 @@ class TieredStore:
     def raise_background_errors(self) -> None:
         """Raise the first error background work hit since the last call, if any."""
         errors = self._parts.ledger.take_errors()
+        if errors and isinstance(errors[0], RestoreError):  # the rest of a restore that returned here
+            raise errors[0]
         if errors:
             more = f" (and {len(errors) - 1} more, see the log)" if len(errors) > 1 else ""
             err = BackgroundError(f"background copy failed: {errors[0]}{more}")
@@ -307,6 +309,12 @@ class TieredStore:
         Each block is verified before it is copied; if a tier fails midway the next one overwrites every
         entry. If every source fails, RestoreError is raised and ``state`` may hold a mix of values: do
         not train on it. ``timeout``: as for :meth:`restore`.
+
+        While a rank that lost its RAM (a replaced node) still receives its shard from peers, a rank whose
+        own verified copy is in ``state`` returns at once (so does :meth:`restore`). Its sends and the
+        ranks' agreement go on in the background; the store's next call waits for them, and raises
+        RestoreError should that rank not get its shard (the ranks cannot all move to an older step
+        then: restart the job). ``info.ranks`` is filled in once they are done.
         """
         sink = InPlace(state) if isinstance(state, Mapping) else None
         return self._restore(step, tiers, sink, timeout, lambda: _args.mapping(state, "state"))
@@ -385,8 +393,11 @@ class TieredStore:
 
     # -- life cycle ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
+        """Before a collective call: the store is open, and the rest of the last restore (which goes on in the
+        background on a rank that returned before the others, see :meth:`restore_into`) is done."""
         if self._closed:
             raise TierfsError("the store is closed; create a new TieredStore")
+        self._parts.restores.join()
 
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any."""

@@ -56,6 +56,7 @@ class Parts:
     throttle: Throttle
     commits: Worker  # commits and the first tier's upkeep, in order
     copies: dict[str, Worker]  # one per slower tier: a slow upload never holds back the replicas
+    restores: Worker  # the part of a restore that goes on after this rank returned (see core.restoring)
     commit_group: Group  # the commit worker's collectives
     copy_groups: dict[str, Group]  # each slower file tier's copy worker's collectives
     threads: int | None
@@ -136,12 +137,14 @@ class Parts:
         return pace
 
     def close(self) -> None:
+        self.restores.close()
         self.commits.close()
         for w in self.copies.values():
             w.close()
 
     def join(self) -> None:
         """Wait until every background job submitted so far has run."""
+        self.restores.join()  # first: it may submit copies (re-seeding peers)
         self.commits.join()
         for w in self.copies.values():
             w.join()

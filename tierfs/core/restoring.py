@@ -10,24 +10,29 @@ holding a verified copy; all ranks move on to an older step together when any ra
    rank; if any rank has no verified copy, all go to the next older step.
 4. The step restored: ``localize`` writes shards read from elsewhere into the first tier, and ranks that
    lost the replicas they kept for others (a replaced node) get them back.
+
+When some ranks lack the step in RAM (a replaced node), a rank whose own verified copy is in its target
+returns at once: steps 2-4 go on in the background (sending to the ranks without it, agreeing) on the
+restore's own groups, and the store's next call waits for them. Should a rank then fail to get its shard,
+every rank raises (the ranks that returned, at their next call): they cannot all move to an older step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _copy, _units
-from .._worker import Beside
+from .._worker import Detached
 from .._stages import stage
 from ..dist import Group, agree
-from ..errors import ArgumentError, RestoreError, StateMismatchError, StepNotFoundError, TierfsError
+from ..errors import ArgumentError, RestoreError, StateMismatchError, TierfsError
 from ..format import Marker, manifest_filename
-from ..protocol import commit, common_steps
+from ..protocol import commit
 from ..tiers.base import Holder, Replicator, Tier
 from ..tiers.peer import plan_fetch
 from .layout import ReadViews
@@ -35,106 +40,12 @@ from .parts import Parts
 from .completing import NONE, OWNED, UNIQUE, WHOLE, complete, holds
 from .landing import Landing
 from .reading import UNUSABLE, Reader, Shard, Skipped, fill
+from .restoreplan import RestoreInfo, RestorePlan, error_kind, gather_plan
 from .sinks import Sink
 
+__all__ = ["Restore", "RestoreInfo", "RestorePlan", "gather_plan"]
+
 log = logging.getLogger("tierfs")
-
-
-@dataclass
-class RestoreInfo:
-    """What a restore did: which tier served which step, what was skipped and why, and how fast."""
-
-    step: int
-    tier: str
-    nbytes: int
-    seconds: float
-    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (tier, step, reason)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    unused: list[str] = field(default_factory=list)  # entries in the checkpoint not in the target state
-    peer: int | None = None  # the rank that sent this rank's shard, when it came from the peer tier
-    #: every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}`` (the same on every rank)
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-    def __str__(self) -> str:
-        s = f"step {self.step} from tier {self.tier!r}"
-        s += f" (rank {self.peer})" if self.peer is not None else ""
-        s += f": {_units.size(self.nbytes)} in {_units.duration(self.seconds)}"
-        s += f" ({_units.rate(self.nbytes, self.seconds)})" if self.seconds > 0 else ""
-        for tier, step, why in self.skipped:
-            s += f"; skipped {tier!r} step {step}: {why}"
-        return s
-
-
-@dataclass
-class RestorePlan:
-    """What one gather told every rank (the same on every rank).
-
-    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
-    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
-    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
-    """
-
-    own: list[set[int]]
-    holders: dict[tuple[int, int], list[int]]
-    local: dict[str, set[int]]
-    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
-
-    @property
-    def every(self) -> set[int]:
-        """Every step some rank can read or some replica holds."""
-        return set().union(*self.own, (s for s, _ in self.holders))
-
-    def gettable(self, rank: int) -> set[int]:
-        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
-        return self.own[rank] | {s for s, r in self.holders if r == rank}
-
-    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
-        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get."""
-        common = common_steps([self.gettable(r) for r in range(len(self.own))])
-        if step is not None:
-            if step not in common:
-                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank; "
-                                        f"available: {sorted(common)[-10:]}")
-            return [step]
-        if not common:
-            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
-        return sorted(common, reverse=True)
-
-    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
-        return [(r, t) for r in range(len(self.own)) for t in targets[r]
-                if t not in self.holders.get((step, r), [])]
-
-
-def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,
-                group: Group | None = None) -> RestorePlan:
-    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
-    ``check()`` runs first (the store raises background failures there); a rank that fails makes every
-    rank raise."""
-    view, failure, local = None, None, {}
-    try:
-        with stage("planning"):
-            check()
-            parts.refresh()
-            before, rep, after = parts.roles(usable)
-            local = {t.name: parts.ledger.holding(t.name) for t in before + after}
-            held = rep.holdings() if rep is not None else {}
-            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
-                    sorted(set().union(*(local[t.name] for t in before)))]
-    except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
-        failure = e
-    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=_kind)
-    holders: dict[tuple[int, int], list[int]] = {}
-    for h, (_, kept, _) in enumerate(views):
-        for s, r in kept:
-            holders.setdefault((s, r), []).append(h)
-    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
-
 
 class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
@@ -143,7 +54,9 @@ class Restore:
                  check: Callable[[], None] = lambda: None, timeout: float | None = None) -> None:
         self.parts, self.reader, self.sink, self.check = parts, reader, sink, check
         # this restore's collectives wait at most ``timeout`` (peer transfers: the store's timeout)
-        self.group = parts.group if timeout is None else parts.group.with_timeout(timeout)
+        self.timeout = timeout
+        self.base = parts.group if timeout is None else parts.group.with_timeout(timeout)
+        self.group = self.base  # the step's: the restore's own groups while ranks lack it in RAM
         self.usable = list(usable)
         # this rank's own tiers, fastest first; the replicator (peers); the tiers after it
         self.before, self.replicator, self.after = parts.roles(self.usable)
@@ -152,45 +65,99 @@ class Restore:
         self.landing = Landing(sink)  # where a peer's entries land straight
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
-        g = self.group
-        plan = gather_plan(self.parts, self.usable, self.check, self.group)
+        plan = gather_plan(self.parts, self.usable, self.check, self.base)
         names = [t.name for t in self.usable]
         order = plan.steps(step, names)
+        leave = self.sink is not None and not adopt  # localize: every rank's first tier before returning
         for s in order:
-            got, mismatch = self._try(s, plan)
-            kinds = agree(g, got is not None, mismatch, f"restore step {s}", classify=_kind)
-            if got is not None and not all(kinds):  # all go back together
-                self.skipped.append((got[0].tier, s, "another rank could not restore this step"))
-                got = None
-            if got is not None:
+            got, mismatch, sending = self._try(s, plan, leave)
+            if sending is not None and got is not None:  # in place: the rest goes on in the background
+                log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
+                         "background", s, got[0])
+                self.parts.restores.submit(functools.partial(self._settle, s, plan, got, sending, step is None))
+                return got[0]
+            if self._agreed(s, got, mismatch, left=False):
+                assert got is not None
                 return self._finish(s, plan, *got, adopt=adopt, newest=step is None)
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
 
+    def _agreed(self, s: int, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None,
+                left: bool) -> bool:
+        """Whether every rank has step ``s`` (collective); a mismatch anywhere is raised on every rank, and
+        so is a rank's failure once ranks have returned ``s`` (``left``: this one did)."""
+        votes = agree(self.group, [got is not None, left], mismatch, f"restore step {s}", classify=error_kind)
+        if all(has for has, _ in votes):
+            return True
+        gone = sum(1 for _, went in votes if went)
+        if gone:
+            lacking = [r for r, (has, _) in enumerate(votes) if not has]
+            why = "; ".join(f"{t}: {w}" for t, x, w in self.skipped if x == s) if got is None else ""
+            raise RestoreError(
+                f"step {s}: rank(s) {lacking[:8]} could not get their shard ({why or 'see their log'}) after "
+                f"{gone} rank(s) had restored it and returned; restart the job: its restore starts over, "
+                "and a peer's copy that failed its checks is no longer offered")
+        if got is not None:  # all go back together
+            self.skipped.append((got[0].tier, s, "another rank could not restore this step"))
+        return False
+
+    def _settle(self, s: int, plan: RestorePlan, got: tuple[RestoreInfo, Shard], sending: Detached,
+                newest: bool) -> None:
+        """The rest of a restore this rank returned from (on the store's restore worker): its sends, the
+        other ranks' completion, the agreement, then what follows a restore. A failure is raised by the
+        store's next call."""
+        sending.join()
+        after, mismatch = self._rest(s, plan, got, None)
+        self._agreed(s, after, mismatch, left=True)
+        self._finish(s, plan, *got, adopt=False, newest=newest)
+
     # -- one step -----------------------------------------------------------------------------------
-    def _try(self, s: int, plan: RestorePlan) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+    def _try(self, s: int, plan: RestorePlan, leave: bool = False
+             ) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None, Detached | None]:
         """This rank's part of step ``s``: its own tiers, then (all ranks together) peers, then the tiers
-        after the replicator. Returns ``((info, shard) or None, error to raise on every rank)``; never
-        raises between collectives."""
+        after the replicator. Returns ``((info, shard) or None, error to raise on every rank, sending)``;
+        never raises between collectives. ``sending`` (with ``leave``): this rank's verified copy is in
+        its target while ranks lacking the step in RAM still receive; the caller may return, and
+        :meth:`_settle` goes on."""
         got: tuple[RestoreInfo, Shard] | None = None
         mismatch: BaseException | None = None
         self.tried = set()
         rep = self.replicator
         mine = s in plan.fast[self.parts.group.rank]
         early = [s not in fast for fast in plan.fast] if rep is not None else []
+        self.group = self.base
         if any(early):  # ranks whose RAM lacks the step fetch it first; the others read theirs meanwhile
             assert rep is not None
+            # the restore's own groups (made here, by every rank): its background part on a rank that
+            # returned never meets the caller's collectives on the store's group
+            own = rep.transfer_group()
+            if own is not None:
+                self.group = own if self.timeout is None else own.with_timeout(self.timeout)
+            leave = leave and own is not None
             if mine:  # this rank sends what it keeps and, from its RAM copy, the entries it shares
                 serve = self._unverified(s, plan)
-                with Beside(lambda: self._read_local(s, plan)) as local:
-                    self._from_peers(s, plan, rep, got, mismatch, early)
-                    self._complete(s, None, None, serve)
-                got, mismatch = local.result
+                sending = Detached(functools.partial(self._send_early, s, plan, rep, early, serve))
+                got, mismatch = self._read_local(s, plan)
+                if leave and mismatch is None and got is not None and holds(got[1].manifest, got[1].files) == WHOLE:
+                    return got, mismatch, sending
+                sending.join()
             else:
                 got, mismatch = self._from_peers(s, plan, rep, got, mismatch, early)
                 got, mismatch = self._complete(s, got, mismatch)
         elif mine:
             got, mismatch = self._read_local(s, plan)
+        got, mismatch = self._rest(s, plan, got, mismatch)
+        return got, mismatch, None
+
+    def _send_early(self, s: int, plan: RestorePlan, rep: Replicator, early: list[bool], serve: Shard | None) -> None:
+        """A rank holding ``s`` in RAM, while it reads its own: sends the ranks without it what it keeps."""
+        self._from_peers(s, plan, rep, None, None, early)
+        self._complete(s, None, None, serve)
+
+    def _rest(self, s: int, plan: RestorePlan, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None
+              ) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
+        """Step ``s`` after each rank read its own: peers, then the tiers after the replicator."""
+        rep = self.replicator
         if rep is not None:
             got, mismatch = self._from_peers(s, plan, rep, got, mismatch)  # local copies that did not verify
             got, mismatch = self._complete(s, got, mismatch)  # the shared entries a peer's replica lacks
@@ -304,6 +271,8 @@ class Restore:
                     tried.add((r, assign[r]))
                     if good:
                         needs[r] = False
+                    elif assign[r] == g.rank:  # no later restore picks it again
+                        rep.drop(s, r)
             if ok and got is not None and mismatch is None and holds(got[1].manifest, got[1].files) == WHOLE:
                 try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
                     # it landed; a failure now is the target's (else completed from other ranks first)
@@ -419,12 +388,3 @@ class Restore:
         if rep.holdings().get(s):
             p.ledger.stored(rep.name, s)
         log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
-
-
-def _kind(e: BaseException) -> type[TierfsError]:
-    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
-    argument an ArgumentError."""
-    for cls in (StateMismatchError, ArgumentError):
-        if isinstance(e, cls):
-            return cls
-    return TierfsError

@@ -13,7 +13,7 @@ Points (keyword arguments passed):
 ``stage`` (``stage``, ``step``, ``tier``)
     A stage of a save or a restore starts on this rank (see :mod:`tierfs._stages` for the stages:
     ``staging``, ``checksum``, ``manifest``, ``marker``, ``copy``, ``replication``, ``planning``,
-    ``read``, ``fetch``, ``localize``, ``reseed``, ``retention``, ``open``). A hook that raises fails that
+    ``read``, ``fetch``, ``receive``, ``localize``, ``reseed``, ``retention``, ``open``). A hook that raises fails that
     stage on this rank, as a real failure there would: fault tests use it to check that every rank hears
     of it, naming the rank and the stage, and that the store stays usable.
 ``rename`` (``path``)

@@ -305,6 +305,10 @@ class Replicator(ABC):
         bytes in those files are undefined. Returns, on a receiving rank, the shard (every block
         checked as it landed) or the reason it failed; None on other ranks."""
 
+    def drop(self, step: int, rank: int) -> None:
+        """Stop offering the copy of ``rank``'s shard of ``step`` kept here: its receiver could not use it,
+        and a later restore must not pick it again."""
+
     def transfer_group(self) -> Any:
         """A group of its own for a restore's other bulk transfers between ranks (collective on first
         use), or None: the store's."""

@@ -18,6 +18,7 @@ On restore the store asks each rank what it ``holds``, picks a holder for every 
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -34,6 +35,8 @@ from . import _wire
 from ._wire import Wire
 from .base import Capacity, FailedCopy, Fetched, Landing, Pace, Replicator, Tier
 from .memory import MemoryTier
+
+log = logging.getLogger("tierfs")
 
 #: ``strategy(rank, nodes, replicas) -> target ranks``; ``nodes[r]`` is the node number of rank ``r``
 StrategyFn = Callable[[int, Sequence[int], int], Sequence[int]]
@@ -254,6 +257,11 @@ class PeerTier(Replicator):
     def delete_step(self, step: int) -> None:
         self.local.delete_step(step)
 
+    def drop(self, step: int, rank: int) -> None:
+        log.warning("%s step %d: dropping the copy of rank %d's shard kept here (its receiver could not use it)",
+                    self.name, step, rank)
+        self.local.release(step, rank, marker=False)
+
     def holdings(self) -> dict[int, list[int]]:
         """``{step: [ranks whose shard this rank keeps]}`` for every committed step."""
         out = {}
@@ -352,11 +360,12 @@ class PeerTier(Replicator):
         got: dict[str, Any] = {}
 
         def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
-            m, mbytes, marker = _wire.check_header(h, step, me)
-            # the receive buffers' pages are touched only where no entry lands straight in its array
-            got.update(manifest=m, mbytes=mbytes, marker=marker,
-                       files={n: np.empty(size, dtype=np.uint8) for n, size in m.replica_files.items()})
-            return m, got["files"], _wire.direct(m, landing(m) if landing is not None else {}, got["files"])
+            with stage("receive", step, self.name):  # this rank's shard, from rank ``src``
+                m, mbytes, marker = _wire.check_header(h, step, me)
+                # the receive buffers' pages are touched only where no entry lands straight in its array
+                got.update(manifest=m, mbytes=mbytes, marker=marker,
+                           files={n: np.empty(size, dtype=np.uint8) for n, size in m.replica_files.items()})
+                return m, got["files"], _wire.direct(m, landing(m) if landing is not None else {}, got["files"])
 
         incoming = [h for q, h in assign.items() if q == me]
         errors = _wire.transfer(g, sends, incoming, accept, None, self.wire, land=True)

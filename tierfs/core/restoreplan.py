@@ -1,0 +1,121 @@
+"""The restore plan: what one gather tells every rank (the steps each rank can read itself, the ranks
+keeping a replica of each rank's shard), and :class:`RestoreInfo`, what a restore did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .. import _units
+from .._stages import stage
+from ..dist import Group, agree
+from ..errors import ArgumentError, StateMismatchError, StepNotFoundError, TierfsError
+from ..protocol import common_steps
+from ..tiers.base import Holder
+from .parts import Parts
+
+
+@dataclass
+class RestoreInfo:
+    """What a restore did: which tier served which step, what was skipped and why, and how fast."""
+
+    step: int
+    tier: str
+    nbytes: int
+    seconds: float
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (tier, step, reason)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)  # entries in the checkpoint not in the target state
+    peer: int | None = None  # the rank that sent this rank's shard, when it came from the peer tier
+    #: every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}`` (the same on every rank; on a
+    #: rank that returned before the others, filled in once they are done)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        s = f"step {self.step} from tier {self.tier!r}"
+        s += f" (rank {self.peer})" if self.peer is not None else ""
+        s += f": {_units.size(self.nbytes)} in {_units.duration(self.seconds)}"
+        s += f" ({_units.rate(self.nbytes, self.seconds)})" if self.seconds > 0 else ""
+        for tier, step, why in self.skipped:
+            s += f"; skipped {tier!r} step {step}: {why}"
+        return s
+
+
+@dataclass
+class RestorePlan:
+    """What one gather told every rank (the same on every rank).
+
+    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
+    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
+    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
+    """
+
+    own: list[set[int]]
+    holders: dict[tuple[int, int], list[int]]
+    local: dict[str, set[int]]
+    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
+
+    @property
+    def every(self) -> set[int]:
+        """Every step some rank can read or some replica holds."""
+        return set().union(*self.own, (s for s, _ in self.holders))
+
+    def gettable(self, rank: int) -> set[int]:
+        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
+        return self.own[rank] | {s for s, r in self.holders if r == rank}
+
+    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
+        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get."""
+        common = common_steps([self.gettable(r) for r in range(len(self.own))])
+        if step is not None:
+            if step not in common:
+                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank; "
+                                        f"available: {sorted(common)[-10:]}")
+            return [step]
+        if not common:
+            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
+        return sorted(common, reverse=True)
+
+    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
+        return [(r, t) for r in range(len(self.own)) for t in targets[r]
+                if t not in self.holders.get((step, r), [])]
+
+
+def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,
+                group: Group | None = None) -> RestorePlan:
+    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
+    ``check()`` runs first (the store raises background failures there); a rank that fails makes every
+    rank raise."""
+    view, failure, local = None, None, {}
+    try:
+        with stage("planning"):
+            check()
+            parts.refresh()
+            before, rep, after = parts.roles(usable)
+            local = {t.name: parts.ledger.holding(t.name) for t in before + after}
+            held = rep.holdings() if rep is not None else {}
+            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
+                    sorted(set().union(*(local[t.name] for t in before)))]
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+        failure = e
+    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=error_kind)
+    holders: dict[tuple[int, int], list[int]] = {}
+    for h, (_, kept, _) in enumerate(views):
+        for s, r in kept:
+            holders.setdefault((s, r), []).append(h)
+    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
+
+
+def error_kind(e: BaseException) -> type[TierfsError]:
+    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
+    argument an ArgumentError."""
+    for cls in (StateMismatchError, ArgumentError):
+        if isinstance(e, cls):
+            return cls
+    return TierfsError
