@@ -3,7 +3,8 @@
     peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS[:FIRST]] [STEPS]   (FIRST: bytes of a transfer's first message)
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, restore-early (restore; a rank receiving its shard from a peer waits, inside the receive, until
-every other rank has returned from restore_into), localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
+every other rank has returned from restore_into), restore-split (restore where a rank may fail to get its
+shard after the others returned: the errors each rank sees), localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
 headers of at most 64 bytes, as if its limit differed). Prints one JSON line with what it saw.
 """
@@ -18,6 +19,7 @@ import numpy as np
 import torch.distributed as dist
 
 from tierfs import TieredStore
+from tierfs.errors import TierfsError
 from tierfs.policies import LatestN
 from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
@@ -114,6 +116,19 @@ def main() -> None:
         info = store.restore_into(target, tiers=["ram"])
         want = state_for(rank, info.step)
         out.update(exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
+    elif mode == "restore-split":  # what each rank hears, and when
+        target = target_for(rank)
+        try:
+            info = store.restore_into(target)
+            out.update(step=info.step, exact=all(target[k].tobytes() == state_for(rank, info.step)[k].tobytes()
+                                                  for k in ("w", "b")))
+        except TierfsError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        try:
+            store.wait_until_finished()  # a rank that returned hears of the failure at its next call
+        except TierfsError as e:
+            out["later"] = f"{type(e).__name__}: {e}"
+        out["held"] = {str(k): v for k, v in peer.holdings().items()}
     else:
         target = target_for(rank)
         info = store.restore_into(target)

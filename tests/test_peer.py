@@ -107,6 +107,33 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     assert [o["again_tier"] for o in outs] == ["ram", "peer", "ram", "ram"] and all(o["again_exact"] for o in outs)
 
 
+def test_a_lost_node_whose_only_copy_fails_after_the_others_returned_fails_every_rank_then_restarts_older(
+        saved_r1, tmp_path):
+    """The other ranks return as soon as their own state is in place; rank 1's only copy of step 3 then
+    fails its checks (and the object tier lacks step 3): every rank raises, the returned ones at their next
+    call, since they cannot all move back. The holder drops the bad copy, so the job's restart restores
+    step 2 instead of failing again."""
+    shm = fresh_copy(saved_r1, tmp_path)
+    obj = tmp_path / "obj"
+    shutil.copytree(saved_r1 / "obj", obj)
+    shutil.rmtree(obj / step_dirname(3))
+    wipe(shm, 1)
+    bad = shm / "node2" / "peers" / "rank_00002" / step_dirname(3) / "rank_00001.0001.bin"
+    data = bytearray(bad.read_bytes())
+    data[12345] ^= 0x40
+    bad.write_bytes(bytes(data))
+    outs = job(4, shm, obj, "restore-split", 1)
+    assert [o.get("step") for o in outs] == [3, None, 3, 3] and all(outs[r]["exact"] for r in (0, 2, 3))
+    assert "RestoreError: step 3: rank(s) [1] could not get their shard" in outs[1]["error"]
+    assert "checksum mismatch" in outs[1]["error"] and "restart the job" in outs[1]["error"]
+    for r in (0, 2, 3):
+        assert "error" not in outs[r] and "RestoreError: step 3: rank(s) [1]" in outs[r]["later"]
+    assert outs[2]["held"] == {} and any("dropping the copy of rank 1" in w for w in outs[2]["warnings"])
+    outs = job(4, shm, obj, "restore", 1)  # the restart
+    assert all(o["exact"] and o["step"] == 2 for o in outs)
+    assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "file", "ram", "ram"]
+
+
 def test_two_neighbours_lost_with_one_replica_falls_back_to_the_object_tier(saved_r1, tmp_path):
     shm = fresh_copy(saved_r1, tmp_path)
     wipe(shm, 1, 2)  # rank 1's only copy was on node 2

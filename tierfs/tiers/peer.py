@@ -261,6 +261,8 @@ class PeerTier(Replicator):
         log.warning("%s step %d: dropping the copy of rank %d's shard kept here (its receiver could not use it)",
                     self.name, step, rank)
         self.local.release(step, rank, marker=False)
+        if not self.holdings().get(step):  # no copy of the step left here
+            self.local.delete_step(step)
 
     def holdings(self) -> dict[int, list[int]]:
         """``{step: [ranks whose shard this rank keeps]}`` for every committed step."""
