@@ -246,6 +246,9 @@ def worker(args: argparse.Namespace) -> None:
         first = load_restored(model, opt, state) + 1
         redo = f"step {CRASH_AT}" if info.step + 1 == CRASH_AT else f"steps {info.step + 1}-{CRASH_AT}"
         say(f"  every rank restored step {info.step}, so the job redoes {redo} (restore_into: {ms(took)} on rank 0)")
+        # a rank whose own state is in place returns while a replaced node still receives; the rest of the
+        # restore (its sends, the ranks' agreement) finishes in the background, and with it info.ranks
+        store.wait_until_finished()
         say("  where each rank's shard came from, read and verified in:")
         for r in info.ranks:
             if r["peer"] is not None:
