@@ -45,9 +45,10 @@ def lost_node(dist, scratch, nbytes: int, repeats: int, say) -> dict[str, list[f
             with open_store() as store:
                 store.save(1, state, replicated=declared)
                 store.wait_until_finished()
+                target = {k: torch.zeros_like(v) for k, v in state.items()}
                 dist.barrier()  # no node lost yet: each rank's restore from its own RAM, the others' baseline
                 t0 = time.perf_counter()
-                store.restore_into({k: torch.zeros_like(v) for k, v in state.items()})
+                store.restore_into(target)
                 intact = time.perf_counter() - t0
             dist.barrier()
             if rank == lost:
