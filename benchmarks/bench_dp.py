@@ -140,6 +140,11 @@ def bin_bytes(path: str, step_dir: str) -> int:
     return total
 
 
+def footprint(path: str) -> int:
+    """What the files directly in ``path`` take of a tmpfs: their allocated pages (data, manifest, marker)."""
+    return sum(os.stat(e.path).st_blocks * 512 for e in os.scandir(path) if e.is_file())
+
+
 def build(hidden: int, layers: int):
     """The model, its Adam optimizer after one step, and the batch every rank trains on (fixed seeds)."""
     import torch
@@ -231,6 +236,7 @@ def worker(args: argparse.Namespace) -> None:
             if timed:
                 rows.append({"step": step, "stall": t1 - t0, "durable": t2 - t0,
                              "ram": bin_bytes(os.path.join(ram_dir, sdir), sdir),
+                             "shard": footprint(os.path.join(ram_dir, sdir)),
                              "replicas": bin_bytes(os.path.join(ram_dir, "peers"), sdir),
                              "sent": handler.nbytes.get(step, 0 if world == 1 else -1),
                              "objects": bin_bytes(os.path.join(args.obj_root, sdir), sdir) if rank == 0 else 0})
@@ -289,8 +295,8 @@ def report(args: argparse.Namespace, jobs: dict[int, dict[str, dict]]) -> None:
                               "`save(step, state, blocking=False)` (every rank stores its whole state)") + "\n")
         print("| world | object MiB / step | object / distinct | RAM per rank / state | replicas per rank / state "
               "(most) | peers sent per rank (most) | RAM peak / state | RAM peak / state, every save | "
-              "save -> durable s | stall s | durable s, every save |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "RAM peak / shard | save -> durable s | stall s | durable s, every save |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for world in sorted(jobs):
             job = jobs[world][v]
             own = job["own_bytes"]
@@ -304,12 +310,13 @@ def report(args: argparse.Namespace, jobs: dict[int, dict[str, dict]]) -> None:
             durable = [max(r[i]["durable"] for r in ranks) for i in range(n)]
             stall = [max(r[i]["stall"] for r in ranks) for i in range(n)]
             peaks = [p["peak"] / job["total_bytes"] for p in job["peaks"]]
+            shards = [p["peak"] / sum(r[i]["shard"] for r in ranks) for i, p in enumerate(job["peaks"])]
             peers = world > 1
             flag = " (!)" if abs(job["shm_drift"]) > MiB else ""
             print(f"| {world} | {objects / MiB:.2f} | {objects / job['distinct']:.3f} | {spread(ram, '.3f')} | "
                   f"{spread(reps, '.3f') + ' (' + size(max(rep_bytes)) + ')' if peers else '-'} | "
                   f"{(size(max(sent)) if min(sent) >= 0 else 'no log line') if peers else '-'} | "
-                  f"{max(peaks):.3f}{flag} | {' '.join(f'{p:.3f}' for p in peaks)} | "
+                  f"{max(peaks):.3f}{flag} | {' '.join(f'{p:.3f}' for p in peaks)} | {max(shards):.4f}{flag} | "
                   f"{statistics.median(durable):.3f} | {statistics.median(stall):.3f} | "
                   f"{' '.join(f'{t:.3f}' for t in durable)} |")
         print()
@@ -331,6 +338,9 @@ def report(args: argparse.Namespace, jobs: dict[int, dict[str, dict]]) -> None:
           f"samples {max(p['gap'] for p in samples) * 1e3:.1f} ms; /dev/shm used after each job less before it "
           f"(other users of the machine's /dev/shm): {', '.join(drift)}; a job with a change over 1 MiB is run "
           f"again (up to {args.retries} times), its peak marked (!) if the last run still has one")
+    print("- RAM peak / shard: the same peak over the sum of every rank's shard as the RAM tier stores it: the "
+          "pages its files take in the committed step's directory (data, manifest, marker), the largest over "
+          "the timed saves")
 
 
 def main() -> int:
