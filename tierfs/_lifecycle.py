@@ -165,6 +165,8 @@ class StoreWork:
                 said.append(f"step {s}{self._nbytes(s)} not yet committed")
             else:
                 said.append(f"step {s}{self._nbytes(s)} not yet on {', '.join(t.name for t in self._missing(s))}")
+        if not said and not _idle(self.parts.restores):
+            return "TieredStore: the rest of a restore (sending to the ranks still receiving, agreeing)"
         return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")
 
     def _drop_spares(self) -> None:
