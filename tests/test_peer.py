@@ -124,10 +124,10 @@ def test_a_lost_node_whose_only_copy_fails_after_the_others_returned_fails_every
     bad.write_bytes(bytes(data))
     outs = job(4, shm, obj, "restore-split", 1)
     assert [o.get("step") for o in outs] == [3, None, 3, 3] and all(outs[r]["exact"] for r in (0, 2, 3))
-    assert "RestoreError: step 3: rank(s) [1] could not get their shard" in outs[1]["error"]
+    assert "RestoreIncompleteError: step 3: rank(s) [1] could not get their shard" in outs[1]["error"]
     assert "checksum mismatch" in outs[1]["error"] and "restart the job" in outs[1]["error"]
     for r in (0, 2, 3):
-        assert "error" not in outs[r] and "RestoreError: step 3: rank(s) [1]" in outs[r]["later"]
+        assert "error" not in outs[r] and "RestoreIncompleteError: step 3: rank(s) [1]" in outs[r]["later"]
     assert outs[2]["held"] == {} and any("dropping the copy of rank 1" in w for w in outs[2]["warnings"])
     outs = job(4, shm, obj, "restore", 1)  # the restart
     assert all(o["exact"] and o["step"] == 2 for o in outs)
@@ -175,6 +175,10 @@ def test_a_corrupted_replica_is_detected_and_another_peer_serves(saved_r2, tmp_p
     assert all(o["exact"] and o["step"] == 2 for o in outs)
     assert (outs[1]["tier"], outs[1]["peer"]) == ("peer", 3)
     assert any(t == "peer" and "rank 2" in why and "checksum mismatch" in why for t, _, why in outs[1]["skipped"])
+    # node 2 dropped the bad copy; re-seeding gave it rank 1's shard again, as node 3 keeps it
+    assert any("dropping the copy of rank 1" in w for w in outs[2]["warnings"]) and outs[2]["held"] == {"2": [0, 1]}
+    good = shm / "node3" / "peers" / "rank_00003" / step_dirname(2) / "rank_00001.0001.bin"
+    assert bad.read_bytes() == good.read_bytes()
 
 
 def test_a_rank_killed_while_replicating_restores_the_newest_fully_replicated_step(tmp_path):

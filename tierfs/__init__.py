@@ -1,7 +1,7 @@
 """tierfs: fast, safe checkpointing across RAM, peer and object-storage tiers."""
 
 from .errors import (ArgumentError, BackgroundError, CapacityError, ChecksumError, FormatError, RestoreError,
-                     StateMismatchError, StepExistsError, StepNotFoundError, TierfsError,
+                     RestoreIncompleteError, StateMismatchError, StepExistsError, StepNotFoundError, TierfsError,
                      TierUnavailableError)
 from .store import RestoreInfo, TieredStore
 from .adapters.manager import CheckpointManager, CheckpointManagerOptions
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "BackgroundError", "CheckpointManager", "CheckpointManagerOptions", "CapacityError",
-    "ChecksumError", "FormatError", "RestoreError", "RestoreInfo",
+    "ChecksumError", "FormatError", "RestoreError", "RestoreIncompleteError", "RestoreInfo",
     "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
     "TierfsError",
 ]

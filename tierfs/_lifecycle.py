@@ -94,8 +94,6 @@ class Opening:
             commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
-            # the rest of a restore this rank returned from: sending to the ranks still receiving
-            restores=Worker("tierfs-restore", ledger.fail, nice=0),
             commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=file_size,
             block_size=block_size, clock=clock, layout=layout)
         for r in reps:

@@ -35,6 +35,12 @@ class RestoreError(TierfsError):
     """No tier could serve a verified copy of the step."""
 
 
+class RestoreIncompleteError(RestoreError):
+    """Ranks had restored a step and returned when another rank found no verified copy of it (or the
+    restore failed to finish): the ranks cannot all move to an older step. Restart the job; its restore
+    starts over. Raised on every rank, by a rank that returned at its next call on the store."""
+
+
 class BackgroundError(TierfsError):
     """A background copy or deletion failed; raised by the next call on the store."""
 

@@ -30,7 +30,7 @@ from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath
 from .dist import Group, default_group, seconds
-from .errors import ArgumentError, BackgroundError, RestoreError, TierfsError
+from .errors import ArgumentError, BackgroundError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
 from .tiers.base import Holder, Replicator, Tier
@@ -181,6 +181,7 @@ class TieredStore:
         store's). Each rank counts a step when one of the named tiers lists it (a peer tier lists the steps
         of the copies it keeps for others)."""
         names = set(_args.names(tiers, "tiers", self._parts.names) or ()) if tiers is not None else None
+        self._parts.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
         views = g.all_gather(mine) if g.world_size > 1 else [mine]
@@ -229,9 +230,8 @@ class TieredStore:
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
         """Raise the first error background work hit since the last call, if any."""
+        self._parts.settle()  # the rest of a restore that returned here: its failure first
         errors = self._parts.ledger.take_errors()
-        if errors and isinstance(errors[0], RestoreError):  # the rest of a restore that returned here
-            raise errors[0]
         if errors:
             more = f" (and {len(errors) - 1} more, see the log)" if len(errors) > 1 else ""
             err = BackgroundError(f"background copy failed: {errors[0]}{more}")
@@ -335,6 +335,9 @@ class TieredStore:
                  check: Callable[[], Any] = lambda: None, adopt: bool = False) -> RestoreInfo:
         """One restore. Its arguments (and ``check()``) are checked where every rank hears of a bad one."""
         self._check_open()
+        # saves' commits first: their retention must not delete what this restore sends, and the copies they
+        # hand on reach the copy workers before its re-seeding, in the same order on every rank
+        self._parts.commits.join()
         error: ArgumentError | None = None
         try:
             check()
@@ -397,7 +400,7 @@ class TieredStore:
         background on a rank that returned before the others, see :meth:`restore_into`) is done."""
         if self._closed:
             raise TierfsError("the store is closed; create a new TieredStore")
-        self._parts.restores.join()
+        self._parts.settle()
 
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any."""

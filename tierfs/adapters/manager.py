@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import _args
 from .._rootdir import check_local_url
-from ..errors import ArgumentError, RestoreError, StepNotFoundError
+from ..errors import ArgumentError, RestoreError, RestoreIncompleteError, StepNotFoundError
 from . import _managerdcp as _mdcp, _torchstate as ts
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
@@ -236,6 +236,8 @@ class CheckpointManager:
             except ts.Unusable as e:
                 skipped += e.skipped
                 continue
+            except RestoreIncompleteError:
+                raise  # ranks returned this step: none may move to an older one
             except RestoreError as e:
                 skipped.append((",".join(tiers), s, str(e)))
                 continue

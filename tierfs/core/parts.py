@@ -56,7 +56,6 @@ class Parts:
     throttle: Throttle
     commits: Worker  # commits and the first tier's upkeep, in order
     copies: dict[str, Worker]  # one per slower tier: a slow upload never holds back the replicas
-    restores: Worker  # the part of a restore that goes on after this rank returned (see core.restoring)
     commit_group: Group  # the commit worker's collectives
     copy_groups: dict[str, Group]  # each slower file tier's copy worker's collectives
     threads: int | None
@@ -67,12 +66,17 @@ class Parts:
     first: Tier = field(init=False)  # where saves land and commit first
     replicator: Replicator | None = field(init=False)  # the tier keeping other ranks' shards, if any
     files: list[Tier] = field(init=False)  # every tier holding files, fastest first
+    # the part of a restore that goes on after this rank returned (see core.restoring), and its failures
+    restores: Worker = field(init=False)
+    restore_failures: list[BaseException] = field(init=False)
 
     def __post_init__(self) -> None:
         self.files = [t for t in self.tiers if isinstance(t, Tier)]
         reps = [t for t in self.tiers if isinstance(t, Replicator)]
         self.replicator = reps[0] if reps else None
         self.first = self.files[0]
+        self.restore_failures = []
+        self.restores = Worker("tierfs-restore", self.restore_failures.append, nice=0)
 
     def roles(self, tiers: Sequence[Holder]) -> tuple[list[Tier], Replicator | None, list[Tier]]:
         """``tiers`` in their roles: the file tiers before the replicator, the replicator (None when it is
@@ -135,6 +139,15 @@ class Parts:
             _hooks.at("transfer", step=step, tier=tier, nbytes=nbytes)
             self.throttle.consume(nbytes)
         return pace
+
+    def settle(self) -> None:
+        """Wait for the rest of the last restore (if this rank returned before it finished); raise its
+        failure here, on this rank alone (the other ranks raised theirs in the restore)."""
+        self.restores.join()
+        if self.restore_failures:
+            failure = self.restore_failures.pop(0)
+            self.restore_failures.clear()
+            raise failure
 
     def close(self) -> None:
         self.restores.close()

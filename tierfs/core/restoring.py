@@ -30,7 +30,7 @@ from .. import _copy, _units
 from .._worker import Detached
 from .._stages import stage
 from ..dist import Group, agree
-from ..errors import ArgumentError, RestoreError, StateMismatchError, TierfsError
+from ..errors import ArgumentError, RestoreError, RestoreIncompleteError, StateMismatchError, TierfsError
 from ..format import Marker, manifest_filename
 from ..protocol import commit
 from ..tiers.base import Holder, Replicator, Tier
@@ -46,6 +46,10 @@ from .sinks import Sink
 __all__ = ["Restore", "RestoreInfo", "RestorePlan", "gather_plan"]
 
 log = logging.getLogger("tierfs")
+
+#: how a peer's copy that is itself bad fails at its receiver (not the receiver's own trouble): checksums,
+#: a manifest that does not match its marker, files the holder can no longer read
+BAD_COPY = ("ChecksumError", "FormatError", "TierfsError: the holder cannot send it")
 
 class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
@@ -74,8 +78,11 @@ class Restore:
             if sending is not None and got is not None:  # in place: the rest goes on in the background
                 log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
                          "background", s, got[0])
+                self.parts.ledger.pin(self.parts.first.name, s)  # the RAM copy it sends from stays
+                info = got[0]
+                info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
                 self.parts.restores.submit(functools.partial(self._settle, s, plan, got, sending, step is None))
-                return got[0]
+                return info
             if self._agreed(s, got, mismatch, left=False):
                 assert got is not None
                 return self._finish(s, plan, *got, adopt=adopt, newest=step is None)
@@ -93,7 +100,7 @@ class Restore:
         if gone:
             lacking = [r for r, (has, _) in enumerate(votes) if not has]
             why = "; ".join(f"{t}: {w}" for t, x, w in self.skipped if x == s) if got is None else ""
-            raise RestoreError(
+            raise RestoreIncompleteError(
                 f"step {s}: rank(s) {lacking[:8]} could not get their shard ({why or 'see their log'}) after "
                 f"{gone} rank(s) had restored it and returned; restart the job: its restore starts over, "
                 "and a peer's copy that failed its checks is no longer offered")
@@ -106,10 +113,19 @@ class Restore:
         """The rest of a restore this rank returned from (on the store's restore worker): its sends, the
         other ranks' completion, the agreement, then what follows a restore. A failure is raised by the
         store's next call."""
-        sending.join()
-        after, mismatch = self._rest(s, plan, got, None)
-        self._agreed(s, after, mismatch, left=True)
-        self._finish(s, plan, *got, adopt=False, newest=newest)
+        self.sink, self.landing = None, Landing(None)  # the target is the caller's now: never written again
+        try:
+            sending.join()
+            after, mismatch = self._rest(s, plan, got, None)
+            self._agreed(s, after, mismatch, left=True)
+            self._finish(s, plan, *got, adopt=False, newest=newest)
+        except RestoreIncompleteError:
+            raise
+        except BaseException as e:
+            raise RestoreIncompleteError(f"step {s}: this rank restored it and returned, but the restore did not "
+                                         f"finish on every rank ({type(e).__name__}: {e}); restart the job") from e
+        finally:
+            self.parts.ledger.unpin(self.parts.first.name, s)
 
     # -- one step -----------------------------------------------------------------------------------
     def _try(self, s: int, plan: RestorePlan, leave: bool = False
@@ -137,8 +153,13 @@ class Restore:
             if mine:  # this rank sends what it keeps and, from its RAM copy, the entries it shares
                 serve = self._unverified(s, plan)
                 sending = Detached(functools.partial(self._send_early, s, plan, rep, early, serve))
-                got, mismatch = self._read_local(s, plan)
-                if leave and mismatch is None and got is not None and holds(got[1].manifest, got[1].files) == WHOLE:
+                try:
+                    got, mismatch = self._read_local(s, plan)
+                    whole = got is not None and holds(got[1].manifest, got[1].files) == WHOLE
+                except BaseException:  # never leave the sending thread running on the restore's groups
+                    sending.join()
+                    raise
+                if leave and mismatch is None and whole:
                     return got, mismatch, sending
                 sending.join()
             else:
@@ -266,20 +287,32 @@ class Restore:
                 log.warning("tier %s step %d: the copy %s is unusable, trying another source", rep.name, s, why)
                 self.skipped.append((rep.name, s, why))
             ok = not isinstance(res, str)
-            for r, good in enumerate(g.all_gather(ok or mismatch is not None)):
+            received = isinstance(res, tuple)  # this rank's shard came in this round
+            # 1: got it (or its target is wrong: raised by all); -1: the copy itself is bad; 0: it failed
+            vote = 1 if ok or mismatch is not None else -1 if isinstance(res, str) and res.startswith(BAD_COPY) else 0
+            for r, v in enumerate(g.all_gather(vote)):
                 if r in assign:
                     tried.add((r, assign[r]))
-                    if good:
+                    if v > 0:
                         needs[r] = False
-                    elif assign[r] == g.rank:  # no later restore picks it again
-                        rep.drop(s, r)
-            if ok and got is not None and mismatch is None and holds(got[1].manifest, got[1].files) == WHOLE:
+                    elif v < 0:  # no later restore picks it; re-seeding after this one replaces it
+                        plan.holders[(s, r)].remove(assign[r])
+                        if assign[r] == g.rank:
+                            self._drop(rep, s, r)
+            if received and got is not None and mismatch is None and holds(got[1].manifest, got[1].files) == WHOLE:
                 try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
                     # it landed; a failure now is the target's (else completed from other ranks first)
                     fill(None, s, got[1], self.sink, self.parts.threads, verified=True)
                     got[0].seconds = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - raised by all ranks
                     got, mismatch = None, e
+
+    @staticmethod
+    def _drop(rep: Replicator, s: int, r: int) -> None:
+        try:
+            rep.drop(s, r)
+        except Exception as e:  # noqa: BLE001 - only the copy is left behind: the next restore checks it again
+            log.warning("tier %s step %d: could not drop the copy of rank %d's shard (%s)", rep.name, s, r, e)
 
     def _unverified(self, s: int, plan: RestorePlan) -> Shard | None:
         """This rank's whole shard of ``s`` in its fastest tier holding it, unverified (for sending on while
