@@ -313,8 +313,8 @@ class TieredStore:
         While a rank that lost its RAM (a replaced node) still receives its shard from peers, a rank whose
         own verified copy is in ``state`` returns at once (so does :meth:`restore`). Its sends and the
         ranks' agreement go on in the background; the store's next call waits for them, and raises
-        RestoreError should that rank not get its shard (the ranks cannot all move to an older step
-        then: restart the job). ``info.ranks`` is filled in once they are done.
+        :class:`~tierfs.errors.RestoreIncompleteError` should that rank not get its shard (the ranks cannot
+        all move to an older step then: restart the job). ``info.ranks`` is filled in once they are done.
         """
         sink = InPlace(state) if isinstance(state, Mapping) else None
         return self._restore(step, tiers, sink, timeout, lambda: _args.mapping(state, "state"))
