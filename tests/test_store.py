@@ -316,7 +316,9 @@ def test_full_tmpfs_is_a_clean_capacity_error(tiny_tmpfs):
 
 
 def test_unreachable_endpoint_is_not_reported_as_missing_bucket(s3_storage_options):
-    opts = s3_storage_options | {"endpoint_url": "http://127.0.0.1:1"}
+    # the client's own retries of a refused connection (with backoff) only make the test slow
+    opts = s3_storage_options | {"endpoint_url": "http://127.0.0.1:1",
+                                 "config_kwargs": {"retries": {"max_attempts": 1}}}
     with pytest.raises(TierUnavailableError, match="cannot reach the store"):
         TieredStore([ObjectTier("s3://tierfs-test/run", storage_options=opts)])
 
