@@ -213,6 +213,8 @@ class CheckpointManager:
             # where DCP's reader (which reads tiers directly) and the store find it
             try:
                 self.store.localize(step, tiers=tiers)
+            except RestoreIncompleteError:
+                raise  # the last restore did not finish on every rank: restart the job
             except (StepNotFoundError, RestoreError) as e:
                 log.warning("no step could be brought into RAM from peers (%s); restoring from the tiers", e)
         common = sorted(self.store.common_steps(tiers), reverse=True)
