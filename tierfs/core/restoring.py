@@ -29,7 +29,7 @@ import numpy as np
 from .. import _copy, _units
 from .._worker import Detached
 from .._stages import stage
-from ..dist import Group, agree
+from ..dist import agree
 from ..errors import ArgumentError, RestoreError, RestoreIncompleteError, StateMismatchError, TierfsError
 from ..format import Marker, manifest_filename
 from ..protocol import commit
@@ -50,6 +50,7 @@ log = logging.getLogger("tierfs")
 #: how a peer's copy that is itself bad fails at its receiver (not the receiver's own trouble): checksums,
 #: a manifest that does not match its marker, files the holder can no longer read
 BAD_COPY = ("ChecksumError", "FormatError", "TierfsError: the holder cannot send it")
+
 
 class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
