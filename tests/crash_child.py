@@ -52,6 +52,8 @@ def arm(point: str) -> None:
         MemoryTier.write_marker = lambda self, step, data: die()
     elif point == "marker-rename":  # marker's temporary file written, not yet renamed
         hooks.add("rename", lambda path: die() if str(path).endswith(MARKER) else None)
+    elif point == "before-copy":  # RAM committed; the background copy to the object tier not yet started
+        hooks.add("stage", lambda stage, step, tier: die() if stage == "copy" else None)
     elif point == "upload":  # RAM committed; the background upload has sent one shard file
         real_owf, sent = ObjectTier.write_file, [0]
 

@@ -41,6 +41,18 @@ class RestoreIncompleteError(RestoreError):
     starts over. Raised on every rank, by a rank that returned at its next call on the store."""
 
 
+class CheckpointLostError(RestoreError):
+    """Ranks hold committed steps, but no step is held by every rank: the shards of the others and every
+    copy of them are gone. Raised on every rank by a restore (and by ``CheckpointManager.restore``, which
+    returns None only when nothing was ever saved), never read as "nothing to restore". ``steps`` are the
+    steps some rank holds; ``lacking`` maps the newest of them to the ranks without them."""
+
+    def __init__(self, message: str, *, steps: list[int] | None = None,
+                 lacking: dict[int, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.steps, self.lacking = list(steps or []), dict(lacking or {})
+
+
 class BackgroundError(TierfsError):
     """A background copy or deletion failed; raised by the next call on the store."""
 

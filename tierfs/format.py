@@ -18,7 +18,7 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
 from fastcrc import crc32 as _crc32
@@ -315,6 +315,9 @@ class Marker:
     nbytes: int = 0
     committed: float = field(default_factory=time.time)
     version: int = FORMAT_VERSION
+    #: the tiers whose save policies took the step (None: not recorded): a store that opens copies a step
+    #: its first tier holds to such a tier that lacks it (a process that ended before its copy)
+    tiers: list[str] | None = None
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
@@ -329,12 +332,17 @@ class Marker:
                 raise ValueError("not a tierfs marker")
             if d.get("version") != FORMAT_VERSION:
                 raise FormatError(f"marker format version {d.get('version')!r} is not supported; upgrade tierfs")
-            m = cls(**d)
+            m = cls(**{k: v for k, v in d.items() if k in _MARKER_FIELDS})  # fields of later versions: ignored
+            if m.tiers is not None and not (isinstance(m.tiers, list) and all(isinstance(t, str) for t in m.tiers)):
+                raise ValueError("tiers is not a list of names")
         except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as e:
             raise FormatError(f"commit marker is damaged ({e})") from None
         for name in m.manifests:
             validate_filename(name)
         return m
+
+
+_MARKER_FIELDS = {f.name for f in fields(Marker)}
 
 
 @functools.lru_cache(maxsize=16)

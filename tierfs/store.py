@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import _args, _exit, _lifecycle, _stages, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
+from .core.catchup import catch_up
 from .core.parts import check_tiers
 from .core.reading import Reader, Skipped
 from .core.sinks import InPlace, NewArrays
@@ -126,6 +127,8 @@ class TieredStore:
             if cleanup:
                 self._cleanup_uncommitted()
             self.refresh()
+            if cleanup:  # a store that saves: the copies a process ended before making
+                catch_up(self._parts, self._saving)
         except BaseException:
             self._opening.undo()
             raise

@@ -9,8 +9,8 @@ change the same facts; each change is one named operation here, so the rules liv
 - the steps whose background work is unfinished, and those not yet committed (``begin``, ``committed``,
   ``done``, ``wait_for_room``);
 - pins: steps being read from or copied out of a tier, which retention must not delete (``pinned``);
-- transient steps (staged in the first tier only to be copied on: ``retire``) and stale ones (newer
-  than the step a restore fell back to: saving them again replaces them, ``pass_over``/``replaces``);
+- transient steps (staged in the first tier only to be copied on: ``retire``), and the step the job last
+  restored (``restored``: the timeline rule of :mod:`.timeline` starts from it);
 - failures of background work, raised by the next call (``fail``/``take_errors``).
 """
 
@@ -47,7 +47,7 @@ class StepLedger:
         self._info: dict[int, StepInfo] = {}
         self._pins: dict[str, dict[int, int]] = {n: {} for n in names}
         self._transient: set[int] = set()
-        self._stale: set[int] = set()
+        self._restored: int | None = None  # the step the last restore of this process got
         self._errors: list[BaseException] = []
         self._in_flight: dict[int, int] = {}  # step -> unfinished background jobs (commit, copies)
         self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
@@ -79,6 +79,11 @@ class StepLedger:
         """Whether ``step`` is being saved or is committed on some tier."""
         with self._lock:
             return step in self._in_flight or any(step in s for s in self._index.values())
+
+    def known_steps(self) -> set[int]:
+        """Every step being saved or committed on some tier."""
+        with self._lock:
+            return set(self._in_flight).union(*self._index.values())
 
     def previous(self, tier: str) -> tuple[StepInfo, ...]:
         """The steps ``tier`` saved before, oldest first (what its save policy sees)."""
@@ -144,6 +149,17 @@ class StepLedger:
             self._in_flight[step] += copies
             self._cond.notify_all()
 
+    def catch_up(self, step: int, tier: str, info: StepInfo, *, transient: bool) -> None:
+        """A step committed in the first tier goes on to ``tier``, whose policy took it, as one more background
+        job of the step; ``transient``: the first tier's policy did not take it (it leaves once copied)."""
+        with self._lock:
+            self._info.setdefault(step, info)
+            if all(i.step != step for i in self._history[tier]):
+                self._history[tier] = sorted([*self._history[tier], info], key=lambda i: i.step)
+            if transient:
+                self._transient.add(step)
+            self._in_flight[step] = self._in_flight.get(step, 0) + 1
+
     def abandon(self, step: int) -> None:
         """``step``'s commit failed: no tier got it, and its save is over."""
         with self._cond:
@@ -201,17 +217,16 @@ class StepLedger:
             self._transient.discard(step)
             return any(step in self._index.get(t, ()) for t in self.names if t != first)
 
-    def pass_over(self, steps: Iterable[int]) -> None:
-        """A restore fell back past ``steps`` (held by only some ranks or tiers): they are stale."""
+    @property
+    def restored(self) -> int | None:
+        """The step the last restore of this process got (None: it restored none)."""
         with self._lock:
-            self._stale = set(steps)
+            return self._restored
 
-    def replaces(self, step: int) -> bool:
-        """Whether saving ``step`` replaces a stale copy of it (once: the flag is taken)."""
+    def restore_of(self, step: int) -> None:
+        """A restore got ``step``: the job goes on from it."""
         with self._lock:
-            stale = step in self._stale
-            self._stale.discard(step)
-            return stale
+            self._restored = step
 
     # -- retention ----------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:

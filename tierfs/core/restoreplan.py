@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from .. import _units
 from .._stages import stage
 from ..dist import Group, agree
-from ..errors import ArgumentError, StateMismatchError, StepNotFoundError, TierfsError
+from ..errors import ArgumentError, CheckpointLostError, StateMismatchError, StepNotFoundError, TierfsError
 from ..protocol import common_steps
 from ..tiers.base import Holder
 from .parts import Parts
@@ -70,21 +70,50 @@ class RestorePlan:
         return self.own[rank] | {s for s, r in self.holders if r == rank}
 
     def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
-        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get."""
-        common = common_steps([self.gettable(r) for r in range(len(self.own))])
+        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get.
+        Raises :class:`~tierfs.errors.CheckpointLostError` when ranks hold steps but none every rank can get."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        common = common_steps(gettable)
         if step is not None:
             if step not in common:
-                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank; "
-                                        f"available: {sorted(common)[-10:]}")
+                lacking = [r for r, g in enumerate(gettable) if step not in g]
+                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank (rank(s) "
+                                        f"{lacking[:8]} lack it); available: {sorted(common)[-10:]}")
             return [step]
         if not common:
+            lost = lost_steps(gettable, tiers)
+            if lost is not None:
+                raise lost
             raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
         return sorted(common, reverse=True)
+
+    def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
+        """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        newer = sorted({x for g in gettable for x in g if x > step}, reverse=True)
+        return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
 
     def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
         return [(r, t) for r in range(len(self.own)) for t in targets[r]
                 if t not in self.holders.get((step, r), [])]
+
+
+def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLostError | None:
+    """The error of a job whose ranks hold steps (``held[r]``: what rank ``r`` can get) none of which every
+    rank can get, naming the newest of them and the ranks lacking each; None when no rank holds any or
+    some step is held by every rank."""
+    every = set().union(*held)
+    if not every or common_steps(held):
+        return None
+    newest = sorted(every, reverse=True)[:4]
+    lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
+    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
+    return CheckpointLostError(
+        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)}, and no "
+        f"step by every rank (lacking {said}); their shards and every replica of them are gone (e.g. nodes "
+        "replaced before a slower tier had a copy). Restore from another tier, or start the job afresh by "
+        "removing the tiers' directories", steps=sorted(every), lacking=lacking)
 
 
 def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,

@@ -80,13 +80,15 @@ class Restore:
                 log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
                          "background", s, got[0])
                 self.parts.ledger.pin(self.parts.first.name, s)  # the RAM copy it sends from stays
+                self._restored(s, plan, names, step is None)
                 info = got[0]
                 info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
-                self.parts.restores.submit(functools.partial(self._settle, s, plan, got, sending, step is None))
+                self.parts.restores.submit(functools.partial(self._settle, s, plan, got, sending))
                 return info
             if self._agreed(s, got, mismatch, left=False):
                 assert got is not None
-                return self._finish(s, plan, *got, adopt=adopt, newest=step is None)
+                self._restored(s, plan, names, step is None)
+                return self._finish(s, plan, *got, adopt=adopt)
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
 
@@ -109,8 +111,19 @@ class Restore:
             self.skipped.append((got[0].tier, s, "another rank could not restore this step"))
         return False
 
-    def _settle(self, s: int, plan: RestorePlan, got: tuple[RestoreInfo, Shard], sending: Detached,
-                newest: bool) -> None:
+    def _restored(self, s: int, plan: RestorePlan, names: list[str], newest: bool) -> None:
+        """Step ``s`` is the one restored: the job goes on from it (the ledger notes it for the timeline rule);
+        when it was to be the newest, the newer steps held by only some ranks, passed over, are in ``skipped``,
+        naming the ranks that lack them."""
+        self.parts.ledger.restore_of(s)
+        passed = plan.passed_over(s) if newest else []
+        for x, lacking in passed:
+            self.skipped.append((",".join(names), x, f"held by only some ranks: rank(s) {lacking[:8]} cannot get it"))
+        if passed:
+            log.warning("steps %s could not be restored for every rank and were passed over; the next save "
+                        "removes them", [x for x, _ in passed])
+
+    def _settle(self, s: int, plan: RestorePlan, got: tuple[RestoreInfo, Shard], sending: Detached) -> None:
         """The rest of a restore this rank returned from (on the store's restore worker): its sends, the
         other ranks' completion, the agreement, then what follows a restore. A failure is raised by the
         store's next call."""
@@ -119,7 +132,7 @@ class Restore:
             sending.join()
             after, mismatch = self._rest(s, plan, got, None)
             self._agreed(s, after, mismatch, left=True)
-            self._finish(s, plan, *got, adopt=False, newest=newest)
+            self._finish(s, plan, *got, adopt=False)
         except RestoreIncompleteError:
             raise
         except BaseException as e:
@@ -337,8 +350,7 @@ class Restore:
         return info
 
     # -- after the step is chosen -------------------------------------------------------------------
-    def _finish(self, s: int, plan: RestorePlan, info: RestoreInfo, shard: Shard, *, adopt: bool,
-                newest: bool) -> RestoreInfo:
+    def _finish(self, s: int, plan: RestorePlan, info: RestoreInfo, shard: Shard, *, adopt: bool) -> RestoreInfo:
         g = self.group
         if g.world_size > 1:
             info.ranks = g.all_gather({"rank": g.rank, "tier": info.tier, "peer": info.peer,
@@ -348,12 +360,6 @@ class Restore:
             self._adopt(s, info, shard)
         if self.replicator is not None:
             self._reseed(self.replicator, s, plan, shard)
-        if newest:
-            stale = {x for x in plan.every if x > s}
-            self.parts.ledger.pass_over(stale)
-            if stale:
-                log.warning("steps %s could not be restored for every rank and were passed over; saving them "
-                            "again replaces them", sorted(stale))
         return info
 
     def _adopt(self, s: int, info: RestoreInfo, shard: Shard) -> None:

@@ -33,6 +33,7 @@ from .layout import Layout, describe
 from .parts import Parts
 from .retention import Retention
 from .sharing import Sharing, check_digests, declared, digests
+from . import timeline
 
 log = logging.getLogger("tierfs")
 
@@ -49,6 +50,7 @@ class Staged:
     metadata: dict[str, Any]
     metrics: dict[str, Any]
     buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
+    tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
 
     def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
         """The manifest (built off the caller's thread), without checksums."""
@@ -115,30 +117,36 @@ class SavePath:
                                      max_in_flight, when_busy)
             if p.ledger.busy(step):
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
-            mine = [[t.name for t in chosen], p.ledger.holders(step)]
+            mine = [[t.name for t in chosen], p.ledger.holders(step),
+                    *timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored)]
         except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
             failure = e
         group = p.group if wait is None else p.group.with_timeout(wait)
         commit_group = p.commit_group if wait is None else p.commit_group.with_timeout(wait)
         views = agree(group, mine, failure, f"save step {step}", outcome="nothing saved")
         chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
-        holders = sorted({n for _, h in views for n in h})
+        holders = sorted({n for v in views for n in v[1]})
         if not chosen:
             return False
         first = p.first
-        if p.ledger.replaces(step) and holders:
-            log.info("step %d: replacing the copies on %s left from before the restore", step, holders)
+        restored = p.ledger.restored
+        if holders and not overwrite and timeline.replaces(step, restored):
+            log.info("step %d: replacing the copies on %s from before the restore of step %d", step, holders,
+                     restored)
             overwrite = True
         try:
             if holders and not overwrite:
                 raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                       "replace it or save a new step")
-            if holders:
+            stale = timeline.superseded([v[2:] for v in views], step, restored)
+            if holders or stale:
                 self._wait_until_finished()
+                self._supersede(step, stale, restored)
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
             with stage("staging", step, first.name), _nogc.paused():
                 staged = self._stage(step, layout, values, metadata, metrics)
+            staged.tiers = [t.name for t in chosen]
         except BaseException as e:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
@@ -171,6 +179,18 @@ class SavePath:
             if failed:
                 raise failed[0]
         return True
+
+    def _supersede(self, step: int, stale: list[int], restored: int | None) -> None:
+        """Remove the steps saving ``step`` supersedes (:mod:`.timeline`) from every tier: this rank's part,
+        newest first, each marker first."""
+        if not stale:
+            return
+        why = f"it restored step {restored}" if restored is not None and restored < step else "it saves an older step"
+        log.warning("step %d: removing steps %s from every tier: they are from the run this job went back from "
+                    "(%s)", step, stale, why)
+        for s in stale:
+            for t in self.parts.tiers:
+                self.retention.delete(t, s)
 
     def _layout(self, names: list[str], values: list[Any], structure: list[Any], replicated: Any) -> Layout:
         """The layout of a state of this structure: a recent one that matches, or a new one (which checks
@@ -238,7 +258,8 @@ class SavePath:
                     raise
             parts = vote.results
             check_digests(step, [v[3] for v in parts])  # on every rank alike: all raise, or none
-            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in parts}, nbytes=sum(v[2] for v in parts))
+            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in parts}, nbytes=sum(v[2] for v in parts),
+                            tiers=staged.tiers)
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
@@ -251,7 +272,7 @@ class SavePath:
         self.retention.apply(first, on_error=p.ledger.fail)
         for t in slow:
             p.ledger.pin(first.name, step)
-            p.copies[t.name].submit(lambda t=t: self._hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
+            p.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
         p.ledger.done(step)
         if not slow:
             self._prepare(step, manifest.files)
@@ -283,7 +304,7 @@ class SavePath:
             raise
 
     # -- hand on ------------------------------------------------------------------------------------
-    def _hand_on(self, step: int, dst: Holder, marker: Marker, sizes: Mapping[str, int]) -> None:
+    def hand_on(self, step: int, dst: Holder, marker: Marker, sizes: Mapping[str, int]) -> None:
         """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
         bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
         p, first = self.parts, self.parts.first
