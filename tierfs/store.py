@@ -27,6 +27,7 @@ from .core.catchup import catch_up
 from .core.parts import check_tiers
 from .core.reading import Reader, Skipped
 from .core.sinks import InPlace, NewArrays
+from .core.restoreplan import lost_steps
 from .core.restoring import Restore, RestoreInfo
 from .core.retention import Retention
 from .core.saving import SavePath
@@ -177,18 +178,25 @@ class TieredStore:
         return self._parts.ledger.known(step)
 
     def common_steps(self, tiers: Sequence[str] | None = None, *,
-                     timeout: float | datetime.timedelta | None = None) -> list[int]:
+                     timeout: float | datetime.timedelta | None = None, raise_lost: bool = False) -> list[int]:
         """The committed steps every rank of the job holds on ``tiers`` (default: any tier), oldest first.
 
         Collective: every rank must call it (``timeout``: how long to wait for the others, default the
         store's). Each rank counts a step when one of the named tiers lists it (a peer tier lists the steps
-        of the copies it keeps for others)."""
+        of the copies it keeps for others). ``raise_lost``: when ranks hold steps but none is held by every
+        rank, raise :class:`~tierfs.errors.CheckpointLostError` (naming the steps and the ranks lacking them)
+        instead of returning an empty list."""
         names = set(_args.names(tiers, "tiers", self._parts.names) or ()) if tiers is not None else None
+        _args.flag(raise_lost, "raise_lost")
         self._parts.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
         views = g.all_gather(mine) if g.world_size > 1 else [mine]
-        return sorted(common_steps(views))
+        common = sorted(common_steps(views))
+        lost = lost_steps([set(v) for v in views], sorted(names or self._parts.names)) if raise_lost else None
+        if lost is not None:
+            raise lost
+        return common
 
     def latest_common_step(self, tiers: Sequence[str] | None = None, *,
                            timeout: float | datetime.timedelta | None = None) -> int | None:

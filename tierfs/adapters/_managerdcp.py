@@ -67,9 +67,10 @@ def structure(flat: Mapping[str, Any]) -> list[Any] | None:
 
 
 def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
-         force: bool) -> bool:
+         force: bool, preempted: bool) -> bool:
     """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them.
-    A state of the structure saved before is written with the previous save's plan (see :class:`Plan`)."""
+    A state of the structure saved before is written with the previous save's plan (see :class:`Plan`).
+    ``preempted``: this save goes to the preemption tiers."""
     import torch.distributed.checkpoint as dcp
 
     from .dcp import TieredWriter
@@ -91,7 +92,6 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before DCP's collectives
         err = e
     known = plan is not None and shape is not None and plan.structure == shape
-    preempted = mgr._preempted.is_set()
     exists = store.has_step(step)
     chosen = bool(store.should_save(step, force=force, preempted=preempted))
     if preempted and not force and not chosen:
@@ -105,7 +105,7 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     if exists:
         if not mgr._replaces(step):
             return False
-        log.info("step %d exists from before the restore of step %s; replacing it", step, mgr._restored)
+        log.info("step %d exists from %s; replacing it", step, mgr._before())
     if not chosen:
         return False
     blocking = not mgr.options.enable_async_checkpointing

@@ -9,16 +9,17 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import _args
 from .._rootdir import check_local_url
-from ..errors import ArgumentError, RestoreError, RestoreIncompleteError, StepNotFoundError
+from ..dist import seconds
+from ..errors import ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError
 from . import _managerdcp as _mdcp, _torchstate as ts
+from ._preemption import DEFAULT_SIGTERM_GRACE, Preemption
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
@@ -81,8 +82,12 @@ class CheckpointManager:
     restore_policy:
         Which tiers a restore may read and in which order (default: fastest verified first).
     handle_sigterm:
-        Install a SIGTERM handler: ``reached_preemption`` turns true and the next ``save`` goes to every
-        tier whose save policy includes ``PreemptionCheckpointingPolicy`` (to every tier if none does).
+        Install a SIGTERM handler: ``reached_preemption`` turns true, and the next ``save`` (one) goes to the
+        tiers whose save policy includes ``PreemptionCheckpointingPolicy`` (to every tier if none does).
+    sigterm_grace:
+        Seconds (or a ``timedelta``, default 30) a loop has after SIGTERM to hear of it through
+        ``reached_preemption``. A loop that does not ask is ended then, as an unhandled SIGTERM would end it,
+        once its saves are durable (within ``exit_timeout``).
     use_dcp:
         How torch state is saved. ``None`` (the default): a state holding at least one ``torch.Tensor``
         (DTensor and other subclasses included) goes through PyTorch Distributed Checkpoint (``dcp.save``
@@ -106,6 +111,7 @@ class CheckpointManager:
                  options: CheckpointManagerOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,
+                 sigterm_grace: float | datetime.timedelta = DEFAULT_SIGTERM_GRACE,
                  use_dcp: bool | None = None, **store_options: Any) -> None:
         if use_dcp is not None and type(use_dcp) is not bool:
             raise ArgumentError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
@@ -118,6 +124,8 @@ class CheckpointManager:
             raise ArgumentError(f"directory must be a URL or a local path (a str), got {_args.shown(directory)}")
         _args.instance(restore_policy or RestorePolicy(), "restore_policy", RestorePolicy, "a RestorePolicy")
         _args.flag(handle_sigterm, "handle_sigterm")
+        grace = _args.number(seconds(sigterm_grace) if isinstance(sigterm_grace, datetime.timedelta)
+                             else sigterm_grace, "sigterm_grace (seconds)")
         if directory is not None:
             check_local_url(directory, "directory")
             url = directory if "://" in directory else f"file://{directory}"
@@ -129,11 +137,10 @@ class CheckpointManager:
         self.last_restore_info: RestoreInfo | None = None
         self._restored: int | None = None
         self._dcp_plan: _mdcp.Plan | None = None  # the last DCP save's plan, replayed for the same structure
-        self._preempted = threading.Event()
-        self._old_handler: Any = None
+        self._preemption = Preemption(self.store, grace)
         if handle_sigterm:
             try:  # (only the main thread may install one)
-                self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._preemption.install()
             except BaseException:
                 self.store._discard()  # a failed constructor leaves no open tier and no directory it made
                 raise
@@ -144,7 +151,7 @@ class CheckpointManager:
         step = _args.step(step)
         if self._exists(step) and not self._replaces(step):
             return False
-        return bool(self.store.should_save(step, preempted=self._preempted.is_set()))
+        return bool(self.store.should_save(step, preempted=self._preemption.pending()))
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
              force: bool = False) -> bool:
@@ -160,15 +167,23 @@ class CheckpointManager:
         step, force = _args.step(step), _args.flag(force, "force")
         metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
         _args.mapping(state, "state")
+        preempted = self._preemption.pending()
         if self._through_dcp(state):
-            return _mdcp.save(self, step, state, metrics, force)
+            saved = _mdcp.save(self, step, state, metrics, force, preempted)
+        else:
+            saved = self._save(step, state, metrics, force, preempted)
+        if saved and preempted:
+            self._preemption.saved()  # once: later saves follow the tiers' usual policies
+        return saved
+
+    def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None, force: bool,
+              preempted: bool) -> bool:
         overwrite = False
         if self._exists(step):
             if not self._replaces(step):
                 return False
-            log.info("step %d exists from before the restore of step %s; replacing it", step, self._restored)
+            log.info("step %d exists from %s; replacing it", step, self._before())
             overwrite = True
-        preempted = self._preempted.is_set()
         if preempted and not force and not self.store.should_save(step, preempted=True):
             force = True  # no tier names a preemption policy: save everywhere
         return self.store.save(step, state, metrics=metrics, force=force, overwrite=overwrite,
@@ -186,14 +201,23 @@ class CheckpointManager:
         return self.store.has_step(step)
 
     def _replaces(self, step: int) -> bool:
-        return self._restored is not None and step > self._restored
+        """Whether an existing ``step`` is saved again: it is above the step this manager restored, or this
+        manager restored none (the job started afresh over the tiers of an earlier run)."""
+        return self._restored is None or step > self._restored
+
+    def _before(self) -> str:
+        return (f"before the restore of step {self._restored}" if self._restored is not None
+                else "an earlier run (this one restored none)")
 
     # -- restoring ----------------------------------------------------------------------------------
     def restore(self, state: Mapping[str, Any] | None = None, step: int | None = None) -> Any:
         """Restore the newest step (or ``step``).
 
-        With ``state``: loads in place and returns the step, or None when there is nothing to restore.
-        Without: returns the restored state (a nested dict), or None. Details are in ``last_restore_info``.
+        With ``state``: loads in place and returns the step, or None when nothing was ever saved (no rank
+        holds a step on any tier). Without: returns the restored state (a nested dict), or None. Ranks that
+        hold steps none of which every rank can get (nodes lost with their replicas) are an error,
+        :class:`~tierfs.errors.CheckpointLostError` naming the steps and the ranks lacking them, never None.
+        Details are in ``last_restore_info``.
         Each step is read in the format it was saved in: steps saved through DCP with ``dcp.load`` and
         :class:`~tierfs.adapters.dcp.TieredReader` (DTensors are resharded to the target's placement;
         the job may have another world size), other steps by the store. When no tier holds a verified copy
@@ -213,11 +237,11 @@ class CheckpointManager:
             # where DCP's reader (which reads tiers directly) and the store find it
             try:
                 self.store.localize(step, tiers=tiers)
-            except RestoreIncompleteError:
-                raise  # the last restore did not finish on every rank: restart the job
+            except (RestoreIncompleteError, CheckpointLostError):
+                raise  # the last restore did not finish on every rank, or steps were lost: never "nothing saved"
             except (StepNotFoundError, RestoreError) as e:
                 log.warning("no step could be brought into RAM from peers (%s); restoring from the tiers", e)
-        common = sorted(self.store.common_steps(tiers), reverse=True)
+        common = sorted(self.store.common_steps(tiers, raise_lost=True), reverse=True)
         if step is not None:
             if step not in common:
                 raise StepNotFoundError(f"step {step} is not committed on {tiers} for every rank; available: "
@@ -281,17 +305,14 @@ class CheckpointManager:
         return (min if best.mode == "min" else max)(scored, key=lambda vs: (vs[0], -vs[1]))[1]
 
     # -- preemption ---------------------------------------------------------------------------------
-    def _on_sigterm(self, signum, frame) -> None:
-        log.warning("SIGTERM received: the next save goes to the preemption tiers")
-        self._preempted.set()
-
     def reached_preemption(self, step: int) -> bool:
-        """True once the job was told to stop (SIGTERM, on any rank)."""
-        flag = self._preempted.is_set()
+        """True once the job was told to stop (SIGTERM, on any rank): the loop saves (once more, to the
+        preemption tiers) and stops. Collective on several ranks."""
+        flag = self._preemption.signalled
         if self.store.group.world_size > 1:
             flag = any(self.store.group.all_gather(flag))
-            if flag:
-                self._preempted.set()
+        if flag:
+            self._preemption.heard()
         return flag
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -310,9 +331,7 @@ class CheckpointManager:
         try:
             self.store.close()
         finally:
-            if self._old_handler is not None:
-                signal.signal(signal.SIGTERM, self._old_handler)
-                self._old_handler = None
+            self._preemption.uninstall()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -10,10 +10,11 @@ on the list: a copy is collective). The log says so.
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Any
 
 from ..errors import TierfsError
-from ..format import Marker
 from ..policies import StepInfo
 from .parts import Parts
 from .saving import SavePath
@@ -42,17 +43,16 @@ def missing_copies(parts: Parts) -> list[tuple[int, str]]:
 def catch_up(parts: Parts, saving: SavePath) -> list[tuple[int, str]]:
     """Hand on, in the background, the copies a process ended before making (collective: every rank opens
     the store); returns the ``(step, tier)`` pairs handed on."""
-    mine = [list(x) for x in missing_copies(parts)]
+    mine: list[Any] = [list(x) for x in missing_copies(parts)]
     views = parts.group.all_gather(mine) if parts.group.world_size > 1 else [mine]
     agreed = set.intersection(*({(int(s), str(n)) for s, n in v} for v in views))
     first = parts.first
     for s, name in sorted(agreed, key=lambda x: (-x[0], parts.names.index(x[1]))):
-        tier = parts.tier(name)
         marker = first.read_marker(s)
         log.warning("step %d is committed in tier %s but not on %s, which its policy chose (the process that saved "
                     "it ended first); copying it there now, in the background", s, first.name, name)
         parts.ledger.catch_up(s, name, StepInfo(s, float(marker.committed or 0.0)),
                               transient=first.name not in (marker.tiers or ()))
         parts.ledger.pin(first.name, s)
-        parts.copies[name].submit(lambda s=s, tier=tier, marker=marker: saving.hand_on(s, tier, marker, {}))
+        parts.copies[name].submit(functools.partial(saving.hand_on, s, parts.tier(name), marker, {}))
     return sorted(agreed, reverse=True)

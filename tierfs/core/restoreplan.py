@@ -110,9 +110,9 @@ def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLost
     lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
     said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
     return CheckpointLostError(
-        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)}, and no "
-        f"step by every rank (lacking {said}); their shards and every replica of them are gone (e.g. nodes "
-        "replaced before a slower tier had a copy). Restore from another tier, or start the job afresh by "
+        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)} and no "
+        f"step by every rank (lacking {said}): those ranks' shards and every copy of them are gone (e.g. nodes "
+        "replaced before a peer or a slower tier had a copy). Restore from another tier, or start afresh by "
         "removing the tiers' directories", steps=sorted(every), lacking=lacking)
 
 

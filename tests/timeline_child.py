@@ -1,0 +1,73 @@
+"""One rank of a job that goes back, or loses nodes (gloo on localhost, each process its own node, RAM in
+SHM/node<N>, a peer tier with one replica, and an object tier when OBJ is not "-").
+
+    timeline_child.py SHM OBJ MODE
+
+MODE: run (save steps 1..8 of the first run), rollback (restore step 4, save steps 5..6 of a second run
+whose values differ), resume (restore the newest step: whose it is), lost (after nodes were replaced: what a
+restore and CheckpointManager.restore say). Prints one JSON line with what it saw.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+from tierfs import CheckpointManager, TieredStore
+from tierfs.errors import TierfsError
+from tierfs.policies import FixedIntervalPolicy, LatestN
+from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
+
+from _child import finish  # tests/ is the script's directory, first on sys.path
+
+
+def state_for(rank: int, step: int, run: int) -> dict:
+    rng = np.random.default_rng([run, rank, step])
+    return {"w": rng.standard_normal(20_000 + rank).astype(np.float32), "step": step, "run": run}
+
+
+def main() -> None:
+    shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def tiers():
+        return [MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2)), PeerTier(replicas=1)] + (
+            [ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(4), keep=LatestN(2))] if obj != "-" else [])
+    out: dict = {"rank": rank}
+    if mode == "lost":
+        with TieredStore(tiers(), timeout=60) as store:
+            try:
+                store.restore()
+            except TierfsError as e:
+                out["store"] = [type(e).__name__, str(e), getattr(e, "steps", None)]
+        with CheckpointManager(tiers(), timeout=60) as mgr:
+            try:
+                out["manager"] = ["returned", mgr.restore({"w": np.zeros(20_000 + rank, np.float32), "step": 0,
+                                                          "run": 0})]
+            except TierfsError as e:
+                out["manager"] = [type(e).__name__, str(e)]
+        finish(out)
+    with TieredStore(tiers(), timeout=60) as store:
+        if mode == "run":
+            for step in range(1, 9):
+                store.save(step, state_for(rank, step, 1), blocking=False)
+        elif mode == "rollback":
+            got, info = store.restore(step=4)
+            out["restored"] = [info.step, got["run"]]
+            for step in (5, 6):
+                store.save(step, state_for(rank, step, 2))
+        else:
+            got, info = store.restore()
+            want = state_for(rank, info.step, got["run"])
+            out.update(step=info.step, run=got["run"], exact=got["w"].tobytes() == want["w"].tobytes(),
+                       skipped=[s for _, s, _ in info.skipped])
+        store.wait_until_finished()
+        dist.barrier()
+        out["steps"] = {str(k): v for k, v in store.steps().items()}
+    finish(out)
+
+
+if __name__ == "__main__":
+    main()
