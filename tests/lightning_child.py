@@ -2,8 +2,9 @@
 
     python lightning_child.py CONFIG_JSON
 
-CONFIG: ram (dir), obj (file:// URL), ckpt_dir, max_steps, resume ("" or a path), out (result file),
-sleep (seconds per step), obj_every (object tier interval), devices, strategy, top_k, wipe_ram.
+CONFIG: ram (dir), obj (file:// URL), ckpt_dir, max_steps, resume ("", a path, or "auto": the plugin's
+last_checkpoint()), out (result file), sleep (seconds per step), obj_every (object tier interval), devices,
+strategy, top_k, wipe_ram, data_seed (the batch: another seed makes another run).
 Every epoch is one batch (the same full batch), so each step's data is fixed and a resumed run can be
 compared bit for bit with an uninterrupted one.
 """
@@ -23,11 +24,11 @@ from tierfs.tiers import MemoryTier, ObjectTier
 
 
 class Model(pl.LightningModule):
-    def __init__(self, sleep: float = 0.0, hidden: int = 8) -> None:
+    def __init__(self, sleep: float = 0.0, hidden: int = 8, data_seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-        self.sleep = sleep
+        self.sleep, self.data_seed = sleep, data_seed
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -42,7 +43,7 @@ class Model(pl.LightningModule):
         return [opt], [sched]
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(self.data_seed)
         x = torch.randn(32, 4, generator=g)
         y = x.sum(1, keepdim=True) + 0.1 * torch.randn(32, 1, generator=g)
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=False)
@@ -60,8 +61,9 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=cfg.get("devices", 1), strategy=cfg.get("strategy", "auto"),
                          max_steps=cfg["max_steps"], plugins=[io], callbacks=[cb], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, deterministic=True)
-    model = Model(cfg.get("sleep", 0.0))
-    trainer.fit(model, ckpt_path=cfg.get("resume") or None)
+    model = Model(cfg.get("sleep", 0.0), data_seed=cfg.get("data_seed", 0))
+    resume = io.last_checkpoint() if cfg.get("resume") == "auto" else cfg.get("resume") or None
+    trainer.fit(model, ckpt_path=resume)
     if trainer.is_global_zero:
         opt = trainer.optimizers[0]
         result = {"model": {k: v.clone() for k, v in model.state_dict().items()},

@@ -189,6 +189,22 @@ def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
     _same(got, ref)
 
 
+def test_a_rollback_and_a_fresh_start_then_restarts_resume_the_new_timeline(dirs):
+    _run(_cfg(dirs, max_steps=12, out=str(dirs["tmp"] / "first.pt")))  # RAM: 11, 12; object: 6, 9, 12
+    path6 = os.path.join(dirs["ckpt_dir"], "epoch=5-step=6.ckpt")
+    back = _run(_cfg(dirs, max_steps=9, resume=path6, data_seed=1, out=str(dirs["tmp"] / "back.pt")))
+    assert back["restored"] == [6, "file"]  # back to step 6; steps 7, 8, 9 of another run
+    assert sorted(committed(dirs["ram"], dirs["obj"])) == [6, 8, 9]  # 10, 11, 12 of the first run are gone
+    again = _run(_cfg(dirs, max_steps=9, resume="auto", data_seed=1, out=str(dirs["tmp"] / "again.pt")))
+    assert again["restored"] == [9, "ram"]
+    _same(again, back)
+    fresh = _run(_cfg(dirs, max_steps=2, data_seed=2, out=str(dirs["tmp"] / "fresh.pt")))  # no ckpt_path
+    assert fresh["restored"] is None and sorted(committed(dirs["ram"], dirs["obj"])) == [1, 2]
+    again = _run(_cfg(dirs, max_steps=2, resume="auto", data_seed=2, out=str(dirs["tmp"] / "again2.pt")))
+    assert again["restored"] == [2, "ram"]
+    _same(again, fresh)
+
+
 def test_ddp_two_processes_rank0_saves_and_all_resume(dirs):
     rank_file = str(dirs["tmp"] / "rank")
     common = dict(devices=2, strategy="ddp", obj_every=2)

@@ -228,6 +228,26 @@ def test_sigterm_saves_last_step_to_preemption_tiers(shm_dir, tmp_path):
         assert mgr.restore()["x"].tolist() == [last] * 4
 
 
+def test_sigterm_in_a_loop_that_never_asks_saves_once_then_ends_as_sigterm_would(shm_dir, tmp_path):
+    child = subprocess.Popen([sys.executable, str(HERE / "sigterm_child.py"), shm_dir, str(tmp_path / "o")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=os.environ | {"PYTHONPATH": str(HERE)})
+    for line in child.stdout:
+        if line.startswith("step 5"):
+            child.send_signal(signal.SIGTERM)
+            break
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGTERM, err[-3000:]  # as an unhandled SIGTERM ends it
+    assert "did not stop" in err and "Traceback" not in err, err[-3000:]
+    saved = [int(x.split()[1]) for x in out.split("\n") if x.startswith("step")]
+    with CheckpointManager([ObjectTier(f"file://{tmp_path}/o")]) as mgr:
+        [pre] = mgr.all_steps()  # once: later saves went to RAM only
+        assert pre >= 5 and saved and saved[-1] > pre, (pre, saved[-5:])
+        got = mgr.restore()
+        rng = np.random.default_rng(pre)
+        assert got["step"] == pre and got["w"].tobytes() == rng.standard_normal(50_000).astype(np.float32).tobytes()
+
+
 def test_host_memory_stays_flat_over_many_saves(shm_dir):
     state = {"w": torch.randn(4 << 20)}  # 16 MiB
 

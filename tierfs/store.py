@@ -244,10 +244,14 @@ class TieredStore:
         self._parts.settle()  # the rest of a restore that returned here: its failure first
         errors = self._parts.ledger.take_errors()
         if errors:
+            first = errors[0]
             more = f" (and {len(errors) - 1} more, see the log)" if len(errors) > 1 else ""
-            err = BackgroundError(f"background copy failed: {errors[0]}{more}")
-            err.tierfs_stage = _stages.of(errors[0])  # type: ignore[attr-defined]
-            raise err from errors[0]
+            where = _stages.of(first)  # e.g. "copy of step 7 on s3": the step and the tier
+            said = str(first) if isinstance(first, TierfsError) else f"{type(first).__name__}: {first}"
+            where = f" ({where})" if where and where not in said else ""
+            err = BackgroundError(f"background copy failed{where}: {said}{more}")
+            err.tierfs_stage = _stages.of(first)  # type: ignore[attr-defined]
+            raise err from first
 
     def wait_until_committed(self) -> None:
         """Block until every save so far is committed in the first tier (its copies to slower tiers may
@@ -362,6 +366,12 @@ class TieredStore:
                 raise error
             self.raise_background_errors()
         return Restore(self._parts, self._reader, self._parts.usable(tiers), sink, first, timeout).run(step, adopt)
+
+    def resume_from(self, step: int) -> None:
+        """Note that the job goes on from ``step``, which it read by other means than :meth:`restore` (DCP's
+        :class:`~tierfs.adapters.dcp.TieredReader`): the next save supersedes steps from there, as after a
+        restore of it (see the timeline rule in the manager's guide). Every rank of the job calls it."""
+        self._parts.ledger.restore_of(_args.step(step))
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:

@@ -203,6 +203,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         ckpt = codec.decode(_read_rest(store, step), allow_unpickle=allow)
         book._paths[key] = step
         book._restored = step
+        store.resume_from(step)
         self.last_restore_info = {"step": step, "sources": sources, "skipped": skipped}
         return ckpt
 

@@ -14,6 +14,7 @@ default: 30 s). With ``handle_sigterm=True`` the manager takes the signal:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -79,8 +80,7 @@ class Preemption:
         if waiting.is_alive():
             log.warning("tierfs: ending on SIGTERM with background work unfinished after %s: the newest steps may "
                         "be only in the RAM tier", duration(time.monotonic() - t0))
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        _end_as_sigterm()
 
     def _drain(self) -> None:
         try:
@@ -106,3 +106,17 @@ class Preemption:
         """The loop knows (``reached_preemption`` said True): it stops by itself, no exit is forced."""
         self._signalled.set()
         self._heard.set()
+
+
+def _end_as_sigterm() -> None:
+    """End the process as an unhandled SIGTERM does (status -15, no exit handlers), from any thread: the C
+    disposition goes back to the default (Python's ``signal.signal`` works only on the main thread, which may
+    be inside a long call), then the signal is sent again."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(int(signal.SIGTERM), None)  # SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:  # a libc without signal(): the exit status a shell gives a process SIGTERM ended
+        os._exit(128 + int(signal.SIGTERM))

@@ -3,7 +3,7 @@
     io = TieredCheckpointIO([MemoryTier("/dev/shm/ckpt", keep=LatestN(2)),
                              ObjectTier("s3://bucket/run", save=FixedIntervalPolicy(100))])
     trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
-    trainer.fit(model, ckpt_path=previous_callback.last_model_path)   # or any saved .ckpt path
+    trainer.fit(model, ckpt_path=io.last_checkpoint())   # the newest checkpoint, or None: start afresh
 
 Supported: the ``lightning`` package (``lightning.pytorch``), versions 2.2 to 2.6 (tested with 2.6.6).
 Importing :mod:`tierfs` never imports Lightning; importing this module does.
@@ -197,6 +197,20 @@ class TieredCheckpointIO(CheckpointIO):
             store.close()
 
     # -- paths and steps --------------------------------------------------------------------------------
+    def last_checkpoint(self) -> str | None:
+        """The checkpoint to resume from: the path saved as the newest committed step, or None when the tiers
+        hold none. ``trainer.fit(model, ckpt_path=io.last_checkpoint())`` resumes when a checkpoint exists
+        and starts afresh otherwise."""
+        steps = sorted(self.store.steps(), reverse=True)
+        if not steps:
+            return None
+        try:
+            paths = self._step_paths(self.store, steps[0])
+        except Exception as e:  # noqa: BLE001 - its load names the problem; a last* name resolves to it
+            log.debug("step %d: no readable manifest (%s)", steps[0], e)
+            paths = []
+        return paths[0] if paths else "last.ckpt"
+
     def resolve(self, path: Any) -> int:
         """The step saved as ``path``: this process's record, else the newest step whose metadata names it
         (by full path, then by file name), else for a ``last*`` name the newest committed step."""

@@ -270,6 +270,7 @@ class CheckpointManager:
             info.skipped = skipped + [x for x in info.skipped if x not in skipped]
             self.last_restore_info = info
             self._restored = info.step
+            self.store.resume_from(info.step)  # DCP's reader restored it, not the store
             return out
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
