@@ -64,8 +64,10 @@ class TieredStore:
     clock:
         Time source for time-based policies (tests inject one).
     cleanup:
-        Remove uncommitted steps (left by a crash) when the store opens. A process that only reads while
-        another one saves to the same tiers (an evaluation job) must pass ``cleanup=False``.
+        When the store opens, remove uncommitted steps (left by a crash) and copy on, in the background, the
+        committed steps of the first tier that a slower tier's policy took but that tier lacks (the process
+        that saved them ended before its copy). A process that only reads while another one saves to the
+        same tiers (an evaluation job) must pass ``cleanup=False``.
     max_in_flight:
         Saves whose background work (commit, copies) may be unfinished at once.
     when_busy:
@@ -223,6 +225,12 @@ class TieredStore:
         the last call. ``timeout`` bounds this save's waits on the other ranks instead of the store's.
         Every argument is checked first (an :class:`~tierfs.errors.ArgumentError`, or a bad leaf of
         ``state``, raised on every rank), before anything is written or replaced.
+
+        Going back (the timeline rule): committed steps above ``step`` belong to a run the job went back
+        from; they are removed from every tier before ``step`` is written, and so are those above the step
+        last restored (:meth:`restore`, :meth:`resume_from`) when such newer steps exist. ``step`` itself,
+        when already committed, is replaced if it is above the step last restored; otherwise
+        :class:`~tierfs.errors.StepExistsError` unless ``overwrite=True``.
 
         ``replicated`` declares what other ranks hold identically (data parallelism): a list of keys
         (``["model", "optim"]``; nested keys joined by ``/``) whose arrays every rank of the job holds,
