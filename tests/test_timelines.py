@@ -118,11 +118,23 @@ def test_a_job_of_three_nodes_goes_back_on_every_rank(shm_dir, tmp_path):
     obj = str(tmp_path / "obj")
     run_job(3, HERE / "timeline_child.py", shm_dir, obj, "run")
     back = run_job(3, HERE / "timeline_child.py", shm_dir, obj, "rollback")
-    assert [r["restored"] for r in back] == [[4, 1]] * 3
-    for r in back:  # steps 7, 8 of the first run are gone from RAM, peers and the object tier (8)
-        assert r["steps"] == {"4": ["file"], "5": ["ram"], "6": ["ram", "peer"]}, r
+    assert [r["restored"] for r in back] == [[6, 1]] * 3
+    for r in back:  # step 8 of the first run is gone from RAM and peers, step 7 replaced
+        assert r["steps"] == {"3": ["file"], "6": ["file"], "7": ["ram"], "8": ["ram", "peer"]}, r
     again = run_job(3, HERE / "timeline_child.py", shm_dir, obj, "resume")
-    assert [(r["step"], r["run"], r["exact"]) for r in again] == [(6, 2, True)] * 3
+    assert [(r["step"], r["run"], r["exact"]) for r in again] == [(8, 2, True)] * 3
+
+
+def test_newer_steps_a_lost_node_lacks_are_passed_over_and_said(shm_dir, tmp_path):
+    obj = str(tmp_path / "obj")
+    run_job(4, HERE / "timeline_child.py", shm_dir, obj, "run")  # 7, 8 in RAM and on peers; 3, 6 on file
+    for node in (1, 2):  # rank 1's shard of 7 and 8, and its only replica, are gone
+        shutil.rmtree(Path(shm_dir) / f"node{node}")
+    out = run_job(4, HERE / "timeline_child.py", shm_dir, obj, "resume")
+    for r in out:
+        assert (r["step"], r["run"], r["exact"]) == (6, 1, True), r
+        passed = {s: why for s, why in r["skipped"] if s in (7, 8)}  # peers keep only 8's replicas
+        assert "rank(s) [1] " in passed[8] and "rank(s) [1, 2] " in passed[7], r["skipped"]
 
 
 def test_two_neighbouring_nodes_lost_is_an_error_naming_the_steps_never_nothing(shm_dir):

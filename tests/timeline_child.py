@@ -3,9 +3,10 @@ SHM/node<N>, a peer tier with one replica, and an object tier when OBJ is not "-
 
     timeline_child.py SHM OBJ MODE
 
-MODE: run (save steps 1..8 of the first run), rollback (restore step 4, save steps 5..6 of a second run
-whose values differ), resume (restore the newest step: whose it is), lost (after nodes were replaced: what a
-restore and CheckpointManager.restore say). Prints one JSON line with what it saw.
+MODE: run (save steps 1..8 of the first run), rollback (restore step 6, save steps 7..8 of a second run
+whose values differ), resume (restore the newest step: whose it is, and what was passed over), lost (after
+nodes were replaced: what a restore and CheckpointManager.restore say). Prints one JSON line with what it
+saw.
 """
 
 import os
@@ -34,7 +35,7 @@ def main() -> None:
 
     def tiers():
         return [MemoryTier(os.path.join(shm, f"node{rank}"), keep=LatestN(2)), PeerTier(replicas=1)] + (
-            [ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(4), keep=LatestN(2))] if obj != "-" else [])
+            [ObjectTier(f"file://{obj}", save=FixedIntervalPolicy(3), keep=LatestN(2))] if obj != "-" else [])
     out: dict = {"rank": rank}
     if mode == "lost":
         with TieredStore(tiers(), timeout=60) as store:
@@ -54,15 +55,15 @@ def main() -> None:
             for step in range(1, 9):
                 store.save(step, state_for(rank, step, 1), blocking=False)
         elif mode == "rollback":
-            got, info = store.restore(step=4)
+            got, info = store.restore(step=6)
             out["restored"] = [info.step, got["run"]]
-            for step in (5, 6):
+            for step in (7, 8):
                 store.save(step, state_for(rank, step, 2))
         else:
             got, info = store.restore()
             want = state_for(rank, info.step, got["run"])
             out.update(step=info.step, run=got["run"], exact=got["w"].tobytes() == want["w"].tobytes(),
-                       skipped=[s for _, s, _ in info.skipped])
+                       skipped=[[s, why] for _, s, why in info.skipped])
         store.wait_until_finished()
         dist.barrier()
         out["steps"] = {str(k): v for k, v in store.steps().items()}

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _copy, _units
+from .. import _copy
 from .._worker import Detached
 from .._stages import stage
 from ..dist import agree
@@ -40,6 +40,7 @@ from .parts import Parts
 from .completing import NONE, OWNED, UNIQUE, WHOLE, complete, holds
 from .landing import Landing
 from .reading import UNUSABLE, Reader, Shard, Skipped, fill
+from .reseeding import reseed
 from .restoreplan import RestoreInfo, RestorePlan, error_kind, gather_plan
 from .sinks import Sink
 
@@ -359,7 +360,7 @@ class Restore:
         if adopt:
             self._adopt(s, info, shard)
         if self.replicator is not None:
-            self._reseed(self.replicator, s, plan, shard)
+            reseed(self.parts, self.replicator, s, plan, shard)
         return info
 
     def _adopt(self, s: int, info: RestoreInfo, shard: Shard) -> None:
@@ -390,41 +391,3 @@ class Restore:
                 log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
         self.group.barrier()
         p.refresh()
-
-    def _reseed(self, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:
-        """After restoring the newest step, give ranks that lost their replicas (a replaced node) the
-        copies they kept for others again: in the background, on the replicator's copy worker (every rank
-        submits it here, in the same order), so the restore returns as soon as the state is in place."""
-        if any(step > s for step, _ in plan.holders):
-            return  # peers keep a newer step: that one matters
-        pairs = plan.lost_replicas(s, rep.targets)
-        if not pairs:
-            return
-        p = self.parts
-        if any(r == p.group.rank for r, _ in pairs):
-            shard = shard.whole()  # the arrays it landed in are the caller's once the restore returns
-        log.info("step %d: re-seeding %d peer copies in the background", s, len(pairs))
-        p.ledger.pin(p.first.name, s)  # the shard this rank sends stays until it is sent
-        p.copies[rep.name].submit(lambda: self._send_replicas(rep, s, pairs, shard))
-
-    def _send_replicas(self, rep: Replicator, s: int, pairs: list[tuple[int, int]], shard: Shard) -> None:
-        p = self.parts
-        t0 = time.perf_counter()
-        try:
-            error = None
-            try:
-                with stage("reseed", s, rep.name):  # this rank's part: its shard, as read, is what it sends
-                    _copy.shard_views(shard.manifest, shard.files)
-                    files = {n: shard.files[n] for n in shard.manifest.replica_files}
-            except (TierfsError, OSError, ValueError, KeyError) as e:
-                error, files = f"{type(e).__name__}: {e}", {}  # still take part: the receivers refuse
-            failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=p.pace(s, rep.name),
-                                   error=error)
-        finally:
-            p.ledger.unpin(p.first.name, s)
-        if failed:
-            log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
-            return
-        if rep.holdings().get(s):
-            p.ledger.stored(rep.name, s)
-        log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
