@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .errors import ArgumentError, FormatError, StateMismatchError
+from .errors import ArgumentError, FormatError, StateMismatchError, TierfsError
 
 SEP = "/"
 _NUMPY_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
@@ -166,6 +166,129 @@ def view_as(lib: str, dtype: str, shape, raw: np.ndarray) -> Any:
     return raw.view(np.dtype(dtype)).reshape(shape)
 
 
+def read_only_view(lib: str, dtype: str, shape: Any, raw: np.ndarray, label: str) -> Any:
+    """A typed, zero-copy view of ``raw`` (a copy-on-write mapping) that refuses writes: a numpy array
+    with ``writeable=False``, or a torch tensor whose in-place operations (and ``out=``) raise TierfsError
+    naming ``label``; its views stay read-only, other results are plain tensors."""
+    if lib != "torch":
+        view = view_as(lib, dtype, shape, raw)
+        view.flags.writeable = False
+        return view
+    t = view_as(lib, dtype, shape, raw)
+    cls = _read_only_class()
+    t = t.as_subclass(cls)
+    t._tierfs_label = label
+    return t
+
+
+#: in-place tensor operations that change no value (autograd's flags), allowed on a read-only view
+_FLAGS_ONLY = frozenset({"requires_grad_", "retain_grad", "detach_", "rename_"})
+#: Python's in-place operators and item assignment
+_IN_PLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+_read_only: Any = None
+
+
+def _read_only_class() -> Any:
+    """The torch.Tensor subclass of zero-copy views (made once torch is imported)."""
+    global _read_only
+    if _read_only is not None:
+        return _read_only
+    torch = _require_torch()
+    tensor: Any = torch.Tensor
+
+    class ReadOnlyTensor(tensor):
+        """A read-only, zero-copy view of a checkpoint in the RAM tier (``restore(zero_copy=True)``):
+        in-place operations and ``out=`` raise; ``clone()`` gives a tensor of your own."""
+
+        _tierfs_label = "a zero-copy view"
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            for t in _written(getattr(func, "__name__", ""), args, kwargs):
+                if isinstance(t, cls):
+                    raise TierfsError(
+                        f"{t._tierfs_label} is a read-only, zero-copy view of a checkpoint in the RAM tier "
+                        f"({getattr(func, '__name__', func)} would write into it); clone() it to change it, "
+                        "or restore without zero_copy=True")
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return _shared(out, _storages(cls, args), cls)
+
+        def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (torch.save) as a plain tensor
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+
+        def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # a copy of one's own
+            with torch._C.DisableTorchFunctionSubclass():
+                copy = torch.Tensor.clone(self.detach()).requires_grad_(self.requires_grad)
+            memo[id(self)] = copy
+            return copy
+
+    ReadOnlyTensor.__qualname__ = ReadOnlyTensor.__name__
+    _read_only = ReadOnlyTensor
+    return _read_only
+
+
+def _written(name: str, args: Any, kwargs: Mapping[str, Any]) -> Iterator[Any]:
+    """The tensors a torch operation called ``name`` writes into: the first argument of an in-place one,
+    and ``out=``."""
+    targets: list[Any] = []
+    first = args[0] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
+    if (name.endswith("_") and not name.endswith("__") and name not in _FLAGS_ONLY) or name in _IN_PLACE_DUNDERS \
+            or kwargs.get("inplace") is True:
+        targets.append(first)
+    if kwargs.get("out") is not None:
+        targets.append(kwargs["out"])
+    for t in targets:
+        yield from (t if isinstance(t, (list, tuple)) else [t])
+
+
+def _storage(t: Any) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (meta, sparse)
+        return None
+
+
+def _storages(cls: Any, args: Any) -> dict[int, str]:
+    """The storages of the read-only views among ``args`` (and in the lists among them), with their labels."""
+    out: dict[int, str] = {}
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(t, cls):
+                ptr = _storage(t)
+                if ptr:
+                    out[ptr] = t._tierfs_label
+    return out
+
+
+def _shared(out: Any, storages: dict[int, str], cls: Any) -> Any:
+    """``out`` with every tensor that shares a storage in ``storages`` read-only again (a view of a view),
+    and numpy arrays of a tensor's memory read-only."""
+    if isinstance(out, np.ndarray):
+        out.flags.writeable = False  # (``numpy()``, ``__array__``: never written through a tensor's memory)
+        return out
+    if not storages:
+        return out
+    torch = _torch()
+    if isinstance(out, torch.Tensor):
+        label = None if isinstance(out, cls) else storages.get(_storage(out) or 0)
+        if label is not None:
+            out = out.as_subclass(cls)
+            out._tierfs_label = label
+        return out
+    if isinstance(out, (tuple, list)):
+        items = [_shared(o, storages, cls) for o in out]
+        try:
+            return type(out)(items)
+        except TypeError:  # a named tuple
+            return type(out)(*items)
+    return out
+
+
 def dtype_name(lib: str, dtype: str) -> str:
     """A dtype as messages name it, the same for numpy and torch when the bytes are the same
     (``"<f8"`` and torch's ``"float64"`` are both ``"float64"``)."""
@@ -195,6 +318,9 @@ def check_target(label: str, target: Any, lib: str, dtype: str, shape: Any) -> N
     if isinstance(target, np.ndarray) and not target.flags.writeable:
         raise StateMismatchError(f"{label}: the target array is read-only; give a writable array (or restore "
                                  "into new arrays with restore())")
+    if _read_only is not None and isinstance(target, _read_only):
+        raise StateMismatchError(f"{label}: the target tensor is a read-only, zero-copy view of a checkpoint; give "
+                                 "a tensor of your own (clone() it), or restore into new tensors with restore()")
 
 
 def target_view(name: str, target: Any, lib: str, dtype: str, shape: Any) -> np.ndarray | None:

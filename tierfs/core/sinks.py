@@ -8,6 +8,7 @@ callback (``read_entries``, e.g. DCP's reader). A sink may also name arrays a pe
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -72,12 +73,19 @@ class Sink:
 
 
 class NewArrays(Sink):
-    """New arrays/tensors; with ``zero_copy``, read-only views of a zero-copy tier's files instead."""
+    """New arrays/tensors; with ``zero_copy``, read-only views of a zero-copy tier's files instead: a write
+    raises (numpy's ValueError, a TierfsError for torch) and never reaches the tier's file (the views map
+    it copy-on-write), and the tier never reuses the file while a view lives (:meth:`Tier.export`)."""
 
     def __init__(self, zero_copy: bool = False) -> None:
         super().__init__()
         self.zero_copy = zero_copy
         self._landing: dict[str, Any] = {}
+        self._manifest: Manifest | None = None
+
+    def check(self, manifest: Manifest) -> None:
+        super().check(manifest)
+        self._manifest = manifest  # (messages name the user's keys)
 
     def land(self, e: Entry) -> np.ndarray | None:
         if self.wanted is not None and e.name not in self.wanted:
@@ -92,8 +100,8 @@ class NewArrays(Sink):
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         if self.zero_copy and tier is not None and tier.zero_copy:
             view = tier.export(step, e.file)[e.offset:e.offset + e.length]
-            view.flags.writeable = False
-            self.values[e.name] = st.view_as(e.lib, e.dtype, e.shape, view)
+            key = self._manifest.key(e.name) if self._manifest is not None else repr(e.name)
+            self.values[e.name] = st.read_only_view(e.lib, e.dtype, e.shape, view, f"{key} (step {step})")
             return None
         obj, raw = st.allocate(e.lib, e.dtype, e.shape)
         self.values[e.name] = obj
@@ -138,7 +146,8 @@ class InPlace(Sink):
 
     def check(self, manifest: Manifest) -> None:
         super().check(manifest)
-        self._fits = ReadViews.of(manifest).fits(self.names, self.structure)
+        views = ReadViews.of(manifest)
+        self._fits = _expects_all(views) and views.fits(self.names, self.structure)
         if self._fits:
             return
         for e in manifest.entries:  # every array/tensor target must take its entry in place
@@ -225,6 +234,19 @@ class Views(Sink):
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
         self.values[e.name] = (e, src)
         return None
+
+
+_complete: "weakref.WeakKeyDictionary[ReadViews, bool]" = weakref.WeakKeyDictionary()
+
+
+def _expects_all(views: ReadViews) -> bool:
+    """Whether ``views`` knows the exact type every array entry needs (not a torch entry's when the views
+    were made before torch was imported): only then may a target that :meth:`ReadViews.fits` skip the
+    per-entry checks (a torch target of another dtype is an error, as a numpy one is, not a conversion)."""
+    got = _complete.get(views)
+    if got is None:
+        got = _complete[views] = all(e.name in views.expected for e in views.manifest.entries if e.kind == "array")
+    return got
 
 
 def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:

@@ -60,10 +60,11 @@ def no_space(e: OSError) -> bool:
 class MappedFile:
     """A file and its mapping (None for an empty file)."""
 
-    __slots__ = ("path", "size", "mm", "writable", "exported", "memo")
+    __slots__ = ("path", "size", "mm", "writable", "exported", "memo", "ino")
 
-    def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool) -> None:
+    def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool, ino: int = 0) -> None:
         self.path, self.size, self.mm, self.writable, self.exported = path, size, mm, writable, False
+        self.ino = ino  # the file's inode: a view handed to the user maps this file, not one put in its place
         self.memo: dict[Any, Any] = {}  # the store's views of this mapping (Tier.buffer_memo), dropped with it
 
     def array(self) -> np.ndarray:
@@ -91,29 +92,51 @@ def create(path: Path, size: int) -> MappedFile:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         mm = None
+        ino = os.fstat(fd).st_ino
         if size:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS later
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             populate_pages(mm, MADV_POPULATE_WRITE)
     finally:
         os.close(fd)
-    return MappedFile(path, size, mm, writable=True)
+    return MappedFile(path, size, mm, writable=True, ino=ino)
 
 
 def open_mapped(path: Path, size: int, writable: bool, populate: bool = True) -> MappedFile:
     """An existing file, mapped (read-only unless ``writable``) and pre-faulted unless ``populate`` is False
     (then each page is mapped as it is first read)."""
-    if size == 0:
-        return MappedFile(path, 0, None, writable)
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
+        ino = os.fstat(fd).st_ino
+        if size == 0:
+            return MappedFile(path, 0, None, writable, ino)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
     if populate:
         populate_pages(mm, MADV_POPULATE_READ)
-    return MappedFile(path, size, mm, writable)
+    return MappedFile(path, size, mm, writable, ino)
+
+
+def map_private(path: Path, ino: int, size: int) -> mmap.mmap:
+    """A copy-on-write mapping (``MAP_PRIVATE``) of the file ``path``, which must be inode ``ino`` of
+    ``size`` bytes: its pages are the file's own (no copy) until this process writes one, and then that
+    page is this process's alone, so a write through it never reaches the file, and never faults.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` is gone or another file took its place.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != ino or st.st_size != size:
+            raise FileNotFoundError(errno.ENOENT, "replaced while it was being read", str(path))
+        return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 class Pool:
@@ -130,6 +153,7 @@ class Pool:
         self.created = 0
         self.reused = 0
         self._ids = itertools.count()
+        self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
     @property
     def nbytes(self) -> int:
@@ -200,4 +224,11 @@ class Pool:
     def close(self) -> None:
         for b in self.files:
             b.close()
+        self.files.clear()
+
+    def clear(self) -> None:
+        """Give every pooled buffer back to the file system (unmapped, unlinked)."""
+        for b in self.files:
+            b.close()
+            b.path.unlink(missing_ok=True)
         self.files.clear()

@@ -6,11 +6,13 @@ instead of being unlinked; the next save renames pooled files into the new step 
 file) and copies straight into pages that are already there. New files are reserved with
 ``posix_fallocate`` (a full tmpfs becomes a clean CapacityError, never a SIGBUS) and pre-faulted with
 ``MADV_POPULATE_WRITE``. A staged step that fails (no bytes or no inodes left) or that the store
-discards gives its buffers back to the pool and leaves no file behind.
+discards gives its buffers back to the pool and leaves no file behind. One job writes to a directory at a
+time, and no file a zero-copy view maps is reused or rewritten, by any process (:mod:`._lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -20,18 +22,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args, _units
-from .._fileio import atomic_write, make_private_dir, process_alive
-from .._rootdir import check_root, default_path, mapping_processes, root_dir, warn_unless_memory
-from ..errors import CapacityError, TierUnavailableError
+from .. import _args
+from .._fileio import atomic_write, make_private_dir
+from .._rootdir import check_root, default_path, root_dir, warn_unless_memory
+from ..errors import TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
+from . import _room
+from ._lock import Exports, JobLock, remove_dead_pools, unleased, users
 from ._mapped import MappedFile, Pool, no_space, open_mapped
 from .base import Bytes, Capacity, Tier
 
 __all__ = ["MemoryTier", "default_path"]
-
-_FULL_ADVICE = "free memory on its tmpfs (other files or processes use it) or keep fewer steps"
 
 
 class MemoryTier(Tier):
@@ -53,6 +55,10 @@ class MemoryTier(Tier):
     """
 
     kind = "memory"
+    #: take the job lock (one job per directory, :mod:`._lock`) when the tier opens, so that a second job
+    #: fails there; otherwise at its first write (a process that only reads never takes it). A store that
+    #: writes sets it (``TieredStore(cleanup=True)``).
+    lock_on_open = False
     #: map every page of a file read up front (``MADV_POPULATE_READ``): a read that verifies every byte
     #: then runs at memory speed
     _populate_reads = True
@@ -69,6 +75,8 @@ class MemoryTier(Tier):
         self._idle.set()
         self._last_staged = -1
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
+        self._pool.job = JobLock(self.path, self._pool.dir)  # held from the first write (or open) until close
+        self._exports = Exports()  # the mappings zero-copy views are made of, and their steps' leases
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -88,19 +96,7 @@ class MemoryTier(Tier):
         return [socket.gethostname(), st.st_dev, st.st_ino]
 
     def capacity(self) -> Capacity:
-        used = 0
-        for root, _dirs, files in os.walk(self.path):
-            for f in files:
-                try:
-                    used += os.stat(os.path.join(root, f)).st_size
-                except FileNotFoundError:
-                    pass
-        try:
-            sv = os.statvfs(self.path)
-            free = sv.f_bavail * sv.f_frsize
-        except FileNotFoundError:
-            free = None
-        return Capacity(used=used, budget=self.budget, free=free)
+        return _room.capacity(self.path, self.budget)
 
     def stats(self) -> dict[str, int]:
         """This process's buffers: ``created`` (new files, pre-faulted), ``reused`` (taken from the pool),
@@ -117,10 +113,10 @@ class MemoryTier(Tier):
         except OSError as e:
             raise TierUnavailableError(f"RAM tier {self.path}: cannot create directory ({e.strerror})") from None
         warn_unless_memory(self.path, "RAM tier")
-        for d in self.path.glob(".pool.*"):  # pools of processes that died
-            pid = d.name.rsplit(".", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
+        self._job.create()
+        if self.lock_on_open:
+            self._job.claim()
+        remove_dead_pools(self.path)
 
     def check_readable(self) -> None:
         if not self.path.is_dir():
@@ -132,16 +128,23 @@ class MemoryTier(Tier):
         for b in self._bufs.values():
             b.close()
         self._bufs.clear()
-        self._pool.close()
-        shutil.rmtree(self._pool.dir, ignore_errors=True)
+        self._pool.clear()
+        self._job.release()
+        if not self._job.path.exists():  # (another tier of this process on the directory holds the lock)
+            shutil.rmtree(self._pool.dir, ignore_errors=True)
+
+    @property
+    def _job(self) -> JobLock:
+        """This process's part of the directory's job lock: its pool's (one for tiers sharing the pool)."""
+        job: JobLock = self._pool.job
+        return job
 
     def drop_spares(self) -> None:
         """Give this process's pooled buffers back to the tmpfs now and build no more, the tier staying
         open: for an exit whose background work may still use the tier, so no pool outlives the process."""
         with self._lock:
             self._spares = False
-            self._pool.close()
-            shutil.rmtree(self._pool.dir, ignore_errors=True)
+            self._pool.clear()
 
     # -- listing ------------------------------------------------------------------------------------
     def _dir(self, step: int) -> Path:
@@ -177,15 +180,9 @@ class MemoryTier(Tier):
         return max(times) if times else None
 
     def live_users(self) -> list[int]:
-        """Live processes (other than this one) using this directory: they map a file in it (Linux
-        ``/proc/<pid>/maps``) or own a buffer pool there (``.pool.<pid>``)."""
-        me = os.getpid()
-        pids: set[int] = set()
-        for d in self.path.glob(".pool.*"):
-            owner = d.name.rsplit(".", 1)[-1]
-            if owner.isdigit() and int(owner) != me and process_alive(int(owner)):
-                pids.add(int(owner))
-        return sorted(pids | mapping_processes(self.path, pids | {me}))
+        """Live processes (other than this one) using this directory: they hold its job lock, map a file
+        in it (Linux ``/proc/<pid>/maps``) or own a buffer pool there (``.pool.<pid>``)."""
+        return users(self.path)
 
     # -- writing ------------------------------------------------------------------------------------
     def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -199,6 +196,7 @@ class MemoryTier(Tier):
     def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
             validate_filename(n)
+        self._job.claim()
         self._last_staged = max(self._last_staged, step)
         self._recycle_own(step, sizes)
         self._pool.limit = max(self._pool.limit, sum(sizes.values()))
@@ -218,7 +216,7 @@ class MemoryTier(Tier):
             self._staged.pop(step, None)
             self._take_back(step, {_rank_prefix(n) for n in plan})
             if no_space(e):
-                raise self._full(f"staging step {step}") from None
+                raise _room.full(self.path, f"staging step {step}") from None
             raise
         self._staged[step] = out
         return out
@@ -248,15 +246,6 @@ class MemoryTier(Tier):
         except OSError:  # gone already, or another rank's files are in it
             pass
 
-    def _full(self, what: str) -> CapacityError:
-        """The error of a write that found the tmpfs full (no bytes or no inodes left)."""
-        try:
-            sv = os.statvfs(self.path)
-            left = f"{_units.size(sv.f_bavail * sv.f_frsize)} and {sv.f_favail} inodes free"
-        except OSError:
-            left = "free space unknown"
-        return CapacityError(f"RAM tier {self.path}: out of space {what} ({left}); {_FULL_ADVICE}")
-
     def _make_room(self, step: int, new_bytes: int, keep: set[int]) -> None:
         """Raise CapacityError unless ``new_bytes`` more fit; pooled buffers not in ``keep`` (ids) are
         reclaimable space and go first."""
@@ -266,15 +255,8 @@ class MemoryTier(Tier):
         for b in [b for b in self._pool.files if id(b) not in keep]:
             self._pool.drop(b)
         cap = self.capacity()
-        if cap.available is None or new_bytes > cap.available:
-            by_budget = cap.budget is not None and (cap.free is None or cap.budget - cap.used <= cap.free)
-            raise CapacityError(
-                f"RAM tier {self.path}: step {step} needs {_units.size(new_bytes)} more but only "
-                f"{_units.size(max(0, cap.available or 0))} is left (budget "
-                f"{'none' if self.budget is None else _units.size(self.budget)}, used "
-                f"{_units.size(cap.used)}, {'unknown' if cap.free is None else _units.size(cap.free)} free "
-                f"on the tmpfs); {'raise budget= or keep fewer steps' if by_budget else _FULL_ADVICE} (need about "
-                f"(kept steps + 1) x step size)")
+        if cap.available is not None and new_bytes > cap.available:
+            raise _room.no_room(self.path, step, new_bytes, cap)
 
     def write_staged(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
@@ -315,20 +297,26 @@ class MemoryTier(Tier):
         """An uncommitted leftover of this step: move this process's files to the pool."""
         d = self._dir(step)
         if d.exists() and not (d / MARKER).exists():
-            for name in sizes:
-                p = d / name
-                if p.exists():
-                    self._pool.give(p, self._bufs.pop(p, None))
+            with unleased(d) as free:
+                for name in sizes:
+                    p = d / name
+                    if p.exists():
+                        b = self._bufs.pop(p, None)
+                        if not free and b is not None:  # a view maps it: unlinked, never reused
+                            b.close()
+                            b = None
+                        self._pool.give(p, b)
 
     def write_file(self, step: int, name: str, data: Bytes) -> None:
         path = self._file(step, name)
+        self._job.claim()
         self._forget(path, unlink=False)
         try:
             make_private_dir(path.parent)
             atomic_write(path, data)
         except OSError as e:
             if no_space(e):
-                raise self._full(f"writing {name} of step {step}") from None
+                raise _room.full(self.path, f"writing {name} of step {step}") from None
             raise
 
     def write_marker(self, step: int, data: bytes) -> None:
@@ -351,13 +339,20 @@ class MemoryTier(Tier):
         return b.array()
 
     def export(self, step: int, name: str) -> np.ndarray:
-        """A view handed to the user: its file is never reused for a later save."""
-        a = self.read_file(step, name)
-        self._bufs[self._file(step, name)].exported = True
-        return a
+        """A view handed to the user: a copy-on-write mapping of the file the restore verifies, so that a
+        write through it never reaches the file; neither this process nor any other of the job reuses
+        or rewrites the file while a view of its step lives (a lease, :mod:`._lock`)."""
+        self.read_file(step, name)
+        path = self._file(step, name)
+        b = self._bufs.get(path)
+        if b is None:  # deleted at once by another thread of this process
+            raise FileNotFoundError(f"{path} was deleted while it was being read")
+        b.exported = True
+        return self._exports.view(path, b.ino, b.size)
 
     # -- deleting -----------------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
+        self._job.claim()
         with self._lock:
             self._delete_step(step)
 
@@ -367,16 +362,16 @@ class MemoryTier(Tier):
             (d / MARKER).unlink(missing_ok=True)
         if not d.exists():
             return
-        for p in list(d.iterdir()):
-            if not p.name.startswith(prefix):
-                continue
-            b = self._bufs.pop(p, None)
-            if b is not None and p.suffix == ".bin":
-                self._pool.give(p, b)
-            else:
-                if b is not None:
-                    b.close()
-                p.unlink(missing_ok=True)
+        bufs = {p: self._bufs.pop(p, None) for p in d.iterdir() if p.name.startswith(prefix)}
+        reuse = {p for p, b in bufs.items() if b is not None and p.suffix == ".bin" and b.reusable}
+        with unleased(d) if reuse else contextlib.nullcontext(False) as free:  # no zero-copy view maps them
+            for p, b in bufs.items():
+                if p in reuse and free:
+                    self._pool.give(p, b)
+                else:
+                    if b is not None:
+                        b.close()
+                    p.unlink(missing_ok=True)
         if prefix:
             try:
                 os.rmdir(d)  # the last rank of the node to let go removes the directory
@@ -388,6 +383,7 @@ class MemoryTier(Tier):
     def release(self, step: int, rank: int, marker: bool) -> None:
         """Delete only ``rank``'s files of a step (its shard buffers go to this process's pool), and the
         marker if ``marker``: for ranks that share this directory with others on their node."""
+        self._job.claim()
         with self._lock:
             self._delete_step(step, prefix=f"rank_{rank:05d}.", marker=marker)
 
