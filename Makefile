@@ -4,14 +4,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# CPU wheel pinned on purpose: an unpinned torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch's CPU build on every machine, with a GPU or without (the suite needs none): the +cpu pin is
+	# that build exactly, where a plain `torch` on Linux is a CUDA build of several GB. pip takes it from
+	# a wheel directory or mirror it is configured with; where none offers it, from PyTorch's CPU index
+	# (the README's install line), whose macOS build is plain $(TORCH_VERSION).
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+	    $(BIN)/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX)
 	$(BIN)/pip install --quiet -e '.[torch,s3,gcs,progress,dev]'
 	# torchtitan's own requirements pin fsspec<=2026.2 (through datasets), which s3fs cannot use; its
 	# checkpoint manager needs only tyro (in the dev extra), its OptimizersContainer spmd_types (no requirements)
