@@ -4,7 +4,9 @@ Each step of a save or a restore runs inside ``with stage("marker", step=7):``. 
 point ``stage`` is called (so a fault test can fail a given stage on a given rank, see
 ``tierfs.testing.hooks``); an exception leaving the block is labelled with the stage (the first label
 wins), so that when ranks agree on a failure every rank can say where it happened; and a wait that times
-out names the stage its thread is in.
+out names the stage its thread is in. Work that waits on other ranks outside any stage (a peer transfer, a
+restore between its stages) names itself with ``operation("fetch of step 7 on peer")``: its waits say that
+unless a stage is current.
 
 The stages: ``open``, ``staging``, ``checksum``, ``manifest``, ``marker``, ``copy`` (to a slower tier),
 ``replication``, ``planning`` (of a restore), ``read`` (a shard from a tier), ``fetch`` (a holder's copy
@@ -59,7 +61,7 @@ def stage(name: str, step: int | None = None, tier: str | None = None) -> Iterat
 @contextlib.contextmanager
 def waiting(label: str) -> Iterator[None]:
     """Name what this thread waits for while the block runs (no hook: the ranks agreeing on ``label``)."""
-    before = getattr(_local, "label", None)
+    before = getattr(_local, "label", None)  # a stage's (an operation's label gives way to ``label``)
     _local.label = label if before is None else f"{before}: {label}"
     try:
         yield
@@ -67,9 +69,22 @@ def waiting(label: str) -> Iterator[None]:
         _local.label = before
 
 
+@contextlib.contextmanager
+def operation(label: str) -> Iterator[None]:
+    """Name the block's waits on other ranks ``label`` (e.g. ``"restore step 7"``) where no stage is current
+    (no hook, no label on exceptions: the stages inside say where work failed)."""
+    before = getattr(_local, "default", None)
+    _local.default = label
+    try:
+        yield
+    finally:
+        _local.default = before
+
+
 def current() -> str | None:
-    """The stage this thread is in, described (None: none)."""
-    return getattr(_local, "label", None)
+    """The stage this thread is in, described; else the operation it runs (None: neither)."""
+    label = getattr(_local, "label", None)
+    return label if label is not None else getattr(_local, "default", None)
 
 
 def of(e: BaseException) -> str | None:

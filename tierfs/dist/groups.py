@@ -4,11 +4,13 @@ Without torch.distributed (or with one process) everything is local. Under torch
 groups of its own, so it never queues behind the training job's NCCL work; each of the store's threads
 gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
 
-Every collective and point-to-point wait is bounded by the group's ``timeout``: a rank that does not
-arrive in time, or whose process is gone, makes the waiting rank raise
-:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and, where the
-job's store tells, the ranks it waited for (each rank notes its arrival at every collective in the c10d
-store the job was started with).
+Every wait is a point-to-point operation with one rank, collectives included (an all-gather is one
+message to and from every other rank), and the waits of one operation share one deadline, the group's
+``timeout`` (:mod:`tierfs.dist.waits`): a rank that does not arrive in time, or whose process is gone
+(noticed as soon as its connections drop), makes the waiting rank raise
+:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
+ranks it waited for in vain. No transfer outlives the call that started it: each one is waited for, to
+its end or its failure, so nothing of tierfs's is left in flight when the interpreter exits.
 
 A node is a failure domain: the ranks on one machine. Its number comes from ``TIERFS_NODE_RANK``, else
 torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
@@ -21,25 +23,29 @@ tensors without a copy, every receive posted before any send so a ring of ranks 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import itertools
 import json
 import os
 import threading
 import warnings
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, ContextManager, Sequence, Union
 
 import numpy as np
 
 from .. import _stages
-from ..errors import ArgumentError, RankWaitError
+from ..errors import ArgumentError
+from . import waits
+from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
 DEFAULT_TIMEOUT = 600.0
 
 
-#: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) collective
+#: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) round
 GATHER_WIDTH = 1024 - 8
+#: the tag of an all-gather's messages (a transfer's have their own)
+GATHER_TAG = 1 << 20
 
 
 def framed(data: bytes, width: int) -> np.ndarray:
@@ -79,6 +85,9 @@ class SingleProcess:
     def with_timeout(self, timeout: float | datetime.timedelta | None) -> "SingleProcess":
         return self
 
+    def bounded(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
 
 class TorchGroup:
     """The ranks of an initialised torch.distributed job, over a gloo group created for tierfs.
@@ -86,8 +95,6 @@ class TorchGroup:
     Creating one is collective: every rank must do it, in the same order. ``timeout`` (seconds) bounds
     every wait on the group.
     """
-
-    _ids = itertools.count()  # groups are made in the same order on every rank: the same id everywhere
 
     def __init__(self, backend: str = "gloo", node_rank: int | None = None,
                  timeout: float | datetime.timedelta | None = None) -> None:
@@ -99,7 +106,7 @@ class TorchGroup:
         self.timeout = seconds(timeout)
         self._pg = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=self.timeout))
         self._lanes = [self._pg]
-        self._arrivals = _Arrivals(dist, next(TorchGroup._ids), self.rank, self.world_size)
+        self._state: dict[str, str] = {}  # "closed": why this rank's connections on the group were closed
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
@@ -124,7 +131,7 @@ class TorchGroup:
         twin.__dict__.update(self.__dict__)
         twin._backend = backend or self._backend
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
-        twin._arrivals = _Arrivals(self._dist, next(TorchGroup._ids), self.rank, self.world_size)
+        twin._state = {}
         before = _tasks() if nice else set()
         limit = datetime.timedelta(seconds=twin.timeout)
         twin._lanes = [self._dist.new_group(backend=twin._backend, timeout=limit) for _ in range(max(1, int(lanes)))]
@@ -143,18 +150,28 @@ class TorchGroup:
         twin.timeout = seconds(timeout)
         return twin
 
+    def bounded(self) -> ContextManager[Operation]:
+        """Run a block as one operation: its waits on this thread share one deadline, this group's timeout
+        from now (see :mod:`tierfs.dist.waits`)."""
+        return waits.bounded(self.timeout)
+
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],
                  pace: Callable[[int], None] | None = None,
-                 on_received: Callable[[int], None] | None = None, tag: int = 0) -> None:
+                 on_received: Callable[[int], None] | None = None, tag: int = 0, *,
+                 tolerate: bool = False) -> dict[int, str]:
         """Send and receive contiguous uint8 buffers point to point: ``sends`` are ``(to rank, buffer)``,
         ``recvs`` ``(from rank, buffer)``; buffers between two ranks pair up in order, and the sizes must
-        match on both sides. ``pace(nbytes)`` is called before each send (a throttle). ``on_received(i)``
-        is called on a thread of its own as soon as ``recvs[i]`` has landed, in order, while this thread
-        goes on sending and later buffers still move.
+        match on both sides. ``pace(nbytes)`` is called before each send (a throttle). ``on_received(i)`` is
+        called on a thread of its own as soon as ``recvs[i]`` has landed, in order, while this thread goes
+        on sending and later buffers still move. With either, the exchange is a bulk transfer: its deadline
+        moves on with every buffer that moves (it fails when nothing moved for the timeout).
 
         Every send is posted and every transfer waited for even when a receive, ``on_received`` or
-        ``pace`` fails, so the other ranks are never left waiting for bytes; the first failure is raised
-        after. A peer that does not send or receive within the group's timeout is a RankWaitError.
+        ``pace`` fails, so the other ranks are never left waiting for bytes; the first failure of
+        ``on_received`` or ``pace`` is raised after. The waits are one operation's (the caller's, or their
+        own): a peer that does not send or receive in time, or whose connection drops, is a RankWaitError
+        naming it, raised once every transfer ended; with ``tolerate`` the failed peers are returned
+        instead, ``{rank: why}`` (the caller goes on with the others).
         """
         import torch
 
@@ -162,130 +179,90 @@ class TorchGroup:
             k = counts[peer] = counts.get(peer, -1) + 1
             return self._lanes[k % len(self._lanes)]
 
-        failures: list[BaseException] = []
+        def post(io: waits.Round, send: bool, peer: int, buf: np.ndarray, counts: dict[int, int]) -> Any:
+            start = self._dist.isend if send else self._dist.irecv
+            return io.start(peer, lambda: start(torch.from_numpy(buf), peer, group=lane(peer, counts), tag=tag))
+
+        failures: list[BaseException] = []  # this rank's own (on_received, pace)
         where = _stages.current()  # the receiving thread reports the caller's stage
+        with self.bounded() as op:
+            io = waits.Round(op, bulk=pace is not None or on_received is not None)  # data: moves on as it lands
 
-        def receive() -> None:
-            for i, w in enumerate(works):
-                try:
-                    self._wait(w, [recvs[i][0]], where)
-                    if on_received is not None and not failures:
-                        on_received(i)
-                except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
-                    failures.append(e)
-
-        with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
-            warnings.simplefilter("ignore", UserWarning)
-            got: dict[int, int] = {}
-            works = [self._dist.irecv(torch.from_numpy(buf), src, group=lane(src, got), tag=tag)
-                     for src, buf in recvs]
-            receiver = None
-            if on_received is not None:  # else this thread waits for the receives once its sends are out
-                receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
-                receiver.start()  # inherits this thread's CPU priority
-            sent: list[tuple[int, Any]] = []
-            put: dict[int, int] = {}
-            try:
-                for dst, buf in sends:
-                    if pace is not None:
+            def receive() -> None:
+                for i, w in enumerate(works):
+                    if io.wait(w, recvs[i][0]) and on_received is not None and not failures:
                         try:
-                            pace(buf.nbytes)
-                        except BaseException as e:  # noqa: BLE001 - the rest still goes, unpaced: nobody waits
+                            on_received(i)
+                        except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
                             failures.append(e)
-                            pace = None
-                    sent.append((dst, self._dist.isend(torch.from_numpy(buf), dst, group=lane(dst, put), tag=tag)))
-            finally:
-                if receiver is not None:
-                    receiver.join()
-                else:
-                    receive()
-                for dst, w in sent:
-                    try:
-                        self._wait(w, [dst], where)
-                    except BaseException as e:  # noqa: BLE001
-                        failures.append(e)
+
+            with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
+                warnings.simplefilter("ignore", UserWarning)
+                got: dict[int, int] = {}
+                works = [post(io, False, src, buf, got) for src, buf in recvs]
+                receiver = None
+                if on_received is not None:  # else this thread waits for the receives once its sends are out
+                    receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
+                    receiver.start()  # inherits this thread's CPU priority
+                sent: list[tuple[int, Any]] = []
+                put: dict[int, int] = {}
+                try:
+                    for dst, buf in sends:
+                        if pace is not None:
+                            try:
+                                pace(buf.nbytes)
+                            except BaseException as e:  # noqa: BLE001 - the rest still goes, unpaced: nobody waits
+                                failures.append(e)
+                                pace = None
+                        sent.append((dst, post(io, True, dst, buf, put)))
+                finally:
+                    if receiver is not None:
+                        receiver.join()
+                    else:
+                        receive()
+                    for dst, w in sent:
+                        io.wait(w, dst)
+            failed = io.end()
+            if any(waits.kind_of(why) == waits.LATE for why in failed.values()):  # gloo closed the group's
+                self._state.setdefault("closed", str(op.error(where)))  # connections: later waits fail at once
+            if failed and not tolerate:
+                raise op.error(where, self._state.get("closed"))
         if failures:
             raise failures[0]
+        return failed
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (JSON), in rank order. One collective when every rank's JSON fits in
-        ``GATHER_WIDTH`` bytes (the store's agreements usually do); else a second one, of the longest, follows."""
-        import torch
-
+        """Every rank's ``obj`` (JSON), in rank order: one round of messages with every other rank when
+        every rank's JSON fits in ``GATHER_WIDTH`` bytes (the store's agreements usually do); else a second
+        one, of the longer ones' rest, follows. Every rank exchanges with every other, so a rank whose
+        connection dropped fails the gather at once, on every rank, naming it."""
         data = json.dumps(obj).encode()
-        first = framed(data, 8 + GATHER_WIDTH)
-        outs = [torch.empty(first.size, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._collective(lambda: self._dist.all_gather(outs, torch.from_numpy(first), group=self._pg,
-                                                       async_op=True))
-        sizes = [int(o.numpy()[:8].view(np.int64)[0]) for o in outs]
-        if max(sizes) <= GATHER_WIDTH:
-            return [json.loads(bytes(o.numpy()[8:8 + n])) for o, n in zip(outs, sizes)]
-        full = np.zeros(max(sizes), dtype=np.uint8)  # every rank saw the same sizes: all take this round
-        full[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-        outs = [torch.empty(full.size, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._collective(lambda: self._dist.all_gather(outs, torch.from_numpy(full), group=self._pg,
-                                                       async_op=True))
-        return [json.loads(bytes(o.numpy()[:n])) for o, n in zip(outs, sizes)]
+        width = 8 + GATHER_WIDTH
+        first = framed(data, width)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        with self.bounded():
+            got = {r: np.empty(width, dtype=np.uint8) for r in others}
+            self.exchange([(r, first) for r in others], list(got.items()), tag=GATHER_TAG)
+            got[self.rank] = first
+            sizes = [int(got[r][:8].view(np.int64)[0]) for r in range(self.world_size)]
+            rest: dict[int, np.ndarray] = {}
+            if max(sizes) > GATHER_WIDTH:  # every rank saw the same sizes: all take this round
+                rest = {r: np.empty(n - GATHER_WIDTH, dtype=np.uint8) for r, n in enumerate(sizes)
+                        if n > GATHER_WIDTH and r != self.rank}
+                mine = np.frombuffer(data, dtype=np.uint8)[GATHER_WIDTH:]
+                self.exchange([(r, mine) for r in others] if mine.size else [], list(rest.items()), tag=GATHER_TAG)
+        return [json.loads(data if r == self.rank else
+                           got[r][8:8 + min(n, GATHER_WIDTH)].tobytes() + (rest[r].tobytes() if r in rest else b""))
+                for r, n in enumerate(sizes)]
 
     def barrier(self) -> None:
-        self._collective(lambda: self._dist.barrier(group=self._pg, async_op=True))
-
-    def _collective(self, start: Callable[[], Any]) -> None:
-        """Run a collective of every rank, waiting at most the group's timeout."""
-        seq = self._arrivals.arrive()
-        self._wait(start(), None, _stages.current(), seq)
-
-    def _wait(self, work: Any, peers: Sequence[int] | None, where: str | None, seq: int | None = None) -> None:
-        """Wait for an operation (torch returns None for one that completed at once) at most the group's
-        timeout; a timeout, or a peer gone, is a RankWaitError naming the stage and the ranks waited for
-        (``peers``; for a collective, the ranks that did not arrive, where the job's store tells)."""
-        if work is None:
-            return
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            ranks = list(peers) if peers is not None else self._arrivals.missing(seq)
-            raise RankWaitError.waiting(where, ranks, self.timeout, str(e)) from None
+        """Wait until every rank got here (one round of messages with every other rank)."""
+        self.all_gather(None)
 
     @property
     def process_group(self) -> Any:
         """The torch.distributed process group of tierfs's collectives (e.g. for ``dcp.save``)."""
         return self._pg
-
-
-class _Arrivals:
-    """Each rank notes, in the job's c10d store, the last collective of a group it reached; a rank that
-    timed out reads which ranks are behind. Best effort: without a store nothing is noted."""
-
-    def __init__(self, dist: Any, group_id: int, rank: int, world: int) -> None:
-        self.rank, self.world, self.seq = rank, world, 0
-        self.prefix = f"tierfs/arrivals/{group_id}/"
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self.store: Any = _get_default_store()
-        except Exception:  # noqa: BLE001 - initialised without a store, or another torch: no names
-            self.store = None
-
-    def arrive(self) -> int:
-        self.seq += 1
-        if self.store is not None:
-            try:
-                self.store.set(f"{self.prefix}{self.rank}", str(self.seq))
-            except Exception:  # noqa: BLE001 - only the names in an error message depend on it
-                self.store = None
-        return self.seq
-
-    def missing(self, seq: int | None) -> list[int] | None:
-        """The ranks that have not reached collective ``seq`` (None: unknown)."""
-        if self.store is None or seq is None:
-            return None
-        try:
-            keys = [f"{self.prefix}{r}" for r in range(self.world)]
-            seen = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
-            return [r for r, v in enumerate(seen) if v < seq]
-        except Exception:  # noqa: BLE001 - the store went with the job
-            return None
 
 
 def seconds(timeout: float | datetime.timedelta | None) -> float:

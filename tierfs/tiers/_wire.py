@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _copy
 from ..dist import framed
+from ..dist.waits import said
 from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError
 from ..format import Entry, Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
@@ -131,16 +132,28 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
     one follows only once its receiver agreed to its length (one out of range is refused before the rest
     is sent). With ``land`` (the same on every rank) messages are also cut around large entries, and each
     receiver takes the entries ``accept`` names in its ``direct`` straight into their arrays. Returns
-    ``{source: error or None}``."""
+    ``{source: error or None}``.
+
+    A rank whose connection fails (its process ended, or it did not answer in time) drops out of the later
+    steps of the round, on both sides, while the other pairs go on: every rank still reaches the caller's
+    agreement together, where the failure is raised naming that rank (:mod:`tierfs.dist.waits`)."""
     room = wire.first - 8
+    lost: dict[int, str] = {}  # peers whose connection failed, and why
+
+    def exchange(out: Sequence[tuple[int, np.ndarray]], into: Sequence[tuple[int, np.ndarray]], **kw: Any) -> None:
+        """A round with the peers not lost (``into`` must hold none with ``on_received``: it counts them)."""
+        into = into if "on_received" in kw else [x for x in into if x[0] not in lost]
+        for peer, why in g.exchange([x for x in out if x[0] not in lost], into, tolerate=True, **kw).items():
+            lost.setdefault(peer, f"RankWaitError: rank {peer} {said(why)}")
+
     first_in = [(s, np.zeros(wire.first, dtype=np.uint8)) for s in incoming]
-    g.exchange([(t, framed(h, wire.first)) for t, h, _, _ in sends], first_in)
-    lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in}
+    exchange([(t, framed(h, wire.first)) for t, h, _, _ in sends], first_in)
+    lengths = {s: int(b[:8].view(np.int64)[0]) for s, b in first_in if s not in lost}
     errors: dict[int, str | None] = {
         s: f"TierfsError: rank {s} announced a header of {n} bytes; do all ranks run the same tierfs version?"
         for s, n in lengths.items() if not 0 < n <= wire.max_header}
-    long_out = [(t, h) for t, h, _, _ in sends if len(h) > room]
-    long_in = [s for s in incoming if lengths[s] > room]
+    long_out = [(t, h) for t, h, _, _ in sends if len(h) > room and t not in lost]
+    long_in = [s for s in lengths if lengths[s] > room]
     rest_in: dict[int, np.ndarray] = {}
     if long_out or long_in:  # only the pairs with a long header take these two rounds
         for s in long_in:
@@ -150,13 +163,15 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
                 except MemoryError:
                     errors[s] = f"MemoryError: no memory for the {lengths[s]}-byte header of rank {s}"
         go_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _ in long_out]
-        g.exchange([(s, np.array([s in rest_in], dtype=np.uint8)) for s in long_in], go_in)
-        g.exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
-                    if go[0]], list(rest_in.items()))
+        exchange([(s, np.array([s in rest_in], dtype=np.uint8)) for s in long_in], go_in)
+        exchange([(t, np.frombuffer(h, dtype=np.uint8, offset=room)) for (t, h), (_, go) in zip(long_out, go_in)
+                  if go[0]], list(rest_in.items()))
     bufs: dict[int, dict[str, np.ndarray]] = {}
     direct: dict[int, Direct] = {}
     manifests: dict[int, Manifest] = {}
     for s, first in first_in:
+        if s in lost:
+            errors[s] = lost[s]
         if errors.get(s):
             continue
         try:
@@ -168,11 +183,14 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
             errors[s] = f"{type(e).__name__}: {e}"
     ok_out = [(s, np.array([errors[s] is None], dtype=np.uint8)) for s in incoming]
     ok_in = [(t, np.zeros(1, dtype=np.uint8)) for t, _, _, _ in sends]
-    g.exchange(ok_out, ok_in)
+    exchange(ok_out, ok_in)
+    for s in incoming:  # a sender lost after it was accepted sends nothing more
+        if s in lost and errors[s] is None:
+            errors[s] = lost[s]
     data_out: list[tuple[int, np.ndarray]] = []
     for (t, _, files, m), (_, ok) in zip(sends, ok_in):
         at = cuts(m) if land and m is not None else {}
-        if ok[0]:
+        if ok[0] and t not in lost:
             for name, f in files.items():
                 out = _copy.as_u8(f)
                 data_out += [(t, out[a:b]) for a, b in _pieces(wire, out.size, at.get(name, ()))]
@@ -193,7 +211,10 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
             except TierfsError as e:
                 errors[s] = f"{type(e).__name__}: {e}"
 
-    g.exchange(data_out, [(s, where) for s, _, where, _, _ in data_in], pace=pace, on_received=landed)
+    exchange(data_out, [(s, where) for s, _, where, _, _ in data_in], pace=pace, on_received=landed)
+    for s in incoming:
+        if s in lost and errors[s] is None:
+            errors[s] = lost[s]
     for (s, name), check in checks.items():  # blocks no message reached (empty files)
         if errors[s] is None:
             try:

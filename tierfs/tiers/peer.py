@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _args
 from .._fileio import make_private_dir
-from .._stages import stage
+from .._stages import describe, operation, stage
 from .._worker import BACKGROUND_NICE
 from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
@@ -289,6 +289,7 @@ class PeerTier(Replicator):
         """
         g = self._group(role)
         me = g.rank
+        reseed = pairs is not None  # the only caller that names the pairs: a restore re-seeding peers
         pairs = [(s, t) for s in range(g.world_size) for t in self.targets[s]] if pairs is None else list(pairs)
         header = _wire.header(step, me, manifest, marker, files, error=error, limit=self.wire.max_header)
         sends: list[_wire.Send] = [(t, header, files, None) for s, t in pairs if s == me]
@@ -302,29 +303,41 @@ class PeerTier(Replicator):
             received[src] = mbytes
             return m, {n: bufs[n] for n in kept}, {}  # in the order the sender sends them
 
-        errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
-        self.local.write_staged(step)  # the bytes are in the mapped files already
-        for s in incoming:  # manifests now; the marker only once every copy of the job is in place
-            if errors[s] is None:
-                try:
-                    self.local.write_file(step, manifest_filename(s), received[s])
-                except (TierfsError, OSError) as e:
-                    errors[s] = f"{type(e).__name__}: {e}"
-        failed = self._agree_pairs(g, errors)
-        wrote_marker = False
-        if not failed:  # second round: a receiver whose marker fails undoes the step everywhere
-            why = None
-            if incoming:
-                try:
-                    self.local.write_marker(step, marker)
-                    wrote_marker = True
-                except (TierfsError, OSError) as e:
-                    why = f"marker: {type(e).__name__}: {e}"
-            failed = self._agree_pairs(g, {incoming[0]: why} if incoming else {})
-        if failed:
-            for s in incoming:
-                self.local.release(step, s, marker=wrote_marker)
+        wrote_marker, agreed, failed = False, False, []
+        # one operation: its waits share one deadline, and name it where no stage is current
+        with operation(describe("reseed" if reseed else "replication", step, self.name)), g.bounded():
+            try:
+                errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
+                self.local.write_staged(step)  # the bytes are in the mapped files already
+                for s in incoming:  # manifests now; the marker only once every copy of the job is in place
+                    if errors[s] is None:
+                        try:
+                            self.local.write_file(step, manifest_filename(s), received[s])
+                        except (TierfsError, OSError) as e:
+                            errors[s] = f"{type(e).__name__}: {e}"
+                failed = self._agree_pairs(g, errors)
+                if not failed:  # second round: a receiver whose marker fails undoes the step everywhere
+                    why = None
+                    if incoming:
+                        try:
+                            self.local.write_marker(step, marker)
+                            wrote_marker = True
+                        except (TierfsError, OSError) as e:
+                            why = f"marker: {type(e).__name__}: {e}"
+                    failed = self._agree_pairs(g, {incoming[0]: why} if incoming else {})
+                agreed = True
+            finally:  # not replicated, or a rank lost on the way (raised): nothing received here is kept
+                if incoming and (failed or not agreed):
+                    self._drop_received(step, incoming, wrote_marker)
         return failed
+
+    def _drop_received(self, step: int, incoming: Sequence[int], marker: bool) -> None:
+        try:
+            self.local.discard_staged(step)
+            for s in incoming:
+                self.local.release(step, s, marker=marker)
+        except Exception as e:  # noqa: BLE001 - the step is not replicated either way; this is logged
+            log.warning("%s step %d: could not take back the copies received (%s)", self.name, step, e)
 
     @staticmethod
     def _agree_pairs(g: Any, errors: Mapping[int, str | None]) -> list[FailedCopy]:
@@ -343,6 +356,10 @@ class PeerTier(Replicator):
         rank, ``(manifest, manifest bytes, marker bytes, files)`` or the reason it failed; None on other ranks.
         """
         g = self._group(role)
+        with operation(describe("fetch", step, self.name)), g.bounded():  # one deadline; waits say "fetch"
+            return self._fetch(g, step, assign, landing)
+
+    def _fetch(self, g: Any, step: int, assign: Mapping[int, int], landing: Landing | None) -> Fetched | str | None:
         me = g.rank
         sends: list[_wire.Send] = []
         for q, h in sorted(assign.items()):
@@ -371,6 +388,7 @@ class PeerTier(Replicator):
 
         incoming = [h for q, h in assign.items() if q == me]
         errors = _wire.transfer(g, sends, incoming, accept, None, self.wire, land=True)
+        g.barrier()  # a rank lost on the way fails the fetch here, on every rank, naming it
         if not incoming:
             return None
         failed = errors[incoming[0]]

@@ -1,0 +1,199 @@
+"""Waits on other ranks: one deadline per operation, and exactly which ranks failed.
+
+Every wait of tierfs on another rank is a point-to-point operation with that rank (collectives too are
+built of them, see :mod:`tierfs.dist.groups`), so a wait that fails names the rank it waited for, and only
+that rank. A rank's process that ends closes its connections, and every operation on them fails at once:
+a dead rank is noticed as soon as its connections drop, by every rank (a collective touches every pair),
+never at the timeout.
+
+An *operation* (``with bounded(timeout):`` — a collective, a transfer of several rounds, a background
+copy) gives all its waits one deadline, ``timeout`` after it began, so that a sequence of waits never adds
+up to several timeouts. A bulk transfer's deadline moves on with every message that lands (``progress``):
+it ends when nothing moved for ``timeout``, however long the bytes take under the bandwidth cap.
+
+A wait past the deadline still gets :data:`GRACE` seconds: the ranks held up by one rank that stopped all
+reach their next round together, and none of them should be named for it. For the same reason, of the
+ranks that were late or failed, only those of the first round that had such a failure are named: later
+ones were held up by it.
+
+gloo ends a wait that timed out by closing every connection of that group on the rank that waited, so the
+others see its connections drop as if its process had ended, and its own later operations on the group
+fail at once. A rank that did not arrive in time is therefore named before ranks whose connections
+dropped (which may be ranks that gave up waiting for it), and failures caused by this rank's own closed
+connections (:data:`CLOSED`) never name anyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+from ..errors import RankWaitError
+
+#: seconds a wait gets even once its operation's deadline has passed (at most the timeout)
+GRACE = 1.0
+#: the shortest wait handed to the backend (a zero timeout may read as none)
+_SHORTEST = 0.002
+
+#: kinds of failure: the peer's connection dropped (its process ended, or it gave up on the group);
+#: nothing came in time; this rank's own connections were closed after an earlier timeout; anything else
+GONE, LATE, CLOSED, FAILED = "gone", "late", "closed", "failed"
+
+_local = threading.local()
+
+
+def kind_of(message: str) -> str:
+    """The kind of failure a backend's (gloo's) message describes: :data:`GONE`, :data:`LATE`, :data:`CLOSED`
+    or :data:`FAILED`."""
+    m = message.lower()
+    if "pair closure" in m:  # "Application timeout caused pair closure": this rank closed them, earlier
+        return CLOSED
+    if any(w in m for w in ("closed by peer", "reset by peer", "broken pipe", "connection refused")):
+        return GONE
+    if "timed out" in m or "timeout" in m:
+        return LATE
+    return FAILED
+
+
+def said(message: str) -> str:
+    """What a failed wait's backend ``message`` says of the rank waited for, in a few words."""
+    kind = kind_of(message)
+    if kind == GONE:
+        return "is gone (its connection dropped)"
+    if kind == LATE:
+        return "did not answer in time"
+    if kind == CLOSED:
+        return "cannot be reached (this rank gave up on the connection after a timeout)"
+    return f"failed ({message.strip().splitlines()[0] if message.strip() else 'no reason given'})"
+
+
+class Operation:
+    """The waits of one operation: one deadline, and which ranks failed, by kind.
+
+    Parameters
+    ----------
+    timeout:
+        Seconds from now that every wait of the operation together may take.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = float(timeout)
+        self.deadline = time.monotonic() + self.timeout
+        self.gone: dict[int, str] = {}
+        self.late: dict[int, str] = {}
+        self.failed: dict[int, str] = {}
+        self.closed: dict[int, str] = {}
+        self._named = False  # late and failed ranks are taken from the first round with such a failure
+        self._lock = threading.Lock()
+
+    def allowed(self) -> float:
+        """Seconds the next wait may take: what is left until the deadline, at least the grace."""
+        return max(self.deadline - time.monotonic(), min(GRACE, self.timeout), _SHORTEST)
+
+    def progress(self) -> None:
+        """A bulk transfer moved: the deadline is ``timeout`` from now (never earlier than it was)."""
+        with self._lock:
+            self.deadline = max(self.deadline, time.monotonic() + self.timeout)
+
+    def note(self, failures: Mapping[int, str]) -> None:
+        """The failed waits of one round, ``{rank: backend message}``."""
+        with self._lock:
+            for rank, why in failures.items():
+                kind = kind_of(why)
+                if kind == GONE:
+                    self.gone.setdefault(rank, why)
+                elif kind == CLOSED:
+                    self.closed.setdefault(rank, why)
+                elif not self._named:
+                    (self.late if kind == LATE else self.failed).setdefault(rank, why)
+            self._named = self._named or any(kind_of(w) in (LATE, FAILED) for w in failures.values())
+
+    def error(self, where: str | None, before: str | None = None) -> RankWaitError:
+        """The one error of the operation's failed waits: the ranks that did not arrive in time (the
+        others may have given up waiting for them), else those gone, else those whose transfer failed;
+        ``before``: why this rank's connections on the group were closed, if an earlier operation did."""
+        at = f"{where}: " if where else ""
+        if self.late:
+            err = RankWaitError.waiting(where, sorted(self.late), self.timeout, "timed out")
+        elif self.gone:
+            err = RankWaitError.waiting(where, sorted(self.gone), self.timeout, "closed by peer")
+        elif self.failed:
+            ranks = sorted(self.failed)
+            why = self.failed[ranks[0]].strip().splitlines()[0]
+            err = RankWaitError(f"{at}the transfer with rank(s) {ranks} failed ({why}); check their logs",
+                                stage=where, ranks=ranks)
+        else:
+            ranks = sorted(self.closed)
+            err = RankWaitError(f"{at}rank(s) {ranks} cannot be reached: this rank closed its connections on "
+                                f"this group when an earlier wait timed out ({before or 'see the log'})",
+                                stage=where, ranks=ranks)
+        if where is not None:
+            err.tierfs_stage = where  # type: ignore[attr-defined]
+        return err
+
+
+@contextlib.contextmanager
+def bounded(timeout: float) -> Iterator[Operation]:
+    """Run the block as one operation: its waits on this thread share one deadline, ``timeout`` seconds
+    from now. Inside another operation's block, the block is part of that one (its deadline holds)."""
+    outer = getattr(_local, "op", None)
+    if outer is not None:
+        yield outer
+        return
+    op = _local.op = Operation(timeout)
+    try:
+        yield op
+    finally:
+        _local.op = None
+
+
+class Round:
+    """One round of point-to-point operations of an operation: each started, then each waited for (from
+    one thread or two); ``end`` notes its failures in the operation.
+
+    Parameters
+    ----------
+    op:
+        The operation the round belongs to.
+    bulk:
+        A bulk transfer: every wait that ends moves the deadline on (:meth:`Operation.progress`).
+    """
+
+    def __init__(self, op: Operation, bulk: bool = False) -> None:
+        self.op, self.bulk = op, bulk
+        self.failures: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def start(self, peer: int, post: Callable[[], Any]) -> Any:
+        """``post()`` an operation with ``peer``; None if it cannot start (its connection is gone: noted)."""
+        try:
+            return post()
+        except RuntimeError as e:
+            self._fail(peer, str(e))
+            return None
+
+    def wait(self, work: Any, peer: int) -> bool:
+        """Wait for ``work`` (from :meth:`start`; None: it never started) within the operation's time;
+        whether it completed (else its failure is noted)."""
+        if work is None:
+            return False
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.op.allowed()))
+        except RuntimeError as e:
+            self._fail(peer, str(e))
+            return False
+        if self.bulk:
+            self.op.progress()
+        return True
+
+    def _fail(self, peer: int, why: str) -> None:
+        with self._lock:
+            self.failures.setdefault(peer, why)
+
+    def end(self) -> dict[int, str]:
+        """The round's failures, ``{rank: backend message}``, noted in the operation."""
+        self.op.note(self.failures)
+        return dict(self.failures)
