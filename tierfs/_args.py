@@ -3,21 +3,30 @@
 Every message names the argument as the caller wrote it (``step``, ``tiers=``, ``--step``) and says
 what is expected, then what was given: ``step must be a whole number from 0 to 999999999999, got '7'
 (a str)``. Public entry points call these first, before anything is read, written or waited for.
-Imports nothing of tierfs but its errors, so policies stay pure.
+Imports nothing of tierfs but its errors, so policies stay pure (fsspec only inside the URL checks).
 """
 
 from __future__ import annotations
 
+import datetime
+import difflib
 import json
 import math
 import operator
+import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import ArgumentError
+from .errors import ArgumentError, TierUnavailableError
 from .state import Trusted
 
 #: the largest step number: a step directory is ``step_`` and 12 digits
 MAX_STEP = 10**12 - 1
+#: seconds the work pending at exit may take, when neither the object's ``exit_timeout`` nor the
+#: environment variable :data:`EXIT_TIMEOUT_ENV` says otherwise
+DEFAULT_EXIT_TIMEOUT = 600.0
+#: the environment variable giving the default ``exit_timeout`` in seconds (``0``: finish nothing at exit)
+EXIT_TIMEOUT_ENV = "TIERFS_EXIT_TIMEOUT"
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -188,3 +197,178 @@ def instance(value: Any, what: str, cls: type | tuple[type, ...], expected: str)
     if not isinstance(value, cls):
         raise ArgumentError(f"{what} must be {expected}, got {shown(value)}")
     return value
+
+
+# -- object-store URLs ------------------------------------------------------------------------------
+class URLArgumentError(ArgumentError, TierUnavailableError):
+    """An object-store URL that cannot be one (a typo, an unknown protocol, no bucket). An
+    :class:`ArgumentError`, and a :class:`TierUnavailableError` as bad URLs were before."""
+
+
+#: protocols whose path starts with a bucket (or container)
+BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "tos", "tosfs"})
+#: local protocols: their path is a directory on this machine
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+#: the install extra that brings a protocol's package
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_COMMON = ("s3", "gs", "az", "file", "memory", "http")
+#: ``s3:/x``, ``s3:x``, ``s3//x``: a protocol name, then a separator that is not ``://``
+_MANGLED = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(:/*|/{2,})(.*)$", re.S)
+_EXAMPLE = "a URL such as 's3://bucket/run'"
+
+
+def _protocols() -> list[str]:
+    import fsspec  # lazily: policies import this module and stay free of I/O libraries
+
+    return sorted(set(fsspec.available_protocols()))
+
+
+def url_protocol(name: str, what: str, value: str) -> str:
+    """``name``, when fsspec has a filesystem for it whose package is installed.
+
+    Raises
+    ------
+    URLArgumentError
+        fsspec knows no such protocol (the message names near matches and common protocols).
+    TierUnavailableError
+        The protocol's package is not installed (the message says what to install).
+    """
+    import fsspec
+
+    known = _protocols()
+    if name not in known:
+        low = name.lower()
+        near = [low] if low in known else difflib.get_close_matches(low, known, n=2, cutoff=0.5)
+        hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+        raise URLArgumentError(f"{what} {value!r}: unknown protocol {name!r}; {hint}protocols fsspec knows include "
+                               f"{', '.join(_COMMON)} (fsspec.available_protocols() lists all {len(known)})")
+    try:
+        fsspec.get_filesystem_class(name)
+    except ImportError as e:
+        extra = EXTRAS.get(name)
+        how = f"pip install 'tierfs[{extra}]'" if extra else str(e).strip() or f"install fsspec's {name} package"
+        raise TierUnavailableError(f"{what} {value!r}: the {name}:// protocol needs a package that is not "
+                                   f"installed: {how}") from None
+    return name
+
+
+def mangled(text: str) -> str | None:
+    """The URL ``text`` probably meant (``s3:/b/x``, ``s3:b/x``, ``s3//b/x`` -> ``s3://b/x``), or None."""
+    m = _MANGLED.match(text)
+    if m is None or m.group(1).lower() not in _protocols():
+        return None
+    return f"{m.group(1).lower()}://{m.group(3).lstrip('/')}"
+
+
+def object_url(value: Any, what: str, *, relative: bool = False) -> str:
+    """An object tier's URL (or a local directory given as a URL or a path), checked for typos.
+
+    Accepted: ``proto://...`` with a protocol fsspec knows (its package installed; a bucket after
+    ``://`` for object stores), chained URLs (``simplecache::s3://...``), ``file://`` URLs and absolute
+    paths; relative paths only with ``relative``. Refused, before anything is created: a protocol
+    written with a wrong separator (``s3:/b/x``, ``s3:b/x``, ``s3//b/x``, also after ``file://``), an
+    unknown protocol (``s4://``), a URL without a bucket (``s3:///``), an empty string and, unless
+    ``relative``, a relative path (``bucket/run``), which would otherwise become a directory below the
+    current one.
+
+    Parameters
+    ----------
+    value : Any
+        What the caller gave.
+    what : str
+        The argument's name in the caller's terms (``"ObjectTier url"``, ``"TARGET"``).
+    relative : bool
+        Whether a relative local path is accepted (a command line's directory argument).
+
+    Returns
+    -------
+    str
+        ``value``, unchanged.
+
+    Raises
+    ------
+    URLArgumentError
+        ``value`` is not such a URL or path (one line naming it, with the URL it probably meant).
+    TierUnavailableError
+        The protocol's package is not installed.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise URLArgumentError(f"{what} must be {_EXAMPLE} (or file:///abs/dir, or an absolute path), got "
+                               f"{shown(value)}")
+    if value != value.strip() or any(ord(c) < 32 for c in value):
+        raise URLArgumentError(f"{what} {value!r} has spaces around it or control characters in it; give "
+                               f"{_EXAMPLE}")
+    *outer, url = value.split("::")
+    for part in outer:  # a chain: protocol names (with options in the URL, if any) before the target
+        url_protocol(part.split("://", 1)[0], what, value)
+    if "://" in url:
+        name, rest = url.split("://", 1)
+        meant = mangled(name)
+        if meant is not None:  # s3:/b://x and the like
+            raise URLArgumentError(f"{what} {value!r} is not a URL: did you mean {meant + '://' + rest!r}?")
+        url_protocol(name, what, value)
+        if name in BUCKET_PROTOCOLS and (not rest.strip("/") or rest.startswith("/")):
+            raise URLArgumentError(f"{what} {value!r} names no bucket: write {name}://BUCKET/PREFIX, e.g. "
+                                   f"'{name}://bucket/run'")
+        if name in LOCAL_PROTOCOLS and not rest.startswith("/"):
+            meant = mangled(rest)
+            if meant is not None:
+                raise URLArgumentError(f"{what} {value!r} is a local path that looks like a URL: did you mean "
+                                       f"{meant!r}?")
+        return value
+    meant = mangled(url)
+    if meant is not None and not url.startswith("/"):
+        raise URLArgumentError(f"{what} {value!r} is not a URL: did you mean {meant!r}?")
+    if url.startswith("/") or relative:
+        return value
+    where = url[2:] if url.startswith("./") else url
+    raise URLArgumentError(
+        f"{what} {value!r} is neither a URL nor an absolute path: write the store's URL, e.g. "
+        f"'s3://{where.lstrip('~/')}', or a local directory as an absolute path or file:// URL, e.g. "
+        f"'file://{os.path.abspath(os.path.expanduser(url))}'")
+
+
+# -- exit_timeout (tierfs._exit) ---------------------------------------------------------------------
+def exit_seconds(value: Any, what: str = "exit_timeout") -> float:
+    """An ``exit_timeout`` in seconds, checked.
+
+    Parameters
+    ----------
+    value : float, datetime.timedelta, str or None
+        Seconds (``>= 0``; ``0``: finish nothing at exit), a ``timedelta``, a number as a string (fsspec's
+        configuration), or None (or ``""``/``"none"``): ``TIERFS_EXIT_TIMEOUT`` from the environment,
+        else :data:`DEFAULT_EXIT_TIMEOUT`.
+    what : str
+        How messages name the option.
+
+    Returns
+    -------
+    float
+        The bound in seconds.
+
+    Raises
+    ------
+    ArgumentError
+        ``value`` (or the environment variable) is not a finite number of seconds ``>= 0``.
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        env = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
+        if not env:
+            return DEFAULT_EXIT_TIMEOUT
+        value, what = env, f"{EXIT_TIMEOUT_ENV} (environment)"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ArgumentError(f"{what} must be seconds >= 0 (0: finish nothing at exit), got {value!r}") from None
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ArgumentError(f"{what} must be seconds >= 0 or a timedelta (0: finish nothing at exit), got "
+                            f"{shown(value)}")
+    return float(value)
+
+
+def shown_seconds(t: float) -> str:
+    """``t`` seconds for messages: ``"2 s"``, ``"0.5 s"``."""
+    return f"{t:g} s"

@@ -9,6 +9,17 @@ environment; ``0`` finishes nothing). Past a second of waiting, a line every few
 is not durable and where it is; never a traceback, never a wait past the bound. A store whose work
 finished is then closed; a store closed before is not touched again.
 
+Ctrl-C while the exit waits: the first press (unless the program itself ended by Ctrl-C, which counts
+as the first) says what is still being finished and goes on; the next one stops waiting at once: one line
+per object says what is not durable and where it is, and the process ends as a Ctrl-C ends it (killed by
+SIGINT, status 130 in a shell), without running the rest of the exit (which could wait again, on a thread
+pool's transfer). :func:`wait_for` is the same wait for a call such as ``TieredStore.close()``.
+
+Exit status: work that failed at exit, or was cut short by the bound, makes the process exit with
+status 1 (after every exit handler registered since tierfs was imported has run), so that a job whose
+last checkpoint or upload is not durable does not look successful; ``exit_timeout=0`` (finish nothing
+at exit, on purpose) leaves the status alone. A program that ended by Ctrl-C still ends by SIGINT.
+
 The order matters. tierfs's background threads are daemon threads: the interpreter does not wait for
 them, and stops them once its exit handlers have run. The work is finished in two passes:
 
@@ -26,76 +37,26 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered first, so it runs after ours
-import datetime
 import logging
 import math
 import os
+import signal
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from . import _args
+from ._args import DEFAULT_EXIT_TIMEOUT, EXIT_TIMEOUT_ENV as ENV, exit_seconds, shown_seconds  # noqa: F401
 from ._retry import short
-from .errors import ArgumentError
 
 log = logging.getLogger("tierfs")
 
-#: seconds the work pending at exit may take, when neither the object's ``exit_timeout`` nor the
-#: environment variable :data:`ENV` says otherwise
-DEFAULT_EXIT_TIMEOUT = 600.0
-#: the environment variable giving the default ``exit_timeout`` in seconds (``0``: finish nothing at exit)
-ENV = "TIERFS_EXIT_TIMEOUT"
 #: seconds of waiting before the first progress line, and between two of them
 PROGRESS_AFTER, PROGRESS_EVERY = 1.0, 5.0
 #: longest single wait on one piece of work while several are waited for
 _SLICE = 0.25
-
-
-def exit_seconds(value: Any, what: str = "exit_timeout") -> float:
-    """An ``exit_timeout`` in seconds, checked.
-
-    Parameters
-    ----------
-    value : float, datetime.timedelta, str or None
-        Seconds (``>= 0``; ``0``: finish nothing at exit), a ``timedelta``, a number as a string (fsspec's
-        configuration), or None (or ``""``/``"none"``): ``TIERFS_EXIT_TIMEOUT`` from the environment,
-        else :data:`DEFAULT_EXIT_TIMEOUT`.
-    what : str
-        How messages name the option.
-
-    Returns
-    -------
-    float
-        The bound in seconds.
-
-    Raises
-    ------
-    ArgumentError
-        ``value`` (or the environment variable) is not a finite number of seconds ``>= 0``.
-    """
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        env = os.environ.get(ENV, "").strip()
-        if not env:
-            return DEFAULT_EXIT_TIMEOUT
-        value, what = env, f"{ENV} (environment)"
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ArgumentError(f"{what} must be seconds >= 0 (0: finish nothing at exit), got {value!r}") from None
-    if isinstance(value, datetime.timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ArgumentError(f"{what} must be seconds >= 0 or a timedelta (0: finish nothing at exit), got "
-                            f"{_args.shown(value)}")
-    return float(value)
-
-
-def shown_seconds(t: float) -> str:
-    """``t`` seconds for messages: ``"2 s"``, ``"0.5 s"``."""
-    return f"{t:g} s"
 
 
 class Work(Protocol):
@@ -138,6 +99,10 @@ _lock = threading.Lock()
 _installed = False
 _start: float | None = None  # when the first pass began: every bound counts from there
 _interrupted = False
+_presses = 0  # Ctrl-C pressed while the exit waited
+_failed_pid: int | None = None  # the process whose work at exit failed or was cut short: it exits with 1
+#: the exit status of a process whose work at exit failed or was cut short by its bound
+FAILED_STATUS = 1
 
 
 def register(obj: Any, timeout: float, work: Callable[[Any], "Work | None"]) -> None:
@@ -176,7 +141,8 @@ def _final_pass() -> None:
 
 def _run(final: bool) -> None:
     """One pass (see the module docstring); any error is one warning line, never a traceback."""
-    global _start, _interrupted
+    global _start
+    jobs: list[_Job] = []
     try:
         if _start is None:
             _start = time.monotonic()
@@ -185,14 +151,18 @@ def _run(final: bool) -> None:
         for j in jobs if final else []:
             if j.obj not in _settled:
                 _settled.add(j.obj)
+                try:  # a failure that no call raised (the last save's copy failed before the exit)
+                    j.work.wait(0.0)
+                except Exception as e:  # noqa: BLE001 - one line; the object still closes
+                    _report(j, short(e))
                 try:
                     j.work.close()
                 except Exception as e:  # noqa: BLE001 - one line; the others still close
                     log.warning("tierfs: at exit, closing %r failed (%s)", j.obj, short(e, with_type=True))
-    except KeyboardInterrupt:
-        _interrupted = True
-        log.warning("tierfs: exit interrupted; background work left unfinished (its data stays where it is)")
+    except KeyboardInterrupt:  # (also a second Ctrl-C while the first one's lines were being written)
+        _stop(jobs)
     except BaseException as e:  # noqa: BLE001 - at exit: one line, never a traceback
+        _fail()
         log.warning("tierfs: finishing background work at exit failed (%s)", short(e, with_type=True))
 
 
@@ -214,7 +184,7 @@ def _jobs(start: float) -> list[_Job]:
 
 def _finish(jobs: list[_Job], final: bool) -> None:
     """Wait for the jobs with pending work, each until its deadline; report each that stops unfinished."""
-    global _interrupted
+    global _interrupted, _presses
     waiting: list[_Job] = []
     for j in jobs:
         if j.work.pending() is None:
@@ -223,22 +193,22 @@ def _finish(jobs: list[_Job], final: bool) -> None:
             _lose(j, "exit interrupted")
         elif j.timeout <= 0:
             if final:  # the first pass leaves it: the non-daemon threads may add to it still
-                _lose(j, "exit_timeout is 0 (nothing is finished at exit)")
+                _lose(j, "exit_timeout is 0 (nothing is finished at exit)", failed=False)
         elif time.monotonic() >= j.deadline:
             _lose(j, f"exit_timeout ({shown_seconds(j.timeout)}) passed")
         else:
             waiting.append(j)
     started = time.monotonic()
     report = started + PROGRESS_AFTER
-    try:
-        while waiting:
+    while waiting:
+        try:
             now = time.monotonic()
             if now >= report:
                 for j in waiting:
                     left = j.work.pending()
                     if left is not None:
-                        log.warning("tierfs: finishing at exit: %s; waiting up to %s more (exit_timeout)",
-                                    left, shown_seconds(round(max(0.0, j.deadline - now), 1)))
+                        log.warning("tierfs: finishing at exit: %s; waiting up to %s more (exit_timeout; %s)", left,
+                                    shown_seconds(round(max(0.0, j.deadline - now), 1)), _stops(_presses))
                 report = now + PROGRESS_EVERY
             for j in list(waiting):
                 if time.monotonic() >= j.deadline:
@@ -250,25 +220,198 @@ def _finish(jobs: list[_Job], final: bool) -> None:
                     wait = min(wait, _SLICE)
                 try:
                     done = j.work.wait(max(0.0, wait))
+                except KeyboardInterrupt:
+                    raise
                 except Exception as e:  # noqa: BLE001 - the work failed: reported in one line
                     waiting.remove(j)
                     _lose(j, short(e))
                     continue
                 if done:
                     waiting.remove(j)
-    except KeyboardInterrupt:
-        _interrupted = True
-        for j in waiting:
-            _lose(j, "exit interrupted")
+        except KeyboardInterrupt:
+            _presses += 1
+            if _presses + _main_interrupted() < 2:  # the first Ctrl-C: say what is left, go on
+                for j in waiting:
+                    left = j.work.pending()
+                    if left is not None:
+                        log.warning("tierfs: Ctrl-C: still finishing at exit: %s; press Ctrl-C again to stop "
+                                    "waiting and leave it unfinished", left)
+                continue
+            _stop(waiting)
 
 
-def _lose(job: _Job, reason: str) -> None:
-    """Report ``job``'s work as unfinished, once."""
+def _stop(jobs: list[_Job]) -> None:
+    """Ctrl-C ends the exit's waits: one line for each job left unfinished, then the process ends by SIGINT."""
+    global _interrupted
+    _interrupted = True
+    try:  # no further Ctrl-C cuts the lines short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
+    _fail()
+    said = False
+    for j in jobs:
+        try:
+            if j.obj not in _settled and j.work.pending() is not None:
+                _lose(j, "exit interrupted by Ctrl-C")
+                said = True
+        except Exception as e:  # noqa: BLE001 - the others are still said
+            log.warning("tierfs: at exit, cannot look at %r (%s)", j.obj, short(e, with_type=True))
+    if not said:
+        log.warning("tierfs: exit interrupted by Ctrl-C; background work may be left unfinished (its data stays "
+                    "where it is)")
+    _die_by_sigint()
+
+
+def _main_interrupted() -> int:
+    """1 when the program ended by an uncaught KeyboardInterrupt (its first Ctrl-C), else 0."""
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return int(isinstance(last, KeyboardInterrupt))
+
+
+def _stops(presses: int, already: int | None = None) -> str:
+    """How to stop a wait: ``"Ctrl-C stops waiting"``, or twice when nothing was pressed yet."""
+    pressed = presses + (_main_interrupted() if already is None else already)
+    return "Ctrl-C stops waiting" if pressed else "Ctrl-C twice stops waiting"
+
+
+def _lose(job: _Job, reason: str, failed: bool = True) -> None:
+    """Report ``job``'s work as unfinished, once (``failed``: the process will exit with status 1)."""
     if job.obj in _settled:
         return
     _settled.add(job.obj)
+    _report(job, reason, failed)
+
+
+def _report(job: _Job, reason: str, failed: bool = True) -> None:
+    """The one warning line of ``job``'s work left unfinished or failed for ``reason``."""
+    if failed:
+        _fail()
     try:
         line = job.work.lost(reason)
     except Exception as e:  # noqa: BLE001 - the reason alone, still one line
         line = f"tierfs: at exit, {reason}; background work of {job.obj!r} is unfinished ({short(e)})"
     log.warning("%s", line)
+
+
+def _fail() -> None:
+    """This process's work at exit failed or was cut short: it exits with :data:`FAILED_STATUS`."""
+    global _failed_pid
+    _failed_pid = os.getpid()
+
+
+def _flush() -> None:
+    """Write out what was logged and printed, before the process ends without the rest of its exit."""
+    for h in [*logging.getLogger().handlers, *log.handlers, logging.lastResort]:
+        try:
+            if h is not None:
+                h.flush()
+        except Exception:  # noqa: BLE001 - a handler that cannot flush: nothing more to do
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
+            pass
+
+
+def _die_by_sigint() -> None:
+    """End the process now, as an uncaught Ctrl-C ends it (killed by SIGINT; status 130 where that fails)."""
+    _flush()
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except (OSError, ValueError):  # not the main thread, or no such signal here
+        pass
+    os._exit(130)
+
+
+def _exit_status() -> None:
+    """The last exit handler (registered when tierfs is imported): a process whose work at exit failed or
+    was cut short exits with :data:`FAILED_STATUS` (or by SIGINT, when the program ended by Ctrl-C)."""
+    if _failed_pid != os.getpid():
+        return
+    if _main_interrupted():
+        _die_by_sigint()
+    _flush()
+    os._exit(FAILED_STATUS)
+
+
+atexit.register(_exit_status)
+
+
+def wait_for(work: Work, what: str) -> None:
+    """Wait until ``work`` is done, saying what it waits for: the wait of a call such as
+    ``TieredStore.close()``, as the exit waits (see the module docstring), without a bound.
+
+    Past :data:`PROGRESS_AFTER` seconds, and every :data:`PROGRESS_EVERY` seconds after, one line (logger
+    ``tierfs``, WARNING): ``tierfs: <what>: waiting for <work.pending()> (<t> so far; Ctrl-C ...)``.
+
+    Ctrl-C: the first press says what it still waits for and goes on waiting, then raises
+    KeyboardInterrupt once the work is done (the program stops, as asked, with its data durable). The next
+    press (the first, when the caller is already handling a KeyboardInterrupt: ``close()`` from a ``with``
+    block that Ctrl-C ended) stops waiting at once: one line (``work.lost``) says what is not durable and
+    where it is, and KeyboardInterrupt is raised from here (no frames of threading's waits).
+
+    Parameters
+    ----------
+    work : Work
+        What is left to do; its ``wait`` raises a failure of the work (a failed copy), which is raised
+        from here as it is.
+    what : str
+        What the caller is doing, for the lines: ``"closing the store"``.
+
+    Raises
+    ------
+    KeyboardInterrupt
+        Ctrl-C (see above).
+    """
+    already = int(isinstance(sys.exc_info()[1], KeyboardInterrupt))
+    presses = 0
+    start = time.monotonic()
+    report = start + PROGRESS_AFTER
+    while True:
+        try:
+            try:
+                if work.wait(max(0.0, min(report - time.monotonic(), PROGRESS_EVERY))):
+                    break
+                now = time.monotonic()
+                if now >= report:
+                    left = work.pending()
+                    if left is not None:
+                        log.warning("tierfs: %s: waiting for %s (%s so far; %s)", what, left,
+                                    shown_seconds(round(now - start)), _stops(presses, already))
+                    report = now + PROGRESS_EVERY
+                continue
+            except KeyboardInterrupt:
+                presses += 1
+                if presses + already < 2:  # the first: say what is left, go on
+                    left = work.pending()
+                    if left is not None:
+                        log.warning("tierfs: %s: Ctrl-C: still waiting for %s; press Ctrl-C again to stop waiting "
+                                    "and leave it unfinished", what, left)
+                    continue
+        except KeyboardInterrupt:  # pressed again while the first press was answered
+            presses += 1
+        _give_up(work, what)
+        raise KeyboardInterrupt from None
+    if presses:
+        raise KeyboardInterrupt  # asked for while the work finished: it is done now
+
+
+def _give_up(work: Work, what: str) -> None:
+    """The one line of :func:`wait_for` stopped by Ctrl-C (a further Ctrl-C meanwhile is ignored)."""
+    try:
+        previous: Any = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no Ctrl-C arrives here
+        previous = None
+    try:
+        line = work.lost("interrupted by Ctrl-C")
+        prefix = "tierfs: at exit, "
+        log.warning("%s", f"tierfs: {what}, {line[len(prefix):]}" if line.startswith(prefix) else line)
+    except Exception as e:  # noqa: BLE001 - still one line
+        log.warning("tierfs: %s, interrupted by Ctrl-C: background work is unfinished (%s)", what, short(e))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

@@ -11,8 +11,9 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
-from .._fileio import atomic_write
 from .. import _args
+from .._fileio import atomic_write
+from .._rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
 from ..errors import ArgumentError, StepNotFoundError, TierfsError
 from ..format import DCP_EXTRA_PREFIX
 from ..store import TieredStore
@@ -20,6 +21,55 @@ from . import _dcpextra
 from ._dcpmeta import as_tensor
 
 log = logging.getLogger("tierfs")
+
+
+def _inside(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip("/") + "/")
+
+
+def check_directory(directory: Any, what: str) -> str:
+    """An export's output directory, checked before anything is read or written: a local path (not a URL),
+    not a file, not a system directory (``/``, ``/etc/...``, ``/usr/...``, ``/tmp`` itself, ...) and not on
+    a kernel file system: the export fills it with checkpoint files. The rules of a local tier's directory
+    (:mod:`tierfs._rootdir`), by path and file system type, not by permission (root may write anywhere).
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        What the caller gave.
+    what : str
+        How messages name it (``"export_dcp directory"``, ``"DIR"``).
+
+    Returns
+    -------
+    str
+        The directory, as given.
+
+    Raises
+    ------
+    ArgumentError
+        It cannot be the export's directory (one line naming it and what to give instead).
+    """
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise ArgumentError(f"{what} must be a path, got {_args.shown(directory)}")
+    path = os.fspath(directory)
+    meant = "://" in path or _args.mangled(path) is not None
+    if meant and not path.startswith("/"):
+        raise ArgumentError(f"{what} {path!r} is a URL, but an export writes a local directory: export to one, then "
+                            "copy it to object storage")
+    real = os.path.realpath(path)
+    have = real
+    while not os.path.exists(have) and have != os.path.dirname(have):
+        have = os.path.dirname(have)
+    kind = filesystem_type(have)
+    if (real in SYSTEM_DIRS or kind in KERNEL_FS
+            or (any(_inside(real, t) for t in SYSTEM_TREES) and not _inside(real, "/dev/shm"))):
+        also = f" ({real})" if real != os.path.abspath(path) else ""
+        raise ArgumentError(f"{what} {path!r}{also} is a system directory, or below one: the export fills it with "
+                            "checkpoint files; give a directory of its own, e.g. './export-step-N'")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ArgumentError(f"{what} {path} is a file; give a directory")
+    return path
 
 
 def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | None = None, *,
@@ -46,8 +96,9 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     crc32c verified), from any rank's shard, so this runs in one process (e.g. rank 0 alone, or a tool
     after the job). ``.metadata`` is written last, through a temporary file and a rename, so a directory
     with a ``.metadata`` is complete. An existing ``.metadata`` in ``directory`` is an error unless
-    ``overwrite=True``. ``progress(nbytes)`` is called as each item is written (a progress bar). Returns
-    the ``Metadata`` written.
+    ``overwrite=True``; a system directory (``/etc/x``), a URL or a file is an
+    :class:`~tierfs.errors.ArgumentError` (:func:`check_directory`). ``progress(nbytes)`` is called as each
+    item is written (a progress bar). Returns the ``Metadata`` written.
     """
     import pickle  # DCP's own metadata format; tierfs writes it for DCP but never reads pickle
 
@@ -56,8 +107,7 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     _args.instance(store, "export_dcp store", TieredStore, "a TieredStore")
     step = _args.optional_step(step)
     tiers = _args.names(tiers, "tiers", [t.name for t in store.tiers])
-    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise ArgumentError(f"export_dcp directory must be a path, got {_args.shown(directory)}")
+    directory = check_directory(directory, "export_dcp directory")
     if step is None:
         steps = store.steps()
         if tiers is not None:
@@ -65,9 +115,6 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
         if not steps:
             raise StepNotFoundError("nothing to export: no committed step")
         step = max(steps)
-    directory = os.fspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ArgumentError(f"export_dcp directory {directory} is a file; give a directory")
     meta_path = os.path.join(directory, ".metadata")
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(meta_path) and not overwrite:

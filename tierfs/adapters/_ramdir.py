@@ -20,6 +20,9 @@ from ..errors import ArgumentError
 from ..tiers.base import Capacity
 
 Info = dict[str, Any]
+#: the RAM directory's subdirectory of files whose upload failed for good at an exit (a missing bucket, no
+#: permission): no listing shows it and no later process uploads what is in it (``_upload.ExitWork``)
+FAILED = ".tierfs-failed"
 
 
 def rel_path(path: str) -> str:
@@ -31,6 +34,9 @@ def rel_path(path: str) -> str:
         if part in ("", ".", "..") or "\x00" in part or is_tmp_name(part):
             raise ArgumentError(f"unsafe path {path!r} for tiered://: no empty, '.', '..' or "
                                 f"'{TMP_PREFIX}*' components")
+    if rel.split("/", 1)[0] == FAILED:
+        raise ArgumentError(f"path {path!r} for tiered:// starts with {FAILED!r}, the name of the RAM directory's "
+                            "failed uploads; choose another name")
     return rel
 
 
@@ -72,9 +78,43 @@ class RamDir:
         return Capacity(used=self.used() - self.sizes.get(replacing, 0), budget=budget, free=free)
 
     # -- names --------------------------------------------------------------------------------------
+    def _walk(self, top: Path) -> Iterator[tuple[str, list[str], list[str]]]:
+        """``os.walk(top)``, without the directory of failed uploads."""
+        for dirpath, dirs, files in os.walk(top):
+            if Path(dirpath) == self.root and FAILED in dirs:
+                dirs.remove(FAILED)
+            yield dirpath, dirs, files
+
+    @property
+    def failed_dir(self) -> Path:
+        """Where files whose upload failed for good at an exit are kept (see :data:`FAILED`)."""
+        return self.root / FAILED
+
+    def set_aside(self, rel: str) -> Path:
+        """Move ``rel`` below :attr:`failed_dir` (same relative path), out of every listing and upload;
+        returns its new path."""
+        dst = self.failed_dir / rel
+        make_private_dir(dst.parent)
+        os.replace(self.path(rel), dst)
+        self.sizes.pop(rel, None)
+        self.prune(self.path(rel).parent)
+        return dst
+
+    def failed_files(self) -> list[Path]:
+        """The files in :attr:`failed_dir`."""
+        return [Path(d) / f for d, _, fs in os.walk(self.failed_dir) for f in fs if not is_tmp_name(f)]
+
+    def prune_failed(self) -> None:
+        """Remove the empty directories of :attr:`failed_dir`, and it too once empty."""
+        for d, _, _ in sorted(os.walk(self.failed_dir), key=lambda w: len(w[0]), reverse=True):
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty
+                pass
+
     def leftovers(self) -> Iterator[Path]:
         """The files an earlier process left, after removing the temporary files of dead writers."""
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, _dirs, files in self._walk(self.root):
             for name in files:
                 p = Path(dirpath) / name
                 if is_tmp_name(name):
@@ -89,7 +129,7 @@ class RamDir:
         base = self.path(rel)
         if base.is_file():
             return [base]
-        return [Path(d) / f for d, _, fs in os.walk(base) for f in fs if not is_tmp_name(f)]
+        return [Path(d) / f for d, _, fs in self._walk(base) for f in fs if not is_tmp_name(f)]
 
     def tmpfile(self, rel: str, name: str) -> Path:
         """A fresh private temporary file next to ``rel``'s path (``name`` is for the error)."""
@@ -140,7 +180,7 @@ class RamDir:
             return None
         out = []
         for entry in os.scandir(p):
-            if is_tmp_name(entry.name):
+            if is_tmp_name(entry.name) or (p == self.root and entry.name == FAILED):
                 continue
             info = self.info(f"{rel}/{entry.name}" if rel else entry.name)
             if info is not None:
@@ -159,7 +199,7 @@ class RamDir:
         if withdirs and rel and (info := self.info(rel)) is not None:
             out[rel] = info
         depth0 = len(base.parts)
-        for dirpath, dirs, files in os.walk(base):
+        for dirpath, dirs, files in self._walk(base):
             depth = len(Path(dirpath).parts) - depth0 + 1  # entries directly below ``base`` are at depth 1
             names = files + dirs if withdirs else list(files)
             if maxdepth is not None and depth >= maxdepth:

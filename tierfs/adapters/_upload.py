@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 import time
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 from .. import _units
 from .._fileio import atomic_write
-from .._retry import retry, short
+from .._retry import PERMANENT, retry, short
 from .._worker import lower_priority
+from ._ramdir import rel_path
 
 if TYPE_CHECKING:
     from ._writeback import Drain
@@ -27,6 +29,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs")
 
 _DURABLE_MODE = 0o400  # a RAM copy whose bytes are on the target
+
+
+class Failure(NamedTuple):
+    """A file's failed upload: the generation tried, why (one line), and whether retrying cannot fix it
+    (:data:`tierfs._retry.PERMANENT`: a missing bucket, no permission)."""
+
+    gen: int
+    why: str
+    permanent: bool
 
 
 def run(d: "Drain") -> None:
@@ -48,21 +59,21 @@ def run(d: "Drain") -> None:
                 d.cond.notify_all()
                 continue
             except OSError as e:  # kept as a failure, so flush() reports it instead of waiting
-                d.failed[rel] = (gen, short(e, with_type=True))
+                d.failed[rel] = Failure(gen, short(e, with_type=True), False)
                 d.counters["upload_failures"] += 1
                 d.cond.notify_all()
                 continue
             d.busy.add(rel)
             d.remote.add(rel)
-        ok, why, nbytes = False, "", 0
+        ok, why, permanent, nbytes = False, "", False, 0
         try:
             nbytes = os.fstat(fd).st_size
             d.throttle.consume(nbytes)
             upload(d, fd, rel)
             ok = True
         except BaseException as e:  # noqa: BLE001 - kept, and raised by flush()
-            why = short(e, with_type=True)
-            log.warning("tiered: upload of %s to %s failed (%s)", rel, d.label, why)
+            why, permanent = short(e, with_type=True), isinstance(e, PERMANENT)
+            log.warning("tiered: upload to %s failed (%s)", d.where(rel), why)
         with d.cond:
             d.busy.discard(rel)
             if ok:
@@ -75,7 +86,7 @@ def run(d: "Drain") -> None:
                 if d.dirty.get(rel) == gen:
                     del d.dirty[rel]
             elif d.dirty.get(rel) == gen:
-                d.failed[rel] = (gen, why)
+                d.failed[rel] = Failure(gen, why, permanent)
                 d.counters["upload_failures"] += 1
             if rel in d.dirty and d.dirty[rel] != gen:
                 d.enqueue(rel)  # rewritten meanwhile: upload the newer bytes
@@ -104,11 +115,20 @@ class ExitWork:
 
     Made once per exit pass. Its first wait queues every file not yet durable (a manual drain's too; one
     whose upload failed gets one more try) and waits until each is uploaded or has failed again.
+
+    A file whose upload then fails for good (a missing bucket, no permission: ``tierfs._retry.PERMANENT``)
+    is moved to the RAM directory's ``.tierfs-failed/`` (same relative path), which no listing shows and
+    no later process uploads: it is not retried by every process that uses the RAM directory, and it is
+    not lost. Once the target is fixed, ``TieredFileSystem.retry_failed()`` (or moving it back below the RAM
+    directory, where the next process using that directory and target adopts it) uploads it. A file whose
+    upload failed otherwise (the store down, a timeout) stays in place, and the next process retries it.
+    Either way the process exits with status 1 (:mod:`tierfs._exit`).
     """
 
     def __init__(self, d: "Drain") -> None:
         self.d = d
         self._queued = False
+        self.set_aside: dict[str, int] = {}  # files moved to the failed uploads -> bytes
 
     def _queue(self) -> None:
         """(lock held) Queue every file not yet durable, once, and start the upload threads."""
@@ -126,16 +146,21 @@ class ExitWork:
     def _left(self) -> list[str]:
         """(lock held) Files still to upload: not durable, and not failed since their last write."""
         d = self.d
-        return [r for r, g in d.dirty.items() if not (r in d.failed and d.failed[r][0] >= g)]
+        return [r for r, g in d.dirty.items() if not (r in d.failed and d.failed[r].gen >= g)]
 
     def _what(self, rels: list[str]) -> str:
-        nbytes = sum(self.d.ramdir.sizes.get(r, 0) for r in rels)
-        return f"{len(rels)} file(s) ({_units.size(nbytes)}) written through tiered://"
+        nbytes = sum(self.d.ramdir.sizes.get(r, self.set_aside.get(r, 0)) for r in rels)
+        return f"{len(rels)} file(s) ({_units.size(nbytes)}) written through tiered::"
+
+    def _on(self, rels: list[str]) -> str:
+        """``on <where they go> (e.g. <one of them>)``, the example left out when it says nothing more."""
+        place, one = self.d.place(rels), self.d.where(rels[0])
+        return f"on {place}" + (f" (e.g. {one})" if one != place else "")
 
     def pending(self) -> str | None:
         with self.d.cond:  # a file whose upload failed before the exit counts: it gets one more try
             left = self._left() if self._queued else sorted(self.d.dirty)
-            return f"{self._what(left)} not yet on {self.d.label}" if left else None
+            return f"{self._what(left)} not yet on {self.d.place(left)}" if left else None
 
     def wait(self, timeout: float) -> bool:
         d = self.d
@@ -147,24 +172,72 @@ class ExitWork:
                 if wait <= 0:
                     return False
                 d.cond.wait(wait)
-            bad = sorted((r, f) for r, f in d.failed.items() if r in d.dirty)
+            bad: list[tuple[str, Failure]] = sorted((r, f) for r, f in d.failed.items() if r in d.dirty)
+            for rel, f in bad:
+                if f.permanent:
+                    self._set_aside(rel)
         if bad:
-            rel, (_, why) = bad[0]
-            raise OSError(f"{len(bad)} upload(s) to {d.label} failed (e.g. {d.tpath(rel)}: {why})")
+            rel, f = bad[0]
+            raise OSError(f"{len(bad)} upload(s) to {d.place(r for r, _ in bad)} failed (e.g. {d.where(rel)}: "
+                          f"{f.why})")
         return True
+
+    def _set_aside(self, rel: str) -> None:
+        """(lock held) Move ``rel`` to the failed uploads: no later process retries it."""
+        d = self.d
+        size = d.ramdir.sizes.get(rel, 0)
+        try:
+            d.ramdir.set_aside(rel)
+        except OSError as e:  # it stays where it is: the next process tries it again
+            log.warning("tiered: cannot move %s to %s (%s)", rel, d.ramdir.failed_dir, short(e, with_type=True))
+            return
+        self.set_aside[rel] = size
+        for table in (d.dirty, d.failed):
+            table.pop(rel, None)
+        d.remote.discard(rel)
 
     def lost(self, reason: str) -> str:
         d = self.d
         with d.cond:
             rels = sorted(d.dirty)
-        if not rels:
-            return f"tierfs: at exit, {reason}; every file written through tiered:// is on {d.label}"
-        return (f"tierfs: at exit, {reason}: {self._what(rels)} are NOT durable on {d.label} (e.g. "
-                f"{d.tpath(rels[0])}); they remain in RAM at {d.root}, and the next process using that RAM "
-                "directory and target uploads them")
+        moved = sorted(self.set_aside)
+        said = []
+        if moved:
+            said.append(
+                f"{self._what(moved)} are NOT durable {self._on(moved)} and will not be retried; they remain in "
+                f"RAM at {d.ramdir.failed_dir} (fix the target, then call retry_failed() on a tiered:: filesystem with "
+                "that RAM directory and target, or move them back below it)")
+        if rels:
+            said.append(
+                f"{self._what(rels)} are NOT durable {self._on(rels)}; they remain in RAM at {d.root}, and the next "
+                "process using that RAM directory and target uploads them")
+        if not said:
+            return f"tierfs: at exit, {reason}; every file written through tiered:: is on {d.place([])}"
+        return f"tierfs: at exit, {reason}: " + "; ".join(said)
 
     def close(self) -> None:
         """Nothing to release: the drain lives as long as the process."""
+
+
+def retry_failed(d: "Drain") -> int:
+    """Move the files whose upload failed for good at an earlier exit (``_ramdir.FAILED``, see
+    :class:`ExitWork`) back into place in ``d``'s RAM directory and queue them; returns how many. A file
+    written again since stays as written (its failed copy, older, is dropped)."""
+    with d.cond:
+        moved = 0
+        for p in d.ramdir.failed_files():
+            rel = rel_path(p.relative_to(d.ramdir.failed_dir).as_posix())
+            if rel in d.ramdir.sizes or rel in d.busy:
+                p.unlink(missing_ok=True)
+                continue
+            d.ramdir.make_dir(posixpath.dirname(rel))
+            os.replace(p, d.ramdir.path(rel))
+            moved += d._adopt(d.ramdir.path(rel))
+        d.ramdir.prune_failed()
+        if moved and d.mode == "background":
+            d._start()
+        d.cond.notify_all()
+    return moved
 
 
 def exit_work(d: "Drain") -> ExitWork | None:

@@ -6,7 +6,8 @@ copies when room is short, and the upload threads (``_upload``). A file's RAM co
 (mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
 uploading. The filesystem (``fsspec.py``) uses the drain's named operations only. At interpreter exit
 the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs._exit`,
-:class:`_upload.ExitWork`).
+:class:`_upload.ExitWork`, which also moves aside the files whose upload failed for good, so that no
+later process retries them).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .._fileio import FILE_MODE, private_opener
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
 from . import _upload
+from ._upload import Failure
 from ._ramdir import RamDir, rel_path
 
 log = logging.getLogger("tierfs")
@@ -53,22 +55,20 @@ class Drain:
     copy never races with a rewrite of the same name.
     """
 
-    def __init__(self, root: Path, target: fsspec.AbstractFileSystem, label: str, *, budget: int | None,
+    def __init__(self, root: Path, target: fsspec.AbstractFileSystem, *, budget: int | None,
                  drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str,
                  exit_timeout: float = _exit.DEFAULT_EXIT_TIMEOUT) -> None:
-        self.target, self.label = target, label
-        self.exit_timeout = exit_timeout
+        self.target, self.protocol, self.exit_timeout = target, protocol_of(target), exit_timeout
         self.budget, self.mode, self.retries, self.when_full = budget, drain, retries, when_full
-        self.concurrency = concurrency
-        self.throttle = Throttle(bandwidth)
-        self.local_target = protocol_of(target) in _LOCAL_PROTOCOLS
+        self.concurrency, self.throttle = concurrency, Throttle(bandwidth)
+        self.local_target = self.protocol in _LOCAL_PROTOCOLS
         self.ramdir = RamDir(root)
         self.cond = threading.Condition()
         self.dirty: dict[str, int] = {}  # files whose newest bytes are not yet on the target -> generation
-        self.failed: dict[str, tuple[int, str]] = {}  # generation that failed and why
+        self.failed: dict[str, Failure] = {}  # the generation whose upload failed, why, and for good or not
         self.remote: set[str] = set()  # files that may have a copy on the target
         self.busy: set[str] = set()  # being uploaded
-        self.queue: deque[str] = deque()
+        self.queue: deque[str] = deque()  # to upload, each once (``queued``)
         self.queued: set[str] = set()
         self.gen = itertools.count(1)
         self.threads: list[threading.Thread] = []
@@ -91,6 +91,20 @@ class Drain:
     def tpath(self, rel: str) -> str:
         marker = self.target.root_marker or ""
         return marker + rel if not rel.startswith(marker) else rel
+
+    def where(self, rel: str) -> str:
+        """``rel`` on the target as messages name it: a URL (``s3://bucket/run/a.bin``), a local target's
+        file as its path."""
+        return self.tpath(rel) if self.local_target else f"{self.protocol}://{self.tpath(rel)}"
+
+    def place(self, rels: Iterable[str]) -> str:
+        """Where on the target ``rels`` go, as a URL: their common directory (``s3://bucket/run``)."""
+        paths = [self.tpath(r) for r in rels]
+        try:
+            common = posixpath.commonpath(paths) if paths else ""
+        except ValueError:  # absolute and relative paths mixed
+            common = ""
+        return f"{self.protocol}://{common}"
 
     def _adopt(self, p: Path) -> bool:
         """(lock held) Track a file found in the RAM directory; True if it still needs uploading.
@@ -148,7 +162,7 @@ class Drain:
         budget = "none" if self.budget is None else _units.size(self.budget)
         raise CapacityError(
             f"tiered RAM directory {self.root}: writing {_units.size(nbytes)} does not fit (budget {budget}, "
-            f"{_units.size(dirty_bytes)} not yet durable on {self.label}); raise budget=, flush() more "
+            f"{_units.size(dirty_bytes)} not yet durable on {self.place(self.dirty)}); raise budget=, flush() more "
             f"often or write less")
 
     def full_error(self, rel: str) -> CapacityError:
@@ -270,16 +284,17 @@ class Drain:
             p = self.ramdir.path(rel)
             if p.is_dir():
                 under = [r for r in sizes if r.startswith(rel + "/") or not rel]
-                if not recursive and (under or any(p.iterdir())):
+                if not recursive and (under or any(c != self.ramdir.failed_dir for c in p.iterdir())):
                     raise IsADirectoryError(f"{self.tpath(rel)} is a non-empty directory; pass recursive=True")
                 self._settle(under)
                 remote = any(r in self.remote for r in under)
                 for r in under:
                     sizes.pop(r, None)
                     self.remote.discard(r)
-                if p == self.root:
+                if p == self.root:  # (failed uploads stay: they are nowhere else)
                     for child in p.iterdir():
-                        shutil.rmtree(child) if child.is_dir() else child.unlink()
+                        if child != self.ramdir.failed_dir:
+                            shutil.rmtree(child) if child.is_dir() else child.unlink()
                 else:
                     shutil.rmtree(p, ignore_errors=True)
                 self.cond.notify_all()
@@ -344,18 +359,18 @@ class Drain:
 
             def open_() -> list[str]:
                 return [r for r, g in want.items() if r in self.dirty and not
-                        (r in self.failed and self.failed[r][0] >= self.dirty[r])]
+                        (r in self.failed and self.failed[r].gen >= self.dirty[r])]
             while left := open_():
                 wait = None if deadline is None else deadline - time.monotonic()
                 if wait is not None and wait <= 0:
-                    raise TimeoutError(f"tiered flush: {len(left)} file(s) not yet durable on {self.label} "
-                                       f"after {timeout}s (e.g. {self.tpath(left[0])}); call flush() again")
+                    raise TimeoutError(f"tiered flush: {len(left)} file(s) not yet durable on {self.place(left)} "
+                                       f"after {timeout}s (e.g. {self.where(left[0])}); call flush() again")
                 self.cond.wait(wait)
-            bad = [(r, self.failed[r][1]) for r in want if r in self.dirty and r in self.failed]
+            bad = [(r, self.failed[r].why) for r in want if r in self.dirty and r in self.failed]
         if bad:
             raise BackgroundError(
-                f"tiered flush: {len(bad)} of {len(want)} file(s) are NOT durable on {self.label} "
-                f"(e.g. {self.tpath(bad[0][0])}: {bad[0][1]}); they are still in RAM at {self.root}; fix the "
+                f"tiered flush: {len(bad)} of {len(want)} file(s) are NOT durable on {self.place(r for r, _ in bad)} "
+                f"(e.g. {self.where(bad[0][0])}: {bad[0][1]}); they are still in RAM at {self.root}; fix the "
                 "target and call flush() again")
 
     def pending(self) -> list[str]:
@@ -367,7 +382,7 @@ _DRAINS: dict[tuple, Drain] = {}
 _DRAINS_LOCK = threading.Lock()
 
 
-def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, label: str, *, budget: int | None,
+def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, *, budget: int | None,
               drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str,
               exit_timeout: float) -> Drain:
     """This process's drain for the RAM directory ``root`` and the target identified by ``key``; made
@@ -377,7 +392,7 @@ def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, label: 
     with _DRAINS_LOCK:
         d = _DRAINS.get(dkey)
         if d is None:
-            d = _DRAINS[dkey] = Drain(root, target, label, budget=budget, drain=drain, bandwidth=bandwidth,
+            d = _DRAINS[dkey] = Drain(root, target, budget=budget, drain=drain, bandwidth=bandwidth,
                                       concurrency=concurrency, retries=retries, when_full=when_full,
                                       exit_timeout=exit_timeout)
             _exit.register(d, exit_timeout, _upload.exit_work)

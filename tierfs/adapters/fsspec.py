@@ -38,6 +38,7 @@ from .._fileio import make_private_dir
 from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
 from ..errors import ArgumentError
 from . import _tieredargs as ta
+from . import _upload
 from ._listing import TieredListing
 from ._ramdir import rel_path
 from ._ramfile import RamWriter
@@ -73,6 +74,7 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         The filesystem behind the RAM tier and its options (what ``tiered::s3://...`` sets).
     fo:
         The target URL or path (``s3://bucket/run``); with no ``target_protocol`` the protocol comes from it.
+        A URL with a typo (``s3:/bucket``), an unknown protocol or no bucket is an ``ArgumentError``.
     fs:
         A target filesystem instance instead of ``target_protocol``/``target_options``.
     budget:
@@ -127,25 +129,13 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
                        concurrency=drain_concurrency, retries=retries)
         self.timeout = o.timeout
         self.exit_timeout = _exit.exit_seconds(exit_timeout, "tiered:// exit_timeout")
-        if fs is not None:
-            _args.instance(fs, "fs", fsspec.AbstractFileSystem, "an fsspec filesystem")
         root = ta.ram_root(path)
-        opts = {k: v for k, v in (target_options or {}).items() if k not in ("asynchronous", "loop")}
-        if fs is None:
-            if target_protocol is None:
-                if not fo or "://" not in str(fo):
-                    raise ArgumentError("tiered:// needs a target: use a URL such as tiered::s3://bucket/run, "
-                                        "or pass target_protocol= (or fs=)")
-                target_protocol = str(fo).split("://", 1)[0]
-            fs = fsspec.filesystem(target_protocol, **opts)
-        else:
-            opts = {k: v for k, v in getattr(fs, "storage_options", {}).items() if k not in ("asynchronous", "loop")}
+        fs, opts = ta.target(fo, target_protocol, target_options, fs)  # a typo in the URL: nothing is created
         key = (protocol_of(fs), tokenize(opts))  # not fs._fs_token: it differs per thread for sync classes
         self.target = fs
         self.fo = fo
         root = ta.make_ram_root(root)
-        label = f"{protocol_of(fs)}://{self._strip_protocol(fo) if fo else ''}"
-        self._drain = drain_for(root, fs, key, label, budget=o.budget, drain=o.drain, bandwidth=o.bandwidth,
+        self._drain = drain_for(root, fs, key, budget=o.budget, drain=o.drain, bandwidth=o.bandwidth,
                                 concurrency=o.concurrency, retries=o.retries, when_full=o.when_full,
                                 exit_timeout=self.exit_timeout)
 
@@ -196,6 +186,12 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         return self._drain.adopt(rel)
 
     # -- durability ---------------------------------------------------------------------------------
+    def retry_failed(self) -> int:
+        """Upload again the files whose upload failed for good (a missing bucket, no permission) when an
+        earlier process exited: that exit moved them aside in the RAM directory, and no process retries
+        them unless asked, here. Returns how many were queued; :meth:`flush` waits for them."""
+        return _upload.retry_failed(self._drain)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every file written through any instance for this RAM directory and target is
         durable on the target (at most ``timeout`` seconds, default the filesystem's ``timeout``). Raises

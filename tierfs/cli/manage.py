@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import _args
 from .._rootdir import check_local_url
 from .._units import duration, rate, size
 from ..errors import TierfsError, TierUnavailableError
@@ -44,6 +45,7 @@ def _destination(args: argparse.Namespace, src_all: list[Tier], src_opts: dict[s
             raise UsageError("give a destination (a directory, URL or config) or --to NAME, a tier of the source "
                              "config")
         return select(src_all, args.to)[0]
+    _args.object_url(args.dest, "DEST", relative=True)  # s3:/bucket is a typo, not a directory
     if is_url(args.dest):
         check_local_url(args.dest, "DEST")
         return ObjectTier(args.dest, _dst_options(args, src_opts))
@@ -185,10 +187,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.dcp:
         raise UsageError("choose the export format: --dcp (a plain PyTorch DCP checkpoint directory)")
     try:
+        from ..adapters._dcpexport import check_directory
         from ..adapters.dcp import export_dcp
     except ImportError as e:
         raise TierfsError(f"export --dcp needs torch ({e}); pip install 'tierfs[torch]'") from None
     from ..store import TieredStore
+
+    check_directory(args.directory, "DIR")  # never a system directory, before any tier is read
 
     tiers = tiers_from_target(args.target, storage_options_from_args(args))
     if args.tier is not None:

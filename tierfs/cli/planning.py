@@ -308,9 +308,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``tierfs bench``: measure the tiers here; print the figures and write the JSON plan/simulate read."""
-    from .. import bench
+    from .. import _args, bench
 
     storage_options = storage_options_from_args(args)
+    if args.object is not None:
+        _args.object_url(args.object, "--object")  # a typo is an error, not a benchmark of a local directory
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():

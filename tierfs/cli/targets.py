@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .. import _args
 from .._rootdir import check_local_url
 from ..config import read_config
 from ..errors import FormatError, TierUnavailableError
@@ -106,6 +107,7 @@ def tiers_from_config(path: str | Path) -> list[Tier]:
             tiers.append(MemoryTier(spec.path, budget=spec.budget, name=spec.name or "ram", **spec.policies()))
         else:
             assert spec.url is not None  # read_config requires it of an object tier
+            _args.object_url(spec.url, f"{spec.where}: url")  # a typo is an error, never a local directory
             check_local_url(spec.url, f"config {path}: tier url")
             tiers.append(ObjectTier(spec.url, spec.storage_options, name=spec.name, **spec.policies()))
     names = [t.name for t in tiers]
@@ -134,11 +136,14 @@ def tiers_from_target(target: str, storage_options: dict[str, Any]) -> list[Tier
     ------
     UsageError
         Storage options given for a target that is not a URL.
+    ArgumentError
+        A URL with a typo (``s3:/bucket``), an unknown protocol or no bucket.
     TierUnavailableError
         The target does not exist or is neither a directory, a URL nor a config.
     """
     from ..tiers import MemoryTier, ObjectTier
 
+    _args.object_url(target, "TARGET", relative=True)  # s3:/bucket is a typo, not a directory
     if is_url(target):
         check_local_url(target, "TARGET")
         return [ObjectTier(target, storage_options)]

@@ -34,7 +34,7 @@ from .._copy import as_u8
 from .._fileio import atomic_write, is_tmp_name, make_private_dir
 from .._retry import PERMANENT, retry, short
 from .._rootdir import check_local_url, check_root
-from ..errors import ArgumentError, TierfsError, TierUnavailableError
+from ..errors import TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
 from ._pool import DaemonPool
@@ -53,7 +53,9 @@ class ObjectTier(Tier):
     Parameters
     ----------
     url:
-        Where steps go, e.g. ``s3://bucket/job-42`` or ``gs://bucket/run``. Any fsspec protocol works.
+        Where steps go, e.g. ``s3://bucket/job-42`` or ``gs://bucket/run``. Any fsspec protocol works; a
+        local directory is a ``file://`` URL or an absolute path. A URL with a typo (``s3:/bucket``,
+        ``s3//bucket``, ``bucket/run``), an unknown protocol or no bucket is an ``ArgumentError``.
     storage_options:
         Passed unchanged to the filesystem (``endpoint_url``, ``key``, ``token``, ...). Never dropped.
     save, keep:
@@ -77,8 +79,7 @@ class ObjectTier(Tier):
                  save: SavePolicy | None = None, keep: PreservationPolicy | None = None,
                  concurrency: int = 8, part_size: int = 16 << 20, retries: int = 4,
                  name: str | None = None) -> None:
-        if not isinstance(url, str) or not url:
-            raise ArgumentError(f"ObjectTier needs a URL such as s3://bucket/run, got {url!r}")
+        _args.object_url(url, "ObjectTier url")  # a typo (s3:/bucket) never becomes a local directory
         check_local_url(url, "ObjectTier url")  # a file:// tier never takes over a system directory
         self.url = url
         self.storage_options = dict(storage_options or {})
@@ -149,8 +150,11 @@ class ObjectTier(Tier):
         """``fn()`` with retries; a transient error that outlasts them becomes one TierUnavailableError."""
         try:
             return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
-        except PERMANENT:
-            raise
+        except PERMANENT as e:  # the same type (callers tell a missing file by it), naming the tier and URL
+            named = _named(e, f"tier {self.name!r} ({self.url}): {what}: {short(e)}")
+            if named is e:
+                raise
+            raise named from e
         except TierfsError:
             raise
         except Exception as e:  # noqa: BLE001 - transient (retry() raised it after the last attempt)
@@ -299,6 +303,15 @@ class ObjectTier(Tier):
 
     def __repr__(self) -> str:
         return f"ObjectTier({self.url!r})"
+
+
+def _named(e: BaseException, message: str) -> BaseException:
+    """An exception of ``e``'s type saying ``message`` (``e`` itself when its type needs other arguments)."""
+    try:
+        named = type(e)(message)
+    except Exception:  # noqa: BLE001 - a type built otherwise: the original says less, but says it
+        return e
+    return named if str(named) == message else e
 
 
 def _is_dir_entry(name: str, directory: str) -> bool:
