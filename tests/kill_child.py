@@ -113,8 +113,10 @@ def junk(root: str, allowed_top: set[str]) -> list[str]:
 
 
 def check_and_restore(mgr: CheckpointManager, shm: str, obj: str) -> dict[str, Any]:
-    """After the store opened: listings, verification of every committed step, the newest restored."""
+    """After the store opened and copied on what the killed process had not (catch-up): listings,
+    verification of every committed step, the newest restored."""
     s = mgr.store
+    mgr.wait_until_finished()
     listed = {t.name: t.list_steps() for t in s.tiers}
     bad = {}
     for name, steps in listed.items():

@@ -90,7 +90,7 @@ class RestorePlan:
     def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
         """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
         gettable = [self.gettable(r) for r in range(len(self.own))]
-        newer = sorted({x for g in gettable for x in g if x > step}, reverse=True)
+        newer = sorted({x for g in gettable for x in g if x > step} - common_steps(gettable), reverse=True)
         return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
 
     def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:

@@ -24,15 +24,10 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from .. import _copy
 from .._worker import Detached
-from .._stages import stage
+from .._stages import operation, stage
 from ..dist import agree
 from ..errors import ArgumentError, RestoreError, RestoreIncompleteError, StateMismatchError, TierfsError
-from ..format import Marker, manifest_filename
-from ..protocol import commit
 from ..tiers.base import Holder, Replicator, Tier
 from ..tiers.peer import plan_fetch
 from .layout import ReadViews
@@ -40,6 +35,7 @@ from .parts import Parts
 from .completing import NONE, OWNED, UNIQUE, WHOLE, complete, holds
 from .landing import Landing
 from .reading import UNUSABLE, Reader, Shard, Skipped, fill
+from .localizing import adopt as localize
 from .reseeding import reseed
 from .restoreplan import RestoreInfo, RestorePlan, error_kind, gather_plan
 from .sinks import Sink
@@ -71,12 +67,17 @@ class Restore:
         self.landing = Landing(sink)  # where a peer's entries land straight
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
+        with operation("restore"):  # what a wait outside a stage says it waited in
+            return self._run(step, adopt)
+
+    def _run(self, step: int | None, adopt: bool) -> RestoreInfo:
         plan = gather_plan(self.parts, self.usable, self.check, self.base)
         names = [t.name for t in self.usable]
         order = plan.steps(step, names)
         leave = self.sink is not None and not adopt  # localize: every rank's first tier before returning
         for s in order:
-            got, mismatch, sending = self._try(s, plan, leave)
+            with operation(f"restore step {s}"):
+                got, mismatch, sending = self._try(s, plan, leave)
             if sending is not None and got is not None:  # in place: the rest goes on in the background
                 log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
                          "background", s, got[0])
@@ -86,10 +87,11 @@ class Restore:
                 info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
                 self.parts.restores.submit(functools.partial(self._settle, s, plan, got, sending))
                 return info
-            if self._agreed(s, got, mismatch, left=False):
-                assert got is not None
-                self._restored(s, plan, names, step is None)
-                return self._finish(s, plan, *got, adopt=adopt)
+            with operation(f"restore step {s}"):
+                if self._agreed(s, got, mismatch, left=False):
+                    assert got is not None
+                    self._restored(s, plan, names, step is None)
+                    return self._finish(s, plan, *got, adopt=adopt)
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")
 
@@ -131,9 +133,10 @@ class Restore:
         self.sink, self.landing = None, Landing(None)  # the target is the caller's now: never written again
         try:
             sending.join()
-            after, mismatch = self._rest(s, plan, got, None)
-            self._agreed(s, after, mismatch, left=True)
-            self._finish(s, plan, *got, adopt=False)
+            with operation(f"restore step {s}"):
+                after, mismatch = self._rest(s, plan, got, None)
+                self._agreed(s, after, mismatch, left=True)
+                self._finish(s, plan, *got, adopt=False)
         except RestoreIncompleteError:
             raise
         except BaseException as e:
@@ -187,8 +190,9 @@ class Restore:
 
     def _send_early(self, s: int, plan: RestorePlan, rep: Replicator, early: list[bool], serve: Shard | None) -> None:
         """A rank holding ``s`` in RAM, while it reads its own: sends the ranks without it what it keeps."""
-        self._from_peers(s, plan, rep, None, None, early)
-        self._complete(s, None, None, serve)
+        with operation(f"restore step {s}"):
+            self._from_peers(s, plan, rep, None, None, early)
+            self._complete(s, None, None, serve)
 
     def _rest(self, s: int, plan: RestorePlan, got: tuple[RestoreInfo, Shard] | None, mismatch: BaseException | None
               ) -> tuple[tuple[RestoreInfo, Shard] | None, BaseException | None]:
@@ -313,7 +317,7 @@ class Restore:
                     elif v < 0:  # no later restore picks it; re-seeding after this one replaces it
                         plan.holders[(s, r)].remove(assign[r])
                         if assign[r] == g.rank:
-                            self._drop(rep, s, r)
+                            _drop(rep, s, r)
             if received and got is not None and mismatch is None and holds(got[1].manifest, got[1].files) == WHOLE:
                 try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
                     # it landed; a failure now is the target's (else completed from other ranks first)
@@ -322,12 +326,6 @@ class Restore:
                 except Exception as e:  # noqa: BLE001 - raised by all ranks
                     got, mismatch = None, e
 
-    @staticmethod
-    def _drop(rep: Replicator, s: int, r: int) -> None:
-        try:
-            rep.drop(s, r)
-        except Exception as e:  # noqa: BLE001 - only the copy is left behind: the next restore checks it again
-            log.warning("tier %s step %d: could not drop the copy of rank %d's shard (%s)", rep.name, s, r, e)
 
     def _unverified(self, s: int, plan: RestorePlan) -> Shard | None:
         """This rank's whole shard of ``s`` in its fastest tier holding it, unverified (for sending on while
@@ -358,36 +356,13 @@ class Restore:
                                        "nbytes": info.nbytes, "seconds": info.seconds})
         log.info("restored %s", info)
         if adopt:
-            self._adopt(s, info, shard)
+            localize(self.parts, self.group, s, info, shard)
         if self.replicator is not None:
             reseed(self.parts, self.replicator, s, plan, shard)
         return info
 
-    def _adopt(self, s: int, info: RestoreInfo, shard: Shard) -> None:
-        """Write a shard read from elsewhere into the first tier; each node's owner commits it there once
-        all of the node's ranks have theirs (collective). A failure only costs speed: it is logged."""
-        p = self.parts
-        first = p.first
-        wrote = False
-        if info.tier != first.name:
-            shard = shard.whole()
-            try:
-                with stage("localize", s, first.name):
-                    bufs = first.stage(s, shard.manifest.files)
-                    for name, data in _copy.shard_views(shard.manifest, shard.files).items():
-                        np.copyto(bufs[name], data)
-                    first.write_staged(s)
-                    first.write_file(s, manifest_filename(p.group.rank), shard.mbytes)
-                wrote = True
-            except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
-                first.discard_staged(s)
-                log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
-        wrote_by = self.group.all_gather(wrote)
-        if p.owns(first) and any(wrote_by[r] for r in p.sharing(first)):
-            marker = Marker.from_bytes(shard.marker)
-            try:
-                commit(first, s, shard.marker, p.expected_manifests(first, marker))
-            except (TierfsError, OSError) as e:
-                log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
-        self.group.barrier()
-        p.refresh()
+def _drop(rep: Replicator, s: int, r: int) -> None:
+    try:
+        rep.drop(s, r)
+    except Exception as e:  # noqa: BLE001 - only the copy is left behind: the next restore checks it again
+        log.warning("tier %s step %d: could not drop the copy of rank %d's shard (%s)", rep.name, s, r, e)
