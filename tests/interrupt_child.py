@@ -3,9 +3,8 @@
     python interrupt_child.py RAM OBJ_URL MODE
 
 The copy to the object tier waits in the ``transfer`` test hook until the parent writes a line to this
-process's stdin. MODE ``close``: the program then closes the store and waits there (as
-``TieredStore.close`` does, through ``tierfs._exit.wait_for``); ``exit``: it leaves the store open and ends,
-so the interpreter's exit waits. A KeyboardInterrupt that reaches the program ends it with status 130
+process's stdin. MODE ``close``: the program then closes the store and waits there; ``exit``: it leaves
+the store open and ends, so the interpreter's exit waits. A KeyboardInterrupt that reaches the program ends it with status 130
 without a traceback, as a command-line tool ends on Ctrl-C.
 """
 
@@ -16,7 +15,7 @@ import threading
 
 import numpy as np
 
-from tierfs import TieredStore, _exit, _lifecycle
+from tierfs import TieredStore
 from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier
 
@@ -40,8 +39,6 @@ store.save(1, {"w": np.arange(1 << 16, dtype=np.float32)})  # committed in RAM; 
 print("saved", flush=True)
 if mode == "close":
     try:
-        _exit.unregister(store)  # as TieredStore.close() does first
-        _exit.wait_for(_lifecycle.StoreWork(store), "closing the store")
         store.close()
     except KeyboardInterrupt:
         print("KeyboardInterrupt", flush=True)

@@ -42,9 +42,10 @@ def _state(seed: int, n: int = 1 << 16) -> dict[str, np.ndarray]:
             "b": np.arange(seed, seed + 7, dtype=np.int64)}
 
 
-def _child(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``code`` (with ``args`` in ``sys.argv[1:]``) in a fresh interpreter that exits normally; it must
-    never print a traceback."""
+def _child(code: str, *args: str, env: dict[str, str] | None = None,
+           status: int = 0) -> subprocess.CompletedProcess:
+    """Run ``code`` (with ``args`` in ``sys.argv[1:]``) in a fresh interpreter that exits with ``status`` (1:
+    its work at exit failed or outlasted the bound); it must never print a traceback."""
     prelude = textwrap.dedent("""
         import json, os, sys
         import numpy as np
@@ -56,7 +57,7 @@ def _child(code: str, *args: str, env: dict[str, str] | None = None) -> subproce
     """)
     out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), *args], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT, env={**os.environ, **(env or {})})
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == status, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     return out
 
@@ -80,9 +81,9 @@ WRITE_FILES = """
 """
 
 
-def _write_files(url: str, opts: dict, files: dict = FILES, env: dict[str, str] | None = None
+def _write_files(url: str, opts: dict, files: dict = FILES, env: dict[str, str] | None = None, status: int = 0
                  ) -> subprocess.CompletedProcess:
-    return _child(WRITE_FILES, url, json.dumps(opts), json.dumps(files), env=env)
+    return _child(WRITE_FILES, url, json.dumps(opts), json.dumps(files), env=env, status=status)
 
 
 def _expected_table() -> str:
@@ -162,7 +163,7 @@ def test_a_bound_too_short_exits_with_one_warning_naming_what_is_not_durable(shm
     target = tmp_path / "target"
     files = {"x.bin": (40 * MiB, 7), "y.bin": (40 * MiB, 8)}  # one passes the burst, the other waits
     out = _write_files(f"tiered::file://{target}", {"tiered": {"path": shm_dir, "drain_bandwidth": SLOW,
-                                                             "exit_timeout": 1}}, files)
+                                                             "exit_timeout": 1}}, files, status=1)
     lost = _lost_lines(out.stderr)
     assert len(lost) == 1, out.stderr
     assert "exit_timeout (1 s) passed" in lost[0] and f"remain in RAM at {shm_dir}" in lost[0]
@@ -180,7 +181,8 @@ def test_a_bound_too_short_exits_with_one_warning_naming_what_is_not_durable(shm
 def test_an_upload_failing_at_exit_is_one_warning(shm_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"")  # the target directory cannot be made below a file
-    out = _write_files(f"tiered::file://{blocker}/target", {"tiered": {"path": shm_dir, "drain": "manual"}})
+    out = _write_files(f"tiered::file://{blocker}/target", {"tiered": {"path": shm_dir, "drain": "manual"}},
+                       status=1)
     lost = _lost_lines(out.stderr)
     assert len(lost) == 1, out.stderr
     assert "upload(s)" in lost[0] and "failed" in lost[0] and f"remain in RAM at {shm_dir}" in lost[0]
@@ -245,7 +247,7 @@ def test_a_store_whose_copy_outlasts_the_bound_exits_with_one_warning(shm_dir, t
         store = TieredStore([MemoryTier({shm_dir!r}), ObjectTier({url!r})], background_bandwidth={SLOW},
                             exit_timeout={bound})
         store.save(1, {{"big": np.arange(20 << 20, dtype=np.float32)}})  # committed in RAM, then copied
-    """)
+    """, status=0 if bound == 0 else 1)
     lost = _lost_lines(out.stderr)
     assert len(lost) == 1, out.stderr
     assert ("exit_timeout is 0" if bound == 0 else "exit_timeout (1 s) passed") in lost[0]
@@ -265,7 +267,7 @@ def test_a_copy_failing_before_exit_is_one_warning(shm_dir, tmp_path):
         shutil.rmtree({str(obj)!r})
         open({str(obj)!r}, "w").close()  # the object tier's root is now a file: the copy fails
         store.save(1, _state(1))
-    """)
+    """, status=1)
     lost = _lost_lines(out.stderr)
     assert len(lost) == 1, out.stderr
     assert "background copy failed" in lost[0] and f"RAM tier stay at {shm_dir}" in lost[0]

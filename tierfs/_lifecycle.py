@@ -162,7 +162,8 @@ class StoreWork:
             if first not in self.parts.ledger.holders(s):
                 said.append(f"step {s}{self._nbytes(s)} not yet committed")
             else:
-                said.append(f"step {s}{self._nbytes(s)} not yet on {', '.join(t.name for t in self._missing(s))}")
+                on = ", ".join(f"tier {t.name!r} ({getattr(t, 'location', t.name)})" for t in self._missing(s))
+                said.append(f"step {s}{self._nbytes(s)} not yet on {on}")
         if not said and not _idle(self.parts.restores):
             return "TieredStore: the rest of a restore (sending to the ranks still receiving, agreeing)"
         return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")

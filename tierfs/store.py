@@ -432,17 +432,26 @@ class TieredStore:
         self._parts.settle()
 
     def close(self) -> None:
-        """Finish background work, then release every tier. Raises a background failure, if any."""
+        """Finish background work, then release every tier. Raises a background failure, if any.
+
+        While it waits it says what for (past a second, then every few seconds: the steps and the tiers
+        they are not yet on). Ctrl-C (:func:`tierfs._exit.wait_for`): the first press goes on waiting and
+        raises KeyboardInterrupt once the copies are done; the next one (the first, when Ctrl-C ended the
+        ``with`` block) stops waiting at once, with one line naming what is not durable and where it is:
+        the copies left running are not waited for (daemon threads, they end with the process).
+        """
         if self._closed:
             return
         _exit.unregister(self)  # closed here: nothing is left for the exit to finish
         try:
+            _exit.wait_for(_lifecycle.StoreWork(self), "closing the store")
             self.wait_until_finished()
         finally:
             self._closed = True
-            self._parts.close()
-            for t in self.tiers:
-                t.close()
+            if _lifecycle.StoreWork(self).pending() is None:  # else Ctrl-C left copies running: not joined
+                self._parts.close()
+                for t in self.tiers:
+                    t.close()
 
     def _discard(self) -> None:
         """Undo the store for a constructor that failed after making it (``CheckpointManager``'s): close

@@ -127,6 +127,7 @@ class CheckpointManager:
         grace = _args.number(seconds(sigterm_grace) if isinstance(sigterm_grace, datetime.timedelta)
                              else sigterm_grace, "sigterm_grace (seconds)")
         if directory is not None:
+            _args.object_url(directory, "directory", relative=True)  # s3:/bucket is a typo, not a local directory
             check_local_url(directory, "directory")
             url = directory if "://" in directory else f"file://{directory}"
             tiers = [ObjectTier(url, storage_options, save=FixedIntervalPolicy(self.options.save_interval_steps),
