@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import ArgumentError, TierUnavailableError
+from .errors import ArgumentError, TierUnavailableError, URLArgumentError
 from .state import Trusted
 
 #: the largest step number: a step directory is ``step_`` and 12 digits
@@ -200,11 +200,6 @@ def instance(value: Any, what: str, cls: type | tuple[type, ...], expected: str)
 
 
 # -- object-store URLs ------------------------------------------------------------------------------
-class URLArgumentError(ArgumentError, TierUnavailableError):
-    """An object-store URL that cannot be one (a typo, an unknown protocol, no bucket). An
-    :class:`ArgumentError`, and a :class:`TierUnavailableError` as bad URLs were before."""
-
-
 #: protocols whose path starts with a bucket (or container)
 BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "tos", "tosfs"})
 #: local protocols: their path is a directory on this machine

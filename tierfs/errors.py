@@ -62,6 +62,11 @@ class ArgumentError(TierfsError, TypeError, ValueError):
     expected. It is also a TypeError and a ValueError, so code catching either keeps working."""
 
 
+class URLArgumentError(ArgumentError, TierUnavailableError):
+    """An object-store URL that cannot be one (a typo, an unknown protocol, no bucket): an
+    :class:`ArgumentError`, and a :class:`TierUnavailableError` as bad URLs always were."""
+
+
 class StateMismatchError(TierfsError, ValueError):
     """The state given to restore into does not match the checkpoint (names, dtypes or shapes)."""
 
