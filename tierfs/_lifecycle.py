@@ -59,15 +59,18 @@ def local_dirs(tier: Holder) -> list[Path]:
 class Opening:
     """A store's constructor's tiers and directories, undone by :meth:`undo` when it fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, writes: bool = True) -> None:
         self.made: list[Path] = []  # directories that did not exist before a tier opened
         self.opened: list[Holder] = []
         self.parts: Parts | None = None
+        self.writes = writes  # a store that saves: its RAM tiers are this job's (locked when they open)
 
     def open(self, tier: Holder) -> None:
         """Open ``tier``, noting the directories it is about to create."""
         for d in local_dirs(tier):
             self.made += missing_dirs(d)
+        if isinstance(tier, MemoryTier):
+            tier.lock_on_open = self.writes  # a second job on the directory fails here, not at its first write
         self.opened.append(tier)
         tier.open()
 

@@ -119,7 +119,7 @@ class TieredStore:
         self.exit_timeout = _exit.exit_seconds(exit_timeout)
         self.group = (group.with_timeout(self.timeout) if group is not None else default_group(self.timeout))
         self._closed = True  # until it is open
-        self._opening = _lifecycle.Opening()
+        self._opening = _lifecycle.Opening(writes=cleanup)
         try:
             self._parts = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
                                               self.block_size, clock)
