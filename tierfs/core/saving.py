@@ -267,6 +267,8 @@ class SavePath:
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))
+        log.info("step %d committed in %s: %s%s", step, first.name, _units.Bytes(marker.nbytes),
+                 f"; copies to {[t.name for t in slow]} follow in the background" if slow else "")
         # the step is committed whatever retention does: a failure there is the next call's to raise. Before
         # the copies start: the buffers it frees take the replicas this step brings
         self.retention.apply(first, on_error=p.ledger.fail)
