@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import uuid
 import weakref
 from contextlib import contextmanager
@@ -332,9 +333,26 @@ def unleased(step_dir: Path) -> Iterator[bool]:
         yield True
         return
     try:
-        yield _try_exclusive(fd)
+        yield _exclusive_soon(fd)
     finally:
         os.close(fd)
+
+
+#: seconds a deletion tries for a step directory held by another process: ranks sharing a node's directory
+#: each hold it for the few renames of their own files; a zero-copy view's lease holds it far longer
+_CONTENDED = 0.25
+
+
+def _exclusive_soon(fd: int) -> bool:
+    """An exclusive ``flock`` of ``fd`` now or within :data:`_CONTENDED` seconds (another rank's deletion of its
+    files ends); False when it stays held (a lease)."""
+    deadline, pause = time.monotonic() + _CONTENDED, 0.0005
+    while not _try_exclusive(fd):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return True
 
 
 class Exports:
