@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from tierfs import CheckpointManager, CheckpointManagerOptions, TieredStore, TierfsError
 from tierfs.adapters.dcp import TieredWriter
-from tierfs.adapters.fsspec import TieredFileSystem
 from tierfs.format import step_dirname
+from tierfs.fs import TieredFileSystem
 from tierfs.tiers import MemoryTier
 
 ENTRY_SYNTAX = re.compile(r"(?:^|[\s'\"(\[,:])(?:\d+(?:,\d+)*|b|x)?\|")

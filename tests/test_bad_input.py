@@ -23,8 +23,8 @@ from tierfs import (ArgumentError, CheckpointManager, CheckpointManagerOptions, 
                     StateMismatchError, TieredStore, TierfsError, TierUnavailableError)
 from tierfs._worker import Throttle
 from tierfs.adapters.dcp import TieredReader, TieredWriter, export_dcp
-from tierfs.adapters.fsspec import TieredFileSystem
 from tierfs.cli import main
+from tierfs.fs import TieredFileSystem
 from tierfs.policies import (AnySavePolicy, BestN, ContinuousCheckpointingPolicy, CustomSteps, EveryNSeconds,
                              FixedIntervalPolicy, LatestN, RestorePolicy, SpecificStepsPolicy)
 from tierfs.policies.spec import keep_policy, save_policy

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from tierfs import ArgumentError, TieredStore, TierUnavailableError
-from tierfs.adapters.fsspec import TieredFileSystem
 from tierfs.cli import main
+from tierfs.fs import TieredFileSystem
 from tierfs.tiers import MemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))

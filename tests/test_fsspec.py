@@ -17,8 +17,8 @@ from fsspec.tests.abstract import AbstractFixtures
 from fsspec.tests.abstract.open import AbstractOpenTests
 from fsspec.tests.abstract.pipe import AbstractPipeTests
 
-from tierfs.adapters.fsspec import TieredFileSystem
 from tierfs.errors import BackgroundError, CapacityError
+from tierfs.fs import TieredFileSystem
 
 
 def _data(n: int, seed: int) -> bytes:
@@ -289,7 +289,7 @@ def test_listings_never_show_writes_in_flight(tmp_path, shm_dir, monkeypatch):
     """A temporary name is not a file: ls/find/glob/walk leave out writes in flight in RAM, the drain's
     upload to a local target (listed from inside that upload) and what a crashed writer left."""
     from tierfs._fileio import is_tmp_name
-    from tierfs.adapters import _upload
+    from tierfs.fs import upload as _upload
 
     target = tmp_path / "t"
     fs, root = fsspec.url_to_fs(f"tiered::file://{target}", tiered={"path": shm_dir, "drain": "manual"})
@@ -359,7 +359,7 @@ def test_registered_under_tiered_in_a_fresh_interpreter(s3_url, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, json.dumps(opts)], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["tierfs.adapters.fsspec", "TieredFileSystem", url.split("://", 1)[1]]
+    assert out.stdout.split() == ["tierfs.fs.filesystem", "TieredFileSystem", url.split("://", 1)[1]]
     tfs, _ = _direct(url, opts)
     assert tfs.cat_file(url + "/from-child") == b"child"
 

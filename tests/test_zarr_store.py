@@ -30,7 +30,7 @@ from zarr.core.buffer import Buffer, cpu  # noqa: E402
 from zarr.storage import FsspecStore  # noqa: E402
 from zarr.testing.store import StoreTests  # noqa: E402
 
-from tierfs.adapters.fsspec import TieredFileSystem  # noqa: E402
+from tierfs.fs import TieredFileSystem  # noqa: E402
 
 
 _DIRECT: dict[str, fsspec.AbstractFileSystem] = {}

@@ -10,7 +10,7 @@ loop) gains a RAM tier by changing only its URL::
 
 Paths are the target's paths (``bucket/run/a.bin`` here); the RAM directory mirrors them
 (``/dev/shm/tierfs/run/bucket/run/a.bin``). A write goes to a temporary file in RAM that is renamed into
-place, so a reader never sees half a file, and is then queued for the drain (``_writeback.Drain``): a few
+place, so a reader never sees half a file, and is then queued for the drain (``writeback.Drain``): a few
 low-priority threads that upload within a bandwidth cap. Listings show complete files only: never the
 temporary name of a write in flight, in RAM or on the target.
 
@@ -37,12 +37,13 @@ from .. import _args, _exit
 from .._fileio import make_private_dir
 from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
 from ..errors import ArgumentError
-from . import _tieredargs as ta
-from . import _upload
-from ._listing import TieredListing
-from ._ramdir import rel_path
-from ._ramfile import RamWriter
-from ._writeback import Drain, drain_for, protocol_of
+from . import options as opt
+from . import upload
+from .drains import drain_for
+from .listing import TieredListing
+from .ramdir import rel_path
+from .ramfile import RamWriter
+from .writeback import Drain, protocol_of
 
 try:  # fsspec >= 2025.9: url_to_fs hands a chained filesystem the target's path
     from fsspec.implementations.chained import ChainedFileSystem
@@ -125,16 +126,16 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
                  exit_timeout: float | datetime.timedelta | str | None = None,
                  asynchronous: bool = False, loop: Any = None, batch_size: int | None = None) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, batch_size=batch_size)
-        o = ta.options(timeout=timeout, drain=drain, when_full=when_full, budget=budget, bandwidth=drain_bandwidth,
+        o = opt.options(timeout=timeout, drain=drain, when_full=when_full, budget=budget, bandwidth=drain_bandwidth,
                        concurrency=drain_concurrency, retries=retries)
         self.timeout = o.timeout
         self.exit_timeout = _exit.exit_seconds(exit_timeout, "tiered:// exit_timeout")
-        root = ta.ram_root(path)
-        fs, opts = ta.target(fo, target_protocol, target_options, fs)  # a typo in the URL: nothing is created
+        root = opt.ram_root(path)
+        fs, opts = opt.target(fo, target_protocol, target_options, fs)  # a typo in the URL: nothing is created
         key = (protocol_of(fs), tokenize(opts))  # not fs._fs_token: it differs per thread for sync classes
         self.target = fs
         self.fo = fo
-        root = ta.make_ram_root(root)
+        root = opt.make_ram_root(root)
         self._drain = drain_for(root, fs, key, budget=o.budget, drain=o.drain, bandwidth=o.bandwidth,
                                 concurrency=o.concurrency, retries=o.retries, when_full=o.when_full,
                                 exit_timeout=self.exit_timeout)
@@ -190,7 +191,7 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
         """Upload again the files whose upload failed for good (a missing bucket, no permission) when an
         earlier process exited: that exit moved them aside in the RAM directory, and no process retries
         them unless asked, here. Returns how many were queued; :meth:`flush` waits for them."""
-        return _upload.retry_failed(self._drain)
+        return upload.retry_failed(self._drain)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every file written through any instance for this RAM directory and target is
@@ -278,19 +279,19 @@ class TieredFileSystem(TieredListing, *_BASES):  # type: ignore[misc]
     # -- writing ------------------------------------------------------------------------------------
     async def _pipe(self, path: Any, value: Any = None, batch_size: int | None = None, **kwargs: Any) -> Any:
         """Write bytes: ``pipe(path, data)`` or ``pipe({path: data, ...})``."""
-        items = path if isinstance(path, dict) else {ta.path_arg(path, "pipe"): value}
+        items = path if isinstance(path, dict) else {opt.path_arg(path, "pipe"): value}
         for p, v in items.items():
-            ta.data_arg(ta.path_arg(p, "pipe"), v)
+            opt.data_arg(opt.path_arg(p, "pipe"), v)
         return await super()._pipe(path, value, batch_size=batch_size, **kwargs)
 
     async def _cat(self, path: Any, recursive: bool = False, on_error: str = "raise",
                    batch_size: int | None = None, **kwargs: Any) -> Any:
-        ta.path_arg(path, "cat")
+        opt.path_arg(path, "cat")
         return await super()._cat(path, recursive=recursive, on_error=on_error, batch_size=batch_size, **kwargs)
 
     async def _put(self, lpath: Any, rpath: Any, *args: Any, **kwargs: Any) -> Any:
-        ta.path_arg(lpath, "put (local path)")
-        ta.path_arg(rpath, "put")
+        opt.path_arg(lpath, "put (local path)")
+        opt.path_arg(rpath, "put")
         return await super()._put(lpath, rpath, *args, **kwargs)
 
     async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs) -> None:

@@ -1,12 +1,12 @@
 """The write-back machinery behind ``tiered::``: what the RAM directory holds that the target does not.
 
-One :class:`Drain` per process and (RAM directory, target) keeps the RAM directory (``_ramdir.RamDir``:
+One :class:`Drain` per process and (RAM directory, target) keeps the RAM directory (``ramdir.RamDir``:
 sizes, temporary files, listings), the set of files not yet durable on the target, eviction of durable
-copies when room is short, and the upload threads (``_upload``). A file's RAM copy becomes read-only
+copies when room is short, and the upload threads (``upload``). A file's RAM copy becomes read-only
 (mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
-uploading. The filesystem (``fsspec.py``) uses the drain's named operations only. At interpreter exit
+uploading. The filesystem (``filesystem.py``) uses the drain's named operations only. At interpreter exit
 the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs._exit`,
-:class:`_upload.ExitWork`, which also moves aside the files whose upload failed for good, so that no
+:class:`upload.ExitWork`, which also moves aside the files whose upload failed for good, so that no
 later process retries them).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import io
 import itertools
-import logging
 import os
 import posixpath
 import shutil
@@ -32,11 +31,9 @@ from .. import _exit, _units
 from .._fileio import FILE_MODE, private_opener
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
-from . import _upload
-from ._upload import Failure
-from ._ramdir import RamDir, rel_path
-
-log = logging.getLogger("tierfs")
+from . import upload
+from .ramdir import RamDir, rel_path
+from .upload import Failure
 
 _DIRTY_MODE = FILE_MODE  # a RAM copy whose newest bytes are not yet on the target (0600)
 _LOCAL_PROTOCOLS = ("file", "local")
@@ -340,7 +337,7 @@ class Drain:
         """(lock held) Start the upload threads, once."""
         self.threads = [t for t in self.threads if t.is_alive()]
         while len(self.threads) < self.concurrency:
-            t = threading.Thread(target=_upload.run, args=(self,), name=f"tierfs-drain-{len(self.threads)}",
+            t = threading.Thread(target=upload.run, args=(self,), name=f"tierfs-drain-{len(self.threads)}",
                                  daemon=True)
             t.start()
             self.threads.append(t)
@@ -377,25 +374,3 @@ class Drain:
         with self.cond:
             return sorted(self.tpath(r) for r in self.dirty)
 
-
-_DRAINS: dict[tuple, Drain] = {}
-_DRAINS_LOCK = threading.Lock()
-
-
-def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, *, budget: int | None,
-              drain: str, bandwidth: float | None, concurrency: int, retries: int, when_full: str,
-              exit_timeout: float) -> Drain:
-    """This process's drain for the RAM directory ``root`` and the target identified by ``key``; made
-    by the first caller, whose options it keeps. Its uploads still pending at interpreter exit are
-    finished within ``exit_timeout`` seconds (:mod:`tierfs._exit`)."""
-    dkey = (os.getpid(), str(root), key)
-    with _DRAINS_LOCK:
-        d = _DRAINS.get(dkey)
-        if d is None:
-            d = _DRAINS[dkey] = Drain(root, target, budget=budget, drain=drain, bandwidth=bandwidth,
-                                      concurrency=concurrency, retries=retries, when_full=when_full,
-                                      exit_timeout=exit_timeout)
-            _exit.register(d, exit_timeout, _upload.exit_work)
-        elif not d.same_options(budget, drain, bandwidth, when_full, exit_timeout):
-            log.warning("tiered: %s already has a drain with other options; keeping the first ones", root)
-    return d

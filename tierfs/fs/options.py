@@ -63,7 +63,7 @@ def option(value: Any, what: str) -> Any:
 
 def options(*, timeout: Any, drain: Any, when_full: Any, budget: Any, bandwidth: Any, concurrency: Any,
             retries: Any) -> Options:
-    """The filesystem's options (see :class:`~tierfs.adapters.fsspec.TieredFileSystem`), checked."""
+    """The filesystem's options (see :class:`~tierfs.fs.TieredFileSystem`), checked."""
     t = option(timeout, "timeout (seconds)")
     rate = option(bandwidth, "drain_bandwidth")
     return Options(

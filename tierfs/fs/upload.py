@@ -21,10 +21,10 @@ from .. import _units
 from .._fileio import atomic_write
 from .._retry import PERMANENT, retry, short
 from .._worker import lower_priority
-from ._ramdir import rel_path
+from .ramdir import rel_path
 
 if TYPE_CHECKING:
-    from ._writeback import Drain
+    from .writeback import Drain
 
 log = logging.getLogger("tierfs")
 
@@ -220,7 +220,7 @@ class ExitWork:
 
 
 def retry_failed(d: "Drain") -> int:
-    """Move the files whose upload failed for good at an earlier exit (``_ramdir.FAILED``, see
+    """Move the files whose upload failed for good at an earlier exit (``ramdir.FAILED``, see
     :class:`ExitWork`) back into place in ``d``'s RAM directory and queue them; returns how many. A file
     written again since stays as written (its failed copy, older, is dropped)."""
     with d.cond:

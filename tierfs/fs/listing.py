@@ -11,18 +11,18 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .._fileio import is_tmp_name
-from ._ramdir import RamDir
+from .ramdir import RamDir
 
 if TYPE_CHECKING:
     import fsspec
 
-    from ._writeback import Drain
+    from .writeback import Drain
 
 Info = dict[str, Any]
 
 
 class TieredListing:
-    """``_info``, ``_ls`` and ``_find`` of :class:`tierfs.adapters.fsspec.TieredFileSystem`."""
+    """``_info``, ``_ls`` and ``_find`` of :class:`tierfs.fs.TieredFileSystem`."""
 
     if TYPE_CHECKING:
         target: fsspec.AbstractFileSystem

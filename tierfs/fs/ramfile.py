@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .._fileio import private_opener
 
 if TYPE_CHECKING:
-    from ._writeback import Drain
+    from .writeback import Drain
 
 
 class RamWriter(io.RawIOBase):

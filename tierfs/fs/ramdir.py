@@ -3,7 +3,7 @@
 :class:`RamDir` maps RAM-relative names (``bucket/run/a.bin``) to files below its root, keeps their sizes
 (in order of writing: least recently written first), makes the private temporary files that writes in
 progress go to, and lists only complete files. It knows nothing of the target or of uploads: the drain
-(``_writeback.Drain``) decides what may be evicted and holds its lock around every change of names.
+(``writeback.Drain``) decides what may be evicted and holds its lock around every change of names.
 Files, temporary names and directories are made the way the RAM tier makes them (``tierfs._fileio``);
 room is computed by the tiers' rule (:class:`tierfs.tiers.base.Capacity`).
 """
@@ -21,7 +21,7 @@ from ..tiers.base import Capacity
 
 Info = dict[str, Any]
 #: the RAM directory's subdirectory of files whose upload failed for good at an exit (a missing bucket, no
-#: permission): no listing shows it and no later process uploads what is in it (``_upload.ExitWork``)
+#: permission): no listing shows it and no later process uploads what is in it (``upload.ExitWork``)
 FAILED = ".tierfs-failed"
 
 
