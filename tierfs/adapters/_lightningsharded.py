@@ -29,7 +29,7 @@ from ..errors import ArgumentError, StepNotFoundError, TierfsError
 from ..store import TieredStore
 from ..tiers.base import Holder
 from . import _lightningcodec as codec
-from ._dcpmeta import as_tensor
+from .dcp.metadata import as_tensor
 from .dcp import EXTRA_PREFIX, TieredReader, TieredWriter
 from .lightning import META_KEY, TieredCheckpointIO, _norm
 

@@ -12,19 +12,24 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .. import _args
 from .._rootdir import check_local_url
 from ..dist import seconds
-from ..errors import ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError
-from . import _managerdcp as _mdcp, _torchstate as ts
+from ..errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError,
+                      TierfsError)
+from ..format import DCP_SHARD_KEY
+from . import _torchstate as ts
 from ._preemption import DEFAULT_SIGTERM_GRACE, Preemption
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
 from ..tiers import ObjectTier
 from ..tiers.base import Holder
+
+if TYPE_CHECKING:  # the DCP path imports torch: only when a state holds tensors, or a step was saved through it
+    from .dcp.managed import Plan
 
 log = logging.getLogger("tierfs")
 
@@ -137,7 +142,7 @@ class CheckpointManager:
         self.restore_policy = restore_policy or RestorePolicy()
         self.last_restore_info: RestoreInfo | None = None
         self._restored: int | None = None
-        self._dcp_plan: _mdcp.Plan | None = None  # the last DCP save's plan, replayed for the same structure
+        self._dcp_plan: Plan | None = None  # the last DCP save's plan, replayed for the same structure
         self._preemption = Preemption(self.store, grace)
         if handle_sigterm:
             try:  # (only the main thread may install one)
@@ -170,7 +175,9 @@ class CheckpointManager:
         _args.mapping(state, "state")
         preempted = self._preemption.pending()
         if self._through_dcp(state):
-            saved = _mdcp.save(self, step, state, metrics, force, preempted)
+            from .dcp import managed
+
+            saved = managed.save(self, step, state, metrics, force, preempted)
         else:
             saved = self._save(step, state, metrics, force, preempted)
         if saved and preempted:
@@ -253,8 +260,10 @@ class CheckpointManager:
         skipped: list[tuple[str, int, str]] = []
         for s in common:
             try:
-                if _mdcp.is_dcp_step(self.store, s, tiers):
-                    out, info = _mdcp.restore(self.store, state, s, tiers)
+                if is_dcp_step(self.store, s, tiers):
+                    from .dcp import managed
+
+                    out, info = managed.restore(self.store, state, s, tiers)
                 elif state is not None:
                     info = self.store.restore_into(state, s, tiers=tiers)
                     out = info.step
@@ -350,3 +359,14 @@ def _find_best(policy: PreservationPolicy) -> BestN | None:
         if found is not None:
             return found
     return None
+
+
+def is_dcp_step(store: TieredStore, step: int, tiers: list[str]) -> bool:
+    """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
+    g = store.group
+    try:
+        mine: bool | None = DCP_SHARD_KEY in store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
+    except (TierfsError, OSError, ValueError, KeyError):
+        mine = None  # e.g. a rank beyond the saving job's world size
+    views = g.all_gather(mine) if g.world_size > 1 else [mine]
+    return any(v is True for v in views)

@@ -187,7 +187,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.dcp:
         raise UsageError("choose the export format: --dcp (a plain PyTorch DCP checkpoint directory)")
     try:
-        from ..adapters._dcpexport import check_directory
+        from ..adapters.dcp.export import check_directory
         from ..adapters.dcp import export_dcp
     except ImportError as e:
         raise TierfsError(f"export --dcp needs torch ({e}); pip install 'tierfs[torch]'") from None

@@ -1,6 +1,6 @@
 """A :class:`~tierfs.CheckpointManager` step through PyTorch DCP: the state's tensors with ``dcp.save`` and
 ``dcp.load`` over :class:`~tierfs.adapters.dcp.TieredWriter` / ``TieredReader``, the rest of the state
-(numbers, strings, numpy arrays, ...) stored beside them without pickle (:mod:`._torchstate`).
+(numbers, strings, numpy arrays, ...) stored beside them without pickle (:mod:`tierfs.adapters._torchstate`).
 
 Every rank hears of a failure on any rank before DCP's collectives start, so none waits in them for a
 rank that gave up; a target that does not fit the checkpoint (a key it lacks, a tensor of another shape)
@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 
-from .. import _nogc, state as st
-from ..dist import agree, outcomes, ranks_failed
-from ..errors import RestoreError, StateMismatchError, TierfsError
-from ..core.layout import ReadViews
-from ..format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, dcp_entry_name
-from ..store import RestoreInfo, TieredStore
-from . import _torchstate as ts
+from ... import _nogc, state as st
+from ...core.layout import ReadViews
+from ...dist import agree, outcomes, ranks_failed
+from ...errors import RestoreError, StateMismatchError, TierfsError
+from ...format import DCP_EXTRA_PREFIX, dcp_entry_name
+from ...store import RestoreInfo, TieredStore
+from .. import _torchstate as ts
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ..manager import CheckpointManager
 
 log = logging.getLogger("tierfs")
 
@@ -73,7 +73,7 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     ``preempted``: this save goes to the preemption tiers."""
     import torch.distributed.checkpoint as dcp
 
-    from .dcp import TieredWriter
+    from .writer import TieredWriter
 
     store = mgr.store
     g = store.group
@@ -129,24 +129,13 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     return bool(writer.saved)
 
 
-def is_dcp_step(store: TieredStore, step: int, tiers: list[str]) -> bool:
-    """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
-    g = store.group
-    try:
-        mine: bool | None = DCP_SHARD_KEY in store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
-    except (TierfsError, OSError, ValueError, KeyError):
-        mine = None  # e.g. a rank beyond the saving job's world size
-    views = g.all_gather(mine) if g.world_size > 1 else [mine]
-    return any(v is True for v in views)
-
-
 def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tiers: list[str]
             ) -> tuple[Any, RestoreInfo]:
     """``dcp.load`` of a step saved by :func:`save`, in place when ``state`` is given. Returns the step (with
     ``state``) or the restored state, and what the restore did."""
     import torch.distributed.checkpoint as dcp
 
-    from .dcp import TieredReader, check_target
+    from .reader import TieredReader, check_target
 
     g = store.group
     t0 = time.perf_counter()
@@ -235,7 +224,7 @@ _wholes: "dict[tuple[int, int], tuple[Any, Any, dict[str, tuple[str, Any, Any]]]
 
 def _whole(md: Any, own: Any) -> dict[str, tuple[str, Any, Any]]:
     """``fqn -> (entry, dtype, size)`` of the tensors saved in one chunk that the shard ``own`` holds, made
-    once per (metadata, manifest) pair (both are made once per step; see ``_dcpreader._metadata``)."""
+    once per (metadata, manifest) pair (both are made once per step; see ``reader._metadata``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     key = (id(md.state_dict_metadata), id(own))

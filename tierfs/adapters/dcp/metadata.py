@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.futures import Future
 
-from .. import _args, state as st
-from ..errors import ArgumentError, FormatError
-from ..format import dcp_entry_name, user_key
+from ... import _args, state as st
+from ...errors import ArgumentError, FormatError
+from ...format import dcp_entry_name, user_key
 
 log = logging.getLogger("tierfs")
 

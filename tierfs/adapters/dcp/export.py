@@ -11,14 +11,15 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
-from .. import _args
-from .._fileio import atomic_write
-from .._rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
-from ..errors import ArgumentError, StepNotFoundError, TierfsError
-from ..format import DCP_EXTRA_PREFIX
-from ..store import TieredStore
-from . import _dcpextra
-from ._dcpmeta import as_tensor
+from ... import _args
+from ..._fileio import atomic_write
+from ..._rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
+from ...errors import ArgumentError, StepNotFoundError, TierfsError
+from ...format import DCP_EXTRA_PREFIX
+from ...store import TieredStore
+from . import extra as _extra
+from .metadata import as_tensor
+from .reader import TieredReader
 
 log = logging.getLogger("tierfs")
 
@@ -121,7 +122,6 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
         raise FileExistsError(f"{directory} already holds a DCP checkpoint (.metadata); pass overwrite=True")
 
     # the global metadata, rebuilt from the coordinator's manifest (JSON, no pickle), as TieredReader does
-    from .dcp import TieredReader
 
     md = TieredReader(store, step, tiers=tiers, collective=False).read_metadata()  # export runs in one process
     by_rank: dict[int, dict[str, list[MetadataIndex]]] = defaultdict(lambda: defaultdict(list))
@@ -154,14 +154,14 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
                     extras: list[str] = extras, rank: int = rank, rel: str = rel, path: str = path) -> None:
             nonlocal planner_data
             items: list[tuple[str, bytes]] = []  # this rank's new bytes items: (fqn, torch.save of the value)
-            extra = _dcpextra.decode({n[len(DCP_EXTRA_PREFIX):]: found[n] for n in extras},
+            extra = _extra.decode({n[len(DCP_EXTRA_PREFIX):]: found[n] for n in extras},
                                      f"step {step} rank {rank}")
             if progress is not None:
                 for n in extras:
                     if found[n][0].kind == "array":
                         progress(found[n][0].length)
             if extra is not None:
-                for fqn, dcp_path, value in _dcpextra.bytes_items(extra):
+                for fqn, dcp_path, value in _extra.bytes_items(extra):
                     if fqn in sdm:
                         if owner.get(fqn, rank) != rank:
                             continue  # a lower rank's copy is exported
@@ -171,8 +171,8 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
                     if planner_data is None:
                         planner_data = {}
                     planner_data.setdefault(fqn, dcp_path)
-                    items.append((fqn, _dcpextra.serialize(value)))
-                for fqn, p in _dcpextra.tensor_paths(extra).items():
+                    items.append((fqn, _extra.serialize(value)))
+                for fqn, p in _extra.tensor_paths(extra).items():
                     tensor_paths.setdefault(fqn, p)
             names = list(wanted)
             # FileSystemWriter writes a file's bytes items first, then its tensors

@@ -1,12 +1,12 @@
 """A :class:`~tierfs.CheckpointManager` step's non-tensor values as DCP's bytes items, for ``export_dcp``.
 
-The manager keeps every non-tensor leaf of a state out of DCP and stores it beside DCP's items in the
-rank's shard (``x|`` entries, :mod:`._torchstate`). A plain ``dcp.save`` of the same state would have saved
-each of them as a bytes item: ``DefaultSavePlanner`` flattens the state (``flatten_state_dict``: mappings
-always, lists that hold a tensor or a mapping, every other value a leaf) and the planner ``torch.save``s
-each leaf that is not a tensor (``BytesStorageMetadata``). :func:`bytes_items` gives the items that save
-would have planned for a rank, with their fqns and key paths (the planner's flatten mapping), and
-:func:`tensor_paths` the key paths a plain save would have recorded for the rank's tensors.
+The manager keeps every non-tensor leaf of a state out of DCP and stores it beside DCP's items in the rank's
+shard (``x|`` entries, :mod:`tierfs.adapters._torchstate`). A plain ``dcp.save`` of the same state would
+have saved each of them as a bytes item: ``DefaultSavePlanner`` flattens the state (``flatten_state_dict``:
+mappings always, lists that hold a tensor or a mapping, every other value a leaf) and the planner
+``torch.save``s each leaf that is not a tensor (``BytesStorageMetadata``). :func:`bytes_items` gives the
+items that save would have planned for a rank, with their fqns and key paths (the planner's flatten
+mapping), and :func:`tensor_paths` the key paths a plain save would have recorded for the rank's tensors.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import state as st
-from ..errors import FormatError
-from . import _torchstate as ts
+from ... import state as st
+from ...errors import FormatError
+from .. import _torchstate as ts
 
 
 @dataclass
@@ -61,7 +61,7 @@ def decode(found: Mapping[str, tuple[Any, Any]], where: str) -> Extra | None:
 
 def dcp_path(path: list[Any], lists: set[tuple[tuple[str, str], ...]]) -> tuple[str | int, ...]:
     """A tierfs key path as DCP's planner records it: an int for an index into a list (``lists``: the
-    :func:`._torchstate.key` of each list holding tensors), a str for every mapping key (``str(key)``, as
+    :func:`tierfs.adapters._torchstate.key` of each list holding tensors), a str for every mapping key (``str(key)``, as
     ``traverse_state_dict`` makes it)."""
     return tuple(int(k) if ts.key(path[:i]) in lists else str(k) for i, k in enumerate(path))
 

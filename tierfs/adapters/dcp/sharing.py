@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..core.sharing import Sharing
-from ._dcpmeta import entry_name
+from ...core.sharing import Sharing
+from .metadata import entry_name
 
 HELD, SHARED = "tierfs_held", "tierfs_shared"
 

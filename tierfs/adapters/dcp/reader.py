@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _args
-from ..dist import seconds
-from ..errors import ArgumentError, FormatError, StateMismatchError, StepNotFoundError, TierfsError
-from ..store import TieredStore
-from ._dcpmeta import META_KEY, as_tensor, check_kwargs, done, metadata_from_json, parse_step
+from ... import _args
+from ...dist import seconds
+from ...errors import ArgumentError, FormatError, StateMismatchError, StepNotFoundError, TierfsError
+from ...store import TieredStore
+from .metadata import META_KEY, as_tensor, check_kwargs, done, metadata_from_json, parse_step
 
 
 def check_target(metadata: Metadata, tensors: Mapping[str, Any], partial: bool = False) -> None:
