@@ -18,8 +18,7 @@ pytest.importorskip("lightning")
 
 from _steps import committed  # noqa: E402
 from tierfs import TieredStore  # noqa: E402
-from tierfs.adapters import _lightningcodec as codec  # noqa: E402
-from tierfs.adapters.lightning import TieredCheckpointIO  # noqa: E402
+from tierfs.adapters.lightning import TieredCheckpointIO, codec  # noqa: E402
 from tierfs.errors import StepNotFoundError  # noqa: E402
 from tierfs.policies import FixedIntervalPolicy, LatestN  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402

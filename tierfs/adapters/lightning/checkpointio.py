@@ -1,52 +1,23 @@
-"""PyTorch Lightning on tierfs: a ``CheckpointIO`` plugin.
-
-    io = TieredCheckpointIO([MemoryTier("/dev/shm/ckpt", keep=LatestN(2)),
-                             ObjectTier("s3://bucket/run", save=FixedIntervalPolicy(100))])
-    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
-    trainer.fit(model, ckpt_path=io.last_checkpoint())   # the newest checkpoint, or None: start afresh
-
-Supported: the ``lightning`` package (``lightning.pytorch``), versions 2.2 to 2.6 (tested with 2.6.6).
-Importing :mod:`tierfs` never imports Lightning; importing this module does.
-
-See ``docs/lightning.md`` for the design: each checkpoint path is mapped to the tierfs step
-``checkpoint["global_step"]``; tensors are array entries, the rest JSON, Python objects as ``torch.save``
-bytes loaded with ``weights_only=True``; saves are asynchronous; only global rank 0 saves, with a store of
-one process (no collectives).
-"""
+"""Lightning's ``CheckpointIO`` on tierfs: :class:`TieredCheckpointIO` (see :mod:`tierfs.adapters.lightning`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any, Optional, Sequence
 
 import lightning
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ..dist.groups import SingleProcess
-from ..errors import ArgumentError, StepNotFoundError
-from ..store import TieredStore
-from ..tiers.base import Holder
-from . import _lightningcodec as codec
+from ...dist.groups import SingleProcess
+from ...errors import ArgumentError, StepNotFoundError
+from ...store import TieredStore
+from ...tiers.base import Holder
+from . import codec
+from .common import META_KEY, norm
 
 log = logging.getLogger("tierfs")
-
-__all__ = ["TieredCheckpointIO", "TieredModelParallelStrategy", "SUPPORTED_LIGHTNING", "META_KEY"]
-
-SUPPORTED_LIGHTNING = ">=2.2,<2.7"
-META_KEY = "lightning"  # manifest.metadata[META_KEY] = {"paths": [...], "global_step": ..., ...}
-
-_ver = tuple(int(p) for p in re.findall(r"\d+", lightning.__version__)[:2])
-if not ((2, 2) <= _ver < (2, 7)):
-    log.warning("tierfs.adapters.lightning supports lightning %s; this is %s", SUPPORTED_LIGHTNING,
-                lightning.__version__)
-
-
-def _norm(path: Any) -> str:
-    p = os.fspath(path)
-    return p if "://" in p else os.path.abspath(p)
 
 
 def _global_rank() -> int:
@@ -124,7 +95,7 @@ class TieredCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("TieredCheckpointIO.save_checkpoint takes no storage_options (tiers have theirs)")
-        key = _norm(path)
+        key = norm(path)
         step = checkpoint.get("global_step")
         if type(step) is not int or step < 0:
             raise ArgumentError(f"checkpoint for {key!r} has no global_step (an int >= 0): {step!r}")
@@ -169,14 +140,14 @@ class TieredCheckpointIO(CheckpointIO):
         if weights_only is False and not self.trust_pickle:
             log.warning("loading step %d with weights_only=False: stored Python objects are fully unpickled", step)
         ckpt = codec.decode(state, allow_unpickle=allow, map_location=map_location)
-        self._paths[_norm(path)] = step
+        self._paths[norm(path)] = step
         self._restored = step
         return ckpt
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop ``path``; its step is deleted (from ``remove_from``) once no other path names it and its
         save is finished (never racing it: done by a later save or by ``teardown``)."""
-        key = _norm(path)
+        key = norm(path)
         step = self._paths.pop(key, None)
         if step is None or self.remove_from is None or step in self._paths.values():
             return
@@ -214,7 +185,7 @@ class TieredCheckpointIO(CheckpointIO):
     def resolve(self, path: Any) -> int:
         """The step saved as ``path``: this process's record, else the newest step whose metadata names it
         (by full path, then by file name), else for a ``last*`` name the newest committed step."""
-        key = _norm(path)
+        key = norm(path)
         if key in self._paths:
             return self._paths[key]
         store = self.store
@@ -263,5 +234,3 @@ class TieredCheckpointIO(CheckpointIO):
             return {store.tiers[0].name}
         return set(self.remove_from or ())
 
-
-from ._lightningsharded import TieredModelParallelStrategy  # noqa: E402 - part of this module's interface

@@ -1,6 +1,6 @@
 """Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism) saving to tierfs.
 
-Re-exported by :mod:`tierfs.adapters.lightning` as ``TieredModelParallelStrategy``; see ``docs/lightning.md``.
+Exported by :mod:`tierfs.adapters.lightning` as ``TieredModelParallelStrategy``; see ``docs/lightning.md``.
 
 Lightning's strategy bypasses ``CheckpointIO``: every rank calls ``dcp.save`` into a directory and rank 0
 ``torch.save``s the rest to ``meta.pt``. This subclass saves the same sharded state (``{"state_dict": ...,
@@ -24,14 +24,15 @@ import numpy as np
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from .. import state as st
-from ..errors import ArgumentError, StepNotFoundError, TierfsError
-from ..store import TieredStore
-from ..tiers.base import Holder
-from . import _lightningcodec as codec
-from .dcp.metadata import as_tensor
-from .dcp import EXTRA_PREFIX, TieredReader, TieredWriter
-from .lightning import META_KEY, TieredCheckpointIO, _norm
+from ... import state as st
+from ...errors import ArgumentError, StepNotFoundError, TierfsError
+from ...store import TieredStore
+from ...tiers.base import Holder
+from ..dcp import EXTRA_PREFIX, TieredReader, TieredWriter
+from ..dcp.metadata import as_tensor
+from . import codec
+from .checkpointio import TieredCheckpointIO
+from .common import META_KEY, norm
 
 log = logging.getLogger("tierfs")
 
@@ -96,7 +97,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("TieredModelParallelStrategy.save_checkpoint takes no storage_options (tiers have theirs)")
-        key = _norm(self.broadcast(filepath))
+        key = norm(self.broadcast(filepath))
         step = checkpoint.get("global_step")
         if type(step) is not int or step < 0:
             raise ArgumentError(f"checkpoint for {key!r} has no global_step (an int >= 0): {step!r}")
@@ -158,7 +159,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         book = self.tiered
         store = book.store
         store.raise_background_errors()
-        key = _norm(self.broadcast(checkpoint_path))
+        key = norm(self.broadcast(checkpoint_path))
         found: tuple[int | None, str | None] = (None, None)
         own_error: BaseException | None = None
         if self.global_rank == 0:
@@ -239,5 +240,3 @@ def _read_rest(store: TieredStore, step: int) -> dict[str, Any]:
     store.read_entries(step, 0, names, consume=consume)
     return got
 
-
-__all__ = ["TieredModelParallelStrategy", "META_KEY"]

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..errors import TierfsError
+from ...errors import TierfsError
 
 FORMAT = 1
 _TORCH_DTYPES = {
