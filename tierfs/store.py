@@ -4,9 +4,9 @@ The store is a facade over a few parts, one concept each (``tierfs/core/``):
 
 - :mod:`~tierfs.core.saving`: stage into the first tier, commit (marker last, once every rank's shard is
   written), hand on to the slower tiers in the background;
-- :mod:`~tierfs.core.restoring`: one gather, a plan of what every rank can get, each rank's shard from the
+- :mod:`~tierfs.core.restore`: one gather, a plan of what every rank can get, each rank's shard from the
   fastest source holding a verified copy, all ranks falling back to an older step together;
-- :mod:`~tierfs.core.reading`: reads of any rank's shard without collectives (DCP's reader, the tools);
+- :mod:`~tierfs.core.reads`: reads of any rank's shard without collectives (DCP's reader, the tools);
 - :mod:`~tierfs.core.retention`: what each tier's keep policy deletes;
 - :mod:`~tierfs.core.ledger`: what this process knows of every step, behind one lock.
 
@@ -25,10 +25,10 @@ from . import _args, _exit, _lifecycle, _stages, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.parts import check_tiers
-from .core.reading import Reader, Skipped
-from .core.sinks import InPlace, NewArrays
-from .core.restoreplan import lost_steps
-from .core.restoring import Restore, RestoreInfo
+from .core.reads import Reader
+from .core.restore.pipeline import Restore, RestoreInfo, lost_steps
+from .core.restore.sinks import InPlace, NewArrays
+from .core.restore.sources import Skipped
 from .core.retention import Retention
 from .core.saving import SavePath
 from .dist import Group, default_group, seconds
@@ -373,7 +373,7 @@ class TieredStore:
             if error is not None:
                 raise error
             self.raise_background_errors()
-        return Restore(self._parts, self._reader, self._parts.usable(tiers), sink, first, timeout).run(step, adopt)
+        return Restore(self._parts, self._parts.usable(tiers), sink, first, timeout).run(step, adopt)
 
     def resume_from(self, step: int) -> None:
         """Note that the job goes on from ``step``, which it read by other means than :meth:`restore` (DCP's

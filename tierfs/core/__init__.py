@@ -2,8 +2,9 @@
 
 - ``ledger``: what this process knows of every step on every tier (one lock, named operations)
 - ``parts``: the tiers in their roles, the ranks and groups, the workers and the throttle
-- ``saving``: stage, commit, hand on to the slower tiers
-- ``reading``: a rank's shard from a tier, verified, into a sink; reads without collectives
-- ``restoring``: the restore plan (one gather) and its execution across ranks
+- ``saving``: stage, commit, hand on to the slower tiers; ``catchup``: the copies a crash left undone
+- ``timeline``: which steps a save supersedes
+- ``restore``: the restore pipeline (``pipeline``: plan, attempts, agreement; ``sources``; ``sinks``)
+- ``reads``: reads of any rank's shard without collectives
 - ``retention``: which steps each tier deletes
 """

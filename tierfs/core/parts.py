@@ -66,7 +66,7 @@ class Parts:
     first: Tier = field(init=False)  # where saves land and commit first
     replicator: Replicator | None = field(init=False)  # the tier keeping other ranks' shards, if any
     files: list[Tier] = field(init=False)  # every tier holding files, fastest first
-    # the part of a restore that goes on after this rank returned (see core.restoring), and its failures
+    # the part of a restore that goes on after this rank returned (see core.restore.pipeline), and its failures
     restores: Worker = field(init=False)
     restore_failures: list[BaseException] = field(init=False)
 

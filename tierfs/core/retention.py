@@ -17,7 +17,7 @@ from ..policies import StepInfo
 from ..tiers.base import Holder, Tier
 from .ledger import Snapshot
 from .parts import Parts
-from .reading import Reader
+from .reads import Reader
 
 log = logging.getLogger("tierfs")
 

@@ -12,7 +12,7 @@ kinds of files: the leaves only this rank holds (sent to peers as replicas), the
 on shared tiers, never replicated: the group's other ranks hold them in RAM) and the bundles other ranks
 own (its RAM tier alone keeps them). A bundle's entries sit at the same offsets relative to its parts on
 every rank of its group (sorted by name, packed from an aligned start), so a bundle moves between ranks
-as a few contiguous ranges (:mod:`tierfs.core.completing`).
+as a few contiguous ranges (:mod:`tierfs.core.restore.bundles`).
 
 :func:`digests` and :func:`check_digests` catch ranks that hold different values of what they declared
 identical, at the commit (one number per group and rank rides on the commit's vote).

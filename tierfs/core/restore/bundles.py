@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import _copy, _units
-from ..format import Entry, Manifest
-from ..tiers import _wire
-from ..tiers.base import Landing
-from .sharing import by_bundle, group_key
+from ... import _copy, _units
+from ...format import Entry, Manifest
+from ...tiers import _wire
+from ...tiers.base import Landing
+from ..sharing import by_bundle, group_key
 
 log = logging.getLogger("tierfs")
 

@@ -1,0 +1,311 @@
+"""A restore, top down: every rank gets its shard of the newest step every rank can get, each from the
+fastest source holding a verified copy; all ranks move on to an older step together when any rank cannot.
+
+1. :func:`gather_plan`: one gather tells every rank which steps each rank can read from its own tiers and
+   which ranks keep a replica of each rank's shard (the :class:`RestorePlan`, the same on every rank).
+2. For each step the plan offers, newest first, an :class:`~.sources.Attempt` goes through the sources
+   (:mod:`.sources`): this rank's tiers before the replicator (RAM), then with every rank the peers'
+   replicas and the entries ranks share, then the tiers after the replicator (object storage). A source
+   verifies every block and fills the sink (:mod:`.sinks`).
+3. Every rank says how it went (:meth:`Restore._agreed`): a caller's mistake (a target that does not match)
+   is raised on every rank; if any rank has no verified copy, all go to the next older step.
+4. The step restored: what follows (:mod:`.after`): shards read from elsewhere written into the first tier
+   (``localize``), replicas a replaced node lost sent to it again.
+
+When some ranks lack the step in RAM (a replaced node), a rank whose own verified copy is in its target
+returns at once: the rest (sending to the ranks without it, agreeing, what follows) goes on in the
+background on the restore's own groups (:meth:`Restore._settle`), and the store's next call waits for it.
+Should a rank then fail to get its shard, every rank raises (the ranks that returned, at their next call):
+they cannot all move to an older step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..._stages import operation, stage
+from ..._worker import Detached
+from ...dist import Group, agree
+from ...errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StateMismatchError,
+                       StepNotFoundError, TierfsError)
+from ...protocol import common_steps
+from ...tiers.base import Holder
+from ..parts import Parts
+from .after import localize, reseed
+from .bundles import WHOLE, holds
+from .sinks import Landing, Shard, Sink
+from .sources import Attempt, Bundles, Peers, RestoreInfo, Skipped, TierSource
+
+__all__ = ["Restore", "RestoreInfo", "RestorePlan", "gather_plan", "lost_steps"]
+
+log = logging.getLogger("tierfs")
+
+
+class Restore:
+    """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
+
+    def __init__(self, parts: Parts, usable: Sequence[Holder], sink: Sink | None,
+                 check: Callable[[], None] = lambda: None, timeout: float | None = None) -> None:
+        self.parts, self.sink, self.check = parts, sink, check
+        # this restore's collectives wait at most ``timeout`` (peer transfers: the store's timeout)
+        self.timeout = timeout
+        self.base = parts.group if timeout is None else parts.group.with_timeout(timeout)
+        self.usable = list(usable)
+        before, rep, after = parts.roles(self.usable)
+        # the sources, in order: this rank's own tiers, the replicator (peers), the tiers after it
+        self.own, self.later = TierSource(parts, before), TierSource(parts, after)
+        self.replicator = rep
+        self.peers = Peers(parts, rep) if rep is not None else None
+        self.bundles = Bundles(parts, rep)
+        self.skipped: Skipped = []
+
+    def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
+        with operation("restore"):  # what a wait outside a stage says it waited in
+            plan = gather_plan(self.parts, self.usable, self.check, self.base)
+        names = [t.name for t in self.usable]
+        leave = self.sink is not None and not adopt  # localize: every rank's first tier before returning
+        for s in plan.steps(step, names):
+            with operation(f"restore step {s}"):
+                a = Attempt(s, plan, self.base, self.sink, self.skipped, Landing(self.sink))
+                sending = self._try(a, leave)
+                if sending is not None and a.got is not None:  # in place: the rest goes on in the background
+                    log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
+                             "background", s, a.got[0])
+                    self.parts.ledger.pin(self.parts.first.name, s)  # the RAM copy it sends from stays
+                    self._restored(a, names, step is None)
+                    info = a.got[0]
+                    info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
+                    self.parts.restores.submit(functools.partial(self._settle, a, sending))
+                    return info
+                if self._agreed(a, left=False):
+                    self._restored(a, names, step is None)
+                    return self._finish(a, adopt=adopt)
+        reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in self.skipped)
+        raise RestoreError(f"no tier holds a verified copy ({reasons})")
+
+    # -- one step -----------------------------------------------------------------------------------
+    def _try(self, a: Attempt, leave: bool = False) -> Detached | None:
+        """This rank's part of the attempt: its own tiers, then (all ranks together) peers and the entries
+        ranks share, then the tiers after the replicator. Returns ``sending`` (with ``leave``) when this
+        rank's verified copy is in its target while ranks lacking the step in RAM still receive: the
+        caller may return, and :meth:`_settle` goes on."""
+        mine = a.step in a.plan.fast[self.parts.group.rank]
+        early = [a.step not in fast for fast in a.plan.fast] if self.peers is not None else []
+        if any(early):  # ranks whose RAM lacks the step fetch it first; the others read theirs meanwhile
+            assert self.replicator is not None and self.peers is not None
+            # the restore's own groups (made here, by every rank): its background part on a rank that
+            # returned never meets the caller's collectives on the store's group
+            groups = self.replicator.transfer_group()
+            if groups is not None:
+                a.group = groups if self.timeout is None else groups.with_timeout(self.timeout)
+            leave = leave and groups is not None
+            if mine:  # this rank sends what it keeps and, from its RAM copy, the entries it shares
+                serving = Attempt(a.step, a.plan, a.group, None, [], a.landing, tried=a.tried)
+                sending = Detached(functools.partial(self._send_early, serving, early, self.own.unverified(a)))
+                try:
+                    self.own(a)
+                except BaseException:  # never leave the sending thread running on the restore's groups
+                    sending.join()
+                    raise
+                whole = a.got is not None and holds(a.got[1].manifest, a.got[1].files) == WHOLE
+                if leave and a.mismatch is None and whole:
+                    return sending
+                sending.join()
+            else:
+                self.peers(a, early)
+                self.bundles(a)
+        elif mine:
+            self.own(a)
+        self._rest(a)
+        return None
+
+    def _send_early(self, serving: Attempt, early: list[bool], serve: Shard | None) -> None:
+        """A rank holding the step in RAM, while it reads its own: sends the ranks without it what it keeps
+        (``serve``: its copy as it is, for the entries ranks share)."""
+        assert self.peers is not None
+        with operation(f"restore step {serving.step}"):
+            self.peers(serving, early)
+            self.bundles(serving, serve)
+
+    def _rest(self, a: Attempt) -> None:
+        """The attempt after each rank read its own: peers, then the tiers after the replicator."""
+        if self.peers is not None:
+            self.peers(a)  # local copies that did not verify
+            self.bundles(a)  # the shared entries a peer's replica lacks
+        self.later(a)
+        self.bundles(a)  # the shared entries a shared tier keeps in their owners' shards
+
+    def _agreed(self, a: Attempt, left: bool) -> bool:
+        """Whether every rank has the step (collective); a mismatch anywhere is raised on every rank, and so
+        is a rank's failure once ranks have returned the step (``left``: this one did)."""
+        s = a.step
+        votes = agree(a.group, [a.got is not None, left], a.mismatch, f"restore step {s}", classify=error_kind)
+        if all(has for has, _ in votes):
+            return True
+        gone = sum(1 for _, went in votes if went)
+        if gone:
+            lacking = [r for r, (has, _) in enumerate(votes) if not has]
+            why = "; ".join(f"{t}: {w}" for t, x, w in self.skipped if x == s) if a.got is None else ""
+            raise RestoreIncompleteError(
+                f"step {s}: rank(s) {lacking[:8]} could not get their shard ({why or 'see their log'}) after "
+                f"{gone} rank(s) had restored it and returned; restart the job: its restore starts over, "
+                "and a peer's copy that failed its checks is no longer offered")
+        if a.got is not None:  # all go back together
+            a.skip(a.got[0].tier, "another rank could not restore this step")
+        return False
+
+    # -- after the step is chosen -------------------------------------------------------------------
+    def _restored(self, a: Attempt, names: list[str], newest: bool) -> None:
+        """The attempt's step is the one restored: the job goes on from it (the ledger notes it for the
+        timeline rule); when it was to be the newest, the newer steps held by only some ranks, passed over,
+        are in ``skipped``, naming the ranks that lack them."""
+        self.parts.ledger.restore_of(a.step)
+        passed = a.plan.passed_over(a.step) if newest else []
+        for x, lacking in passed:
+            self.skipped.append((",".join(names), x, f"held by only some ranks: rank(s) {lacking[:8]} cannot get it"))
+        if passed:
+            log.warning("steps %s could not be restored for every rank and were passed over; the next save "
+                        "removes them", [x for x, _ in passed])
+
+    def _settle(self, a: Attempt, sending: Detached) -> None:
+        """The rest of a restore this rank returned from (on the store's restore worker): its sends, the
+        other ranks' completion, the agreement, then what follows a restore. A failure is raised by the
+        store's next call."""
+        a.sink, a.landing = None, Landing(None)  # the target is the caller's now: never written again
+        got = a.got
+        try:
+            sending.join()
+            with operation(f"restore step {a.step}"):
+                self._rest(a)
+                self._agreed(a, left=True)
+                a.got = got
+                self._finish(a, adopt=False)
+        except RestoreIncompleteError:
+            raise
+        except BaseException as e:
+            raise RestoreIncompleteError(f"step {a.step}: this rank restored it and returned, but the restore did "
+                                         f"not finish on every rank ({type(e).__name__}: {e}); restart the job") from e
+        finally:
+            self.parts.ledger.unpin(self.parts.first.name, a.step)
+
+    def _finish(self, a: Attempt, *, adopt: bool) -> RestoreInfo:
+        assert a.got is not None
+        info, shard = a.got
+        g = a.group
+        if g.world_size > 1:
+            info.ranks = g.all_gather({"rank": g.rank, "tier": info.tier, "peer": info.peer,
+                                       "nbytes": info.nbytes, "seconds": info.seconds})
+        log.info("restored %s", info)
+        if adopt:
+            localize(self.parts, g, a.step, info, shard)
+        if self.replicator is not None:
+            reseed(self.parts, self.replicator, a.step, a.plan, shard)
+        return info
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+@dataclass
+class RestorePlan:
+    """What one gather told every rank (the same on every rank).
+
+    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
+    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
+    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
+    """
+
+    own: list[set[int]]
+    holders: dict[tuple[int, int], list[int]]
+    local: dict[str, set[int]]
+    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
+
+    @property
+    def every(self) -> set[int]:
+        """Every step some rank can read or some replica holds."""
+        return set().union(*self.own, (s for s, _ in self.holders))
+
+    def gettable(self, rank: int) -> set[int]:
+        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
+        return self.own[rank] | {s for s, r in self.holders if r == rank}
+
+    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
+        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get.
+        Raises :class:`~tierfs.errors.CheckpointLostError` when ranks hold steps but none every rank can get."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        common = common_steps(gettable)
+        if step is not None:
+            if step not in common:
+                lacking = [r for r, g in enumerate(gettable) if step not in g]
+                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank (rank(s) "
+                                        f"{lacking[:8]} lack it); available: {sorted(common)[-10:]}")
+            return [step]
+        if not common:
+            lost = lost_steps(gettable, tiers)
+            if lost is not None:
+                raise lost
+            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
+        return sorted(common, reverse=True)
+
+    def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
+        """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        newer = sorted({x for g in gettable for x in g if x > step} - common_steps(gettable), reverse=True)
+        return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
+
+    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
+        return [(r, t) for r in range(len(self.own)) for t in targets[r]
+                if t not in self.holders.get((step, r), [])]
+
+
+def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLostError | None:
+    """The error of a job whose ranks hold steps (``held[r]``: what rank ``r`` can get) none of which every
+    rank can get, naming the newest of them and the ranks lacking each; None when no rank holds any or
+    some step is held by every rank."""
+    every = set().union(*held)
+    if not every or common_steps(held):
+        return None
+    newest = sorted(every, reverse=True)[:4]
+    lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
+    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
+    return CheckpointLostError(
+        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)} and no "
+        f"step by every rank (lacking {said}): those ranks' shards and every copy of them are gone (e.g. nodes "
+        "replaced before a peer or a slower tier had a copy). Restore from another tier, or start afresh by "
+        "removing the tiers' directories", steps=sorted(every), lacking=lacking)
+
+
+def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,
+                group: Group | None = None) -> RestorePlan:
+    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
+    ``check()`` runs first (the store raises background failures there); a rank that fails makes every
+    rank raise."""
+    view, failure, local = None, None, {}
+    try:
+        with stage("planning"):
+            check()
+            parts.refresh()
+            before, rep, after = parts.roles(usable)
+            local = {t.name: parts.ledger.holding(t.name) for t in before + after}
+            held = rep.holdings() if rep is not None else {}
+            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
+                    sorted(set().union(*(local[t.name] for t in before)))]
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+        failure = e
+    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=error_kind)
+    holders: dict[tuple[int, int], list[int]] = {}
+    for h, (_, kept, _) in enumerate(views):
+        for s, r in kept:
+            holders.setdefault((s, r), []).append(h)
+    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
+
+
+def error_kind(e: BaseException) -> type[TierfsError]:
+    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
+    argument an ArgumentError."""
+    for cls in (StateMismatchError, ArgumentError):
+        if isinstance(e, cls):
+            return cls
+    return TierfsError
