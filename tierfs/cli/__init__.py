@@ -16,8 +16,9 @@ removes uncommitted steps; a step still being written, or that a crash left behi
 ``partial`` and left alone.
 
 The commands, by concern: :mod:`~tierfs.cli.targets` (a TARGET into tiers), :mod:`~tierfs.cli.inspect`
-(ls, verify), :mod:`~tierfs.cli.manage` (cp, gc, export), :mod:`~tierfs.cli.planning` (plan, simulate,
-bench). Each registers its subcommands with ``add_commands``.
+(ls, verify), :mod:`~tierfs.cli.manage` (cp, gc, export; what they do to steps: :mod:`~tierfs.cli.steps`),
+:mod:`~tierfs.cli.plan`, :mod:`~tierfs.cli.simulate` and :mod:`~tierfs.cli.bench` (its measurements:
+:mod:`~tierfs.cli.measure`). Each registers its subcommands with ``add_commands``.
 
 Exit status: 0 on success, 1 when a check fails or a tier cannot be read or written, 2 for a bad
 command line (a bad argument, or a TARGET that cannot be a tier, such as a system directory). Errors are
@@ -58,7 +59,7 @@ def error(msg: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tierfs`` parser with every subcommand; each parsed namespace has ``func(args) -> status``."""
     from .. import __version__
-    from . import inspect, manage, planning
+    from . import bench, inspect, manage, plan, simulate
 
     parser = _Parser(prog=PROG, description="Inspect, check, copy, clean up and export tierfs checkpoints; "
                                             "plan and simulate checkpointing for a training job. ls and "
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for module in (inspect, manage, planning):
+    for module in (inspect, manage, plan, simulate, bench):
         module.add_commands(sub)
     return parser
 

@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 from .._units import duration, rate, size
 from ..errors import ChecksumError, FormatError, TierfsError
-from ..ops import verify_shard
 from ..protocol import step_manifests
 from ..tiers.base import Tier
 from . import error
 from .display import add_no_progress, add_threads, progress_bar, step_bytes
+from .steps import verify_shard_naming_damage
 from .targets import add_target_args, describe, select, storage_options_from_args, tiers_from_target
 
 # -- ls ---------------------------------------------------------------------------------------------
@@ -126,14 +126,14 @@ def verify_step(tier: Tier, step: int, threads: int | None = None,
     TierfsError, OSError
         The first problem. A damaged block names its shard file, its bytes in that file and the user's
         key (``step 7 rank 0 on ram: rank_00000.0003.bin bytes 1048576-2097152, part of 'model.0.weight'
-        (the chunk at 0,0): checksum mismatch ...``, :func:`tierfs.ops.verify_shard`); a truncated or missing
-        shard file starts with the rank.
+        (the chunk at 0,0): checksum mismatch ...``, :func:`.steps.verify_shard_naming_damage`); a
+        truncated or missing shard file starts with the rank.
     """
     _, _, manifests = step_manifests(tier, step)
     checked = sum(len(mbytes) for _, mbytes, _ in manifests)
     for _, _, manifest in manifests:
         try:
-            checked += verify_shard(tier, step, manifest, threads=threads, progress=progress)
+            checked += verify_shard_naming_damage(tier, step, manifest, threads=threads, progress=progress)
         except ChecksumError:
             raise  # already names the step, the rank, the tier, the file and its bytes
         except (TierfsError, OSError) as e:

@@ -1,6 +1,6 @@
 """``tierfs cp``, ``tierfs gc`` and ``tierfs export``: copy a step, clean up, write a plain DCP checkpoint.
 
-``cp`` copies tier to tier (:func:`tierfs.ops.copy_step`: verified, marker last). ``gc`` and ``export``
+``cp`` copies tier to tier (:func:`tierfs.cli.steps.copy_step`: verified, marker last). ``gc`` and ``export``
 open a ``TieredStore`` with ``cleanup=False`` so that its rules apply (retention never deletes the only
 copy of the newest step; reads are verified) while partial steps are left to ``gc``'s own, more careful
 rule: a save in progress looks exactly like a crash's leftovers.
@@ -82,7 +82,7 @@ def _pick_source(tiers: list[Tier], step: int | None) -> tuple[Tier, int]:
 
 def cmd_cp(args: argparse.Namespace) -> int:
     """``tierfs cp``: copy one committed step, verified, marker last."""
-    from ..ops import copy_step
+    from .steps import copy_step
 
     src_opts = storage_options_from_args(args)
     src_all = tiers_from_target(args.source, src_opts)
@@ -113,7 +113,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 def _remove_partial(args: argparse.Namespace, tier: Tier) -> tuple[int, int]:
     """Remove ``tier``'s stale partial steps (every one with ``--force``); ``(removed, kept)``."""
-    from ..ops import partial_steps
+    from .steps import partial_steps
 
     verb = "would remove" if args.dry_run else "removed"
     removed = kept = 0

@@ -1,8 +1,9 @@
-"""``tierfs plan``, ``tierfs simulate`` and ``tierfs bench``: their arguments and what they print.
+"""``tierfs plan``, and the description of a job that ``plan`` and ``simulate`` share.
 
-``plan`` and ``simulate`` describe a job with the same arguments (:func:`add_model_args`) and turn them
-into :class:`tierfs.planning.PlanInputs` (:func:`inputs_from_args`); sizes, rates and durations take
-units (:mod:`tierfs.cli.units`). ``bench`` measures the bandwidths they read (:mod:`tierfs.bench`).
+``plan`` and ``simulate`` (:mod:`tierfs.cli.simulate`) describe a job with the same arguments
+(:func:`add_model_args`) and turn them into :class:`tierfs.planning.PlanInputs` (:func:`inputs_from_args`);
+sizes, rates and durations take units (:mod:`tierfs.cli.units`). ``bench`` (:mod:`tierfs.cli.bench`)
+measures the bandwidths they read.
 """
 
 from __future__ import annotations
@@ -11,17 +12,12 @@ import argparse
 import functools
 import json
 import math
-import os
-import sys
 from typing import Any, Callable
 
 from .. import planning as pl
-from .._units import duration, rate, size
 from . import UsageError
-from .display import add_no_progress
-from .targets import storage_options_from_args
-from .units import (int_at_least, nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration,
-                    parse_duration_or_zero, parse_fraction, parse_rate, positive_int)
+from .units import (nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration, parse_duration_or_zero,
+                    parse_fraction, parse_rate, positive_int)
 
 # -- shared arguments -------------------------------------------------------------------------------
 
@@ -123,7 +119,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
     """:class:`tierfs.planning.PlanInputs` from parsed arguments (ValueError with one line when inconsistent)."""
-    from .. import bench
+    from . import measure
 
     if args.checkpoint_size and args.bytes_per_param is not None:
         raise ValueError("--bytes-per-param goes with --params; --checkpoint-size is the whole checkpoint already")
@@ -140,7 +136,7 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
     mttf = args.mttf
     if args.accelerator_mttf is not None:
         mttf = pl.cluster_mttf(args.accelerator_mttf, accelerators)
-    bw: dict[str, float] = bench.bandwidths(bench.load(args.bench)) if args.bench else {}
+    bw: dict[str, float] = measure.bandwidths(measure.load(args.bench)) if args.bench else {}
     given = {"ram_save": args.ram_bw, "ram_restore": args.ram_restore_bw, "peer": args.peer_bw,
              "object_write": args.object_bw, "object_read": args.object_read_bw}
     bw.update({k: v for k, v in given.items() if v is not None})  # the command line wins over the file
@@ -206,7 +202,7 @@ def intervals_from_config(path: str, step_time: float | None) -> dict[str, float
 
 # -- plan -------------------------------------------------------------------------------------------
 
-def _usage_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def usage_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``fn`` with a ValueError (inconsistent arguments) turned into a UsageError (exit status 2)."""
 
     @functools.wraps(fn)
@@ -219,7 +215,7 @@ def _usage_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-@_usage_errors
+@usage_errors
 def cmd_plan(args: argparse.Namespace) -> int:
     """``tierfs plan``: the plan as tables, or JSON with ``--json``."""
     plan = pl.make_plan(inputs_from_args(args))
@@ -230,176 +226,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- simulate ---------------------------------------------------------------------------------------
-
-def _sizes(text: str) -> list[int]:
-    """``--sizes 1k,10k``: cluster sizes in accelerators."""
-    try:
-        out = [int(round(parse_count(x))) for x in text.split(",") if x.strip()]
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"--sizes: {e}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("--sizes needs at least one cluster size, e.g. 1k,10k,100k")
-    return out
-
-
-@_usage_errors
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """``tierfs simulate``: goodput, job time, work lost per strategy and cluster size, with 95% intervals."""
-    from .. import simulate as sim
-
-    if args.sizes and args.accelerator_mttf is None:
-        raise ValueError("--sizes needs --accelerator-mttf (the cluster's MTTF falls with its size)")
-    if args.sizes:
-        # the sizes are the clusters: hosts = size / --accelerators-per-host; a --hosts/--accelerators is not used
-        given = [f"{o} {v}" for o, v in (("--hosts", args.hosts), ("--accelerators", args.accelerators))
-                 if v is not None]
-        if given:
-            print(f"tierfs: note: --sizes gives the cluster sizes; {' and '.join(given)} not used", file=sys.stderr)
-        args = argparse.Namespace(**{**vars(args), "hosts": None, "accelerators": args.sizes[0]})
-    base = inputs_from_args(args)
-    sizes = args.sizes or [base.accelerators]
-    rows: list[tuple[int, sim.SimResult, float]] = []
-    stores: list[tuple[int, int, float, float, float]] = []  # the object store at each size
-    for i, n in enumerate(sizes):
-        p = pl.scaled(base, n, args.accelerator_mttf, args.accelerators_per_host) if args.sizes else base
-        if p.mttf is None:
-            raise ValueError("simulate needs a failure rate: --mttf or --accelerator-mttf")
-        plan = pl.make_plan(p)
-        if not plan.strategies:
-            raise ValueError("nothing to simulate: " + "; ".join(plan.notes))
-        for sp in plan.strategies:
-            r = sim.simulate(sp.strategy, p.mttf, args.work, runs=args.runs, seed=args.seed + i)
-            rows.append((n, r, sp.goodput))
-        best = max(plan.strategies, key=lambda sp: sp.goodput)
-        write = max((t.bandwidth_total for t in best.tiers if t.name == "object"), default=0.0)
-        stores.append((n, p.hosts, p.checkpoint, p.checkpoint * p.data_parallel, write))
-    if args.json:
-        store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write}
-                    for n, _, once, _, write in stores}
-        print(json.dumps([{"accelerators": n, "plan_goodput": g, **store_of[n], **r.as_dict()} for n, r, g in rows],
-                         indent=2))
-    else:
-        work = f"{args.work / 86400:g} days" if args.work >= 86400 else duration(args.work)
-        print(f"{args.runs} runs of {work} of training per strategy and size, seed {args.seed}; "
-              "95% confidence intervals")
-        print(sim.format_results(rows))
-        print()
-        dp = base.data_parallel
-        print("object store (the best strategy's writes" + (f"; data-parallel degree {dp}: each distinct byte once "
-                                                            "per save)" if dp > 1 else ")"))
-        print("\n".join(f"  {n} accelerators, {hosts} hosts: {size(once)} per save"
-                        + (f" ({size(whole)} if every copy were stored)" if dp > 1 else "")
-                        + f", {rate(write)} for the job" for n, hosts, once, whole, write in stores))
-        print()
-        print(sim.LEGEND)
-    if args.plot:
-        try:
-            sim.plot_goodput(rows, args.plot)
-        except ImportError:
-            print("tierfs: note: matplotlib is not installed, no plot written (pip install 'tierfs[plot]')",
-                  file=sys.stderr)
-        else:
-            print(f"plot written to {args.plot}", file=sys.stderr)
-    return 0
-
-
-# -- bench ------------------------------------------------------------------------------------------
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``tierfs bench``: measure the tiers here; print the figures and write the JSON plan/simulate read."""
-    from .. import _args, bench
-
-    storage_options = storage_options_from_args(args)
-    if args.object is not None:
-        _args.object_url(args.object, "--object")  # a typo is an error, not a benchmark of a local directory
-
-    bar = None
-    if not args.no_progress and sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=bench.steps_for(args.repeats, args.object), desc="bench", unit="op", leave=False,
-                       file=sys.stderr)
-        except ImportError:
-            bar = None
-
-    def tick(label: str) -> None:
-        if bar is not None:
-            bar.set_description(label)
-            bar.update(1)
-
-    try:
-        data = bench.run(size=int(args.size), repeats=args.repeats, ram_dir=args.ram_dir, object_url=args.object,
-                         storage_options=storage_options, tick=tick)
-    finally:
-        if bar is not None:
-            bar.close()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under torchrun, rank 0 reports
-    text = json.dumps(data, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    r = data["ram"]
-
-    def gbps(x: float) -> str:
-        return rate(x * 1e9)
-
-    lines = [f"measured with {size(data['size_bytes'])} per process, median of {data['repeats']} repeats",
-             f"RAM tier: save {gbps(r['save_gbps'])} (training waits), commit {gbps(r['commit_gbps'])}, "
-             f"restore {gbps(r['restore_gbps'])}"]
-    if data["object"]:
-        o = data["object"]
-        lines.append(f"object tier {o['url']}: upload {gbps(o['write_gbps'])}, download {gbps(o['read_gbps'])}")
-    if data["peer"]:
-        lines.append(f"peers ({data['peer']['world_size']} processes, {data['peer']['method']}): "
-                     f"{gbps(data['peer']['gbps'])}")
-    lines += [f"note: {n}" for n in data["notes"]]
-    if args.out:
-        lines.append(f"written to {args.out} (use it with: tierfs plan --bench {args.out} ...)")
-    else:
-        lines.append(text)
-    print("\n".join(lines))
-    return 0
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """``bench``'s arguments."""
-    p.add_argument("--size", type=parse_bytes, default=256 * 2**20, metavar="BYTES",
-                   help="state size per measurement (default 256MiB; use a few GiB for steadier figures)")
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="timed repeats (default 3)")
-    p.add_argument("--ram-dir", metavar="DIR", help="RAM tier directory (default: a fresh one in /dev/shm, "
-                                                    "removed afterwards)")
-    p.add_argument("--object", metavar="URL", help="object tier URL to measure, e.g. s3://bucket/run (writes "
-                                                   "and removes URL/tierfs-bench-<random>)")
-    p.add_argument("--storage-options", metavar="JSON", help="fsspec storage options for --object, as JSON")
-    p.add_argument("-o", dest="option", action="append", metavar="KEY=VALUE",
-                   help="one storage option for --object (repeatable)")
-    p.add_argument("--out", metavar="FILE", help="write the JSON here (default: print it)")
-    add_no_progress(p)
-
-
-def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    """``simulate``'s own arguments (it takes :func:`add_model_args`'s too)."""
-    g = p.add_argument_group("simulation")
-    g.add_argument("--sizes", type=_sizes, metavar="N,N,...",
-                   help="cluster sizes in accelerators, e.g. 1k,3k,10k,30k,100k, instead of --hosts/--accelerators "
-                        "(hosts = size / --accelerators-per-host); needs --accelerator-mttf. Default: the one "
-                        "cluster given")
-    g.add_argument("--work", type=parse_duration, default=30 * 86400.0, metavar="DUR",
-                   help="training time the job needs (default 30d)")
-    g.add_argument("--runs", type=int_at_least(2), default=200, metavar="N",
-                   help="runs per strategy, at least 2 (default 200)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    g.add_argument("--plot", metavar="FILE.png", help="write goodput vs cluster size (needs matplotlib)")
-    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-# -- the subcommands --------------------------------------------------------------------------------
-
 def add_commands(sub: Any) -> None:
-    """Register ``plan``, ``simulate`` and ``bench`` with the ``tierfs`` parser's subparsers."""
+    """Register ``plan`` with the ``tierfs`` parser's subparsers."""
     p = sub.add_parser("plan", help="RAM per host, save intervals, goodput and bandwidth for a job",
                        description=(
         "Plan a job's checkpointing from its model, cluster, failure rate and the tiers' bandwidths "
@@ -410,20 +238,3 @@ def add_commands(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_plan)
-
-    p = sub.add_parser("simulate", help="Monte-Carlo of a training run under failures", description=(
-        "Simulate many runs of a job under exponential failures (node losses and process restarts, "
-        "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
-        "(--hosts/--accelerators) or several sizes (--sizes with --accelerator-mttf). Needs a failure rate "
-        "(--mttf or --accelerator-mttf) and at least the object store's bandwidth. Prints goodput, job time, "
-        "work lost and time recovering with 95% confidence intervals, next to the plan's goodput."))
-    add_model_args(p)
-    add_simulate_args(p)
-    p.set_defaults(func=cmd_simulate)
-
-    p = sub.add_parser("bench", help="measure the tiers on this machine for plan/simulate", description=(
-        "Measure RAM-tier save and restore through a TieredStore, object-tier upload and download for "
-        "--object URL, and (under torchrun) peer transfer over gloo send/recv. Writes a JSON file that "
-        "'tierfs plan --bench FILE' and 'tierfs simulate --bench FILE' read."))
-    add_bench_args(p)
-    p.set_defaults(func=cmd_bench)

@@ -35,9 +35,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ._copy import as_u8
-from .errors import FormatError
-from .format import read_json
+from .._copy import as_u8
+from ..errors import FormatError
+from ..format import read_json
 
 FORMAT = "tierfs-bench"
 VERSION = 1
@@ -79,9 +79,9 @@ def bench_ram(path: str | os.PathLike | None, nbytes: int, repeats: int = 3, tic
     dict
         ``save_gbps``, ``commit_gbps``, ``restore_gbps``, ``path``.
     """
-    from .policies import LatestN
-    from .store import TieredStore
-    from .tiers import MemoryTier
+    from ..policies import LatestN
+    from ..store import TieredStore
+    from ..tiers import MemoryTier
 
     made = path is None
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -137,7 +137,7 @@ def bench_object(url: str, storage_options: Mapping[str, Any], nbytes: int, repe
     dict
         ``write_gbps``, ``read_gbps``, ``url``. Everything written is removed, also on failure.
     """
-    from .tiers import ObjectTier
+    from ..tiers import ObjectTier
 
     scratch = f"{url.rstrip('/')}/tierfs-bench-{uuid.uuid4().hex[:12]}"
     tier = ObjectTier(scratch, storage_options, name="bench")
@@ -193,7 +193,7 @@ def bench_peer(nbytes: int, repeats: int = 3, tick: Progress | None = None) -> d
         dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        from .dist import env_node_rank
+        from ..dist import env_node_rank
 
         nodes: list[int] = [0] * world
         dist.all_gather_object(nodes, env_node_rank(rank))
@@ -231,9 +231,9 @@ def _bench_replication(nbytes: int, repeats: int, tick: Progress | None) -> dict
 
     import torch.distributed as dist
 
-    from .policies import LatestN
-    from .store import TieredStore
-    from .tiers import MemoryTier, PeerTier
+    from ..policies import LatestN
+    from ..store import TieredStore
+    from ..tiers import MemoryTier, PeerTier
 
     seconds: dict[int, float] = {}
 

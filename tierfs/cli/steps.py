@@ -1,11 +1,12 @@
-"""Operations the command line runs on tiers outside a training job: copy a step, find stale leftovers.
+"""What ``tierfs cp``, ``verify`` and ``gc`` do to steps on tiers outside a training job: copy a step, name
+the damage a verification finds, find stale leftovers.
 
 ``copy_step`` moves a committed step from one tier to another the way the store's background copy does
-(:func:`tierfs.protocol.copy_shard` for every rank's shard, then the source's commit marker, byte for
-byte, last). ``verify_shard`` checks one rank's shard and names a damaged block by its file, its bytes
-in that file and the user's key (:class:`Damage`). ``partial_steps`` lists uncommitted step directories
-with the time their newest file was written, so that ``tierfs gc`` never removes a step a running job is
-writing (see also ``Tier.live_users``).
+(:func:`tierfs.protocol.copy_shard` for every rank's shard, then the source's commit marker, byte for byte,
+last). ``verify_shard_naming_damage`` checks one rank's shard and names a damaged block by its file, its
+bytes in that file and the user's key (:class:`Damage`). ``partial_steps`` lists uncommitted step
+directories with the time their newest file was written, so that ``tierfs gc`` never removes a step a
+running job is writing (see also ``Tier.live_users``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from . import _copy
-from .errors import ChecksumError, FormatError, StepExistsError, TierfsError
-from .format import Manifest, blocks, crc32c
-from .protocol import batches, commit, copy_shard, step_manifests
-from .tiers.base import Tier
+from .. import _copy
+from ..errors import ChecksumError, FormatError, StepExistsError, TierfsError
+from ..format import Manifest, blocks, crc32c
+from ..protocol import batches, commit, copy_shard, step_manifests
+from ..tiers.base import Tier
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def _damaged(tier: Tier, step: int, manifest: Manifest, files: Mapping[str, Any]
     return ChecksumError(f"step {step} rank {manifest.rank} on {tier.name}: {found[0]}{more}")
 
 
-def verify_shard(tier: Tier, step: int, manifest: Manifest, *, threads: int | None = None,
+def verify_shard_naming_damage(tier: Tier, step: int, manifest: Manifest, *, threads: int | None = None,
                  progress: Callable[[int], None] | None = None) -> int:
     """Check every block of one rank's shard of ``step`` on ``tier``; returns the bytes checked.
 
@@ -146,7 +147,7 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
         except ChecksumError as e:
             # name the damaged file and bytes: look again, at the source's files only (the failure path)
             try:
-                verify_shard(src, step, m, threads=threads)
+                verify_shard_naming_damage(src, step, m, threads=threads)
                 found: Exception = e
             except (ChecksumError, FormatError) as again:
                 found = again

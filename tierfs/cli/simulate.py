@@ -1,0 +1,117 @@
+"""``tierfs simulate``: Monte-Carlo runs of a job under failures (:mod:`tierfs.planning.simulate`) with the
+intervals ``plan`` chooses, for one cluster or several sizes; it takes ``plan``'s arguments
+(:func:`tierfs.cli.plan.add_model_args`) and its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .. import planning as pl
+from .._units import duration, rate, size
+from .plan import add_model_args, inputs_from_args, usage_errors
+from .units import int_at_least, parse_count, parse_duration
+
+
+def _sizes(text: str) -> list[int]:
+    """``--sizes 1k,10k``: cluster sizes in accelerators."""
+    try:
+        out = [int(round(parse_count(x))) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"--sizes: {e}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("--sizes needs at least one cluster size, e.g. 1k,10k,100k")
+    return out
+
+
+@usage_errors
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """``tierfs simulate``: goodput, job time, work lost per strategy and cluster size, with 95% intervals."""
+    from .. import simulate as sim
+
+    if args.sizes and args.accelerator_mttf is None:
+        raise ValueError("--sizes needs --accelerator-mttf (the cluster's MTTF falls with its size)")
+    if args.sizes:
+        # the sizes are the clusters: hosts = size / --accelerators-per-host; a --hosts/--accelerators is not used
+        given = [f"{o} {v}" for o, v in (("--hosts", args.hosts), ("--accelerators", args.accelerators))
+                 if v is not None]
+        if given:
+            print(f"tierfs: note: --sizes gives the cluster sizes; {' and '.join(given)} not used", file=sys.stderr)
+        args = argparse.Namespace(**{**vars(args), "hosts": None, "accelerators": args.sizes[0]})
+    base = inputs_from_args(args)
+    sizes = args.sizes or [base.accelerators]
+    rows: list[tuple[int, sim.SimResult, float]] = []
+    stores: list[tuple[int, int, float, float, float]] = []  # the object store at each size
+    for i, n in enumerate(sizes):
+        p = pl.scaled(base, n, args.accelerator_mttf, args.accelerators_per_host) if args.sizes else base
+        if p.mttf is None:
+            raise ValueError("simulate needs a failure rate: --mttf or --accelerator-mttf")
+        plan = pl.make_plan(p)
+        if not plan.strategies:
+            raise ValueError("nothing to simulate: " + "; ".join(plan.notes))
+        for sp in plan.strategies:
+            r = sim.simulate(sp.strategy, p.mttf, args.work, runs=args.runs, seed=args.seed + i)
+            rows.append((n, r, sp.goodput))
+        best = max(plan.strategies, key=lambda sp: sp.goodput)
+        write = max((t.bandwidth_total for t in best.tiers if t.name == "object"), default=0.0)
+        stores.append((n, p.hosts, p.checkpoint, p.checkpoint * p.data_parallel, write))
+    if args.json:
+        store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write}
+                    for n, _, once, _, write in stores}
+        print(json.dumps([{"accelerators": n, "plan_goodput": g, **store_of[n], **r.as_dict()} for n, r, g in rows],
+                         indent=2))
+    else:
+        work = f"{args.work / 86400:g} days" if args.work >= 86400 else duration(args.work)
+        print(f"{args.runs} runs of {work} of training per strategy and size, seed {args.seed}; "
+              "95% confidence intervals")
+        print(sim.format_results(rows))
+        print()
+        dp = base.data_parallel
+        print("object store (the best strategy's writes" + (f"; data-parallel degree {dp}: each distinct byte once "
+                                                            "per save)" if dp > 1 else ")"))
+        print("\n".join(f"  {n} accelerators, {hosts} hosts: {size(once)} per save"
+                        + (f" ({size(whole)} if every copy were stored)" if dp > 1 else "")
+                        + f", {rate(write)} for the job" for n, hosts, once, whole, write in stores))
+        print()
+        print(sim.LEGEND)
+    if args.plot:
+        try:
+            sim.plot_goodput(rows, args.plot)
+        except ImportError:
+            print("tierfs: note: matplotlib is not installed, no plot written (pip install 'tierfs[plot]')",
+                  file=sys.stderr)
+        else:
+            print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    """``simulate``'s own arguments (it takes :func:`add_model_args`'s too)."""
+    g = p.add_argument_group("simulation")
+    g.add_argument("--sizes", type=_sizes, metavar="N,N,...",
+                   help="cluster sizes in accelerators, e.g. 1k,3k,10k,30k,100k, instead of --hosts/--accelerators "
+                        "(hosts = size / --accelerators-per-host); needs --accelerator-mttf. Default: the one "
+                        "cluster given")
+    g.add_argument("--work", type=parse_duration, default=30 * 86400.0, metavar="DUR",
+                   help="training time the job needs (default 30d)")
+    g.add_argument("--runs", type=int_at_least(2), default=200, metavar="N",
+                   help="runs per strategy, at least 2 (default 200)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--plot", metavar="FILE.png", help="write goodput vs cluster size (needs matplotlib)")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``simulate`` with the ``tierfs`` parser's subparsers."""
+    p = sub.add_parser("simulate", help="Monte-Carlo of a training run under failures", description=(
+        "Simulate many runs of a job under exponential failures (node losses and process restarts, "
+        "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
+        "(--hosts/--accelerators) or several sizes (--sizes with --accelerator-mttf). Needs a failure rate "
+        "(--mttf or --accelerator-mttf) and at least the object store's bandwidth. Prints goodput, job time, "
+        "work lost and time recovering with 95% confidence intervals, next to the plan's goodput."))
+    add_model_args(p)
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
