@@ -10,7 +10,7 @@ import pytest
 from tierfs.planning import (FailureClass, PlanInputs, Strategy, TierModel, checkpoint_bytes, cluster_mttf,
                              expected_goodput, expected_job_time, format_plan, make_plan, optimise, ram_per_host,
                              scaled, sustained_bandwidth, young_daly)
-from tierfs.simulate import simulate
+from tierfs.planning.simulate import simulate
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -240,7 +240,7 @@ def test_simulation_is_reproducible_and_checks_its_inputs():
 
 
 def test_estimate_ci():
-    from tierfs.simulate import Estimate
+    from tierfs.planning.simulate import Estimate
 
     e = Estimate.of(np.array([1.0, 2.0, 3.0, 4.0]))
     # mean 2.5, sd 1.2910, half width 1.96 x 1.2910 / 2 = 1.2652

@@ -30,7 +30,7 @@ def _sizes(text: str) -> list[int]:
 @usage_errors
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``tierfs simulate``: goodput, job time, work lost per strategy and cluster size, with 95% intervals."""
-    from .. import simulate as sim
+    from ..planning import simulate as sim
 
     if args.sizes and args.accelerator_mttf is None:
         raise ValueError("--sizes needs --accelerator-mttf (the cluster's MTTF falls with its size)")

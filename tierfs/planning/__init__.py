@@ -8,8 +8,10 @@ second; printed as GB = 1e9 bytes and GB/s = 1e9 bytes/s.
 - :mod:`~tierfs.planning.optimise`: :func:`make_plan`, the intervals that maximise goodput.
 - :mod:`~tierfs.planning.report`: the plan as text (``tierfs plan``) and as JSON.
 
-``tierfs simulate`` (:mod:`tierfs.simulate`) checks the goodput figures with a Monte-Carlo run of the
-same model. Imports point one way: report -> optimise -> model.
+- :mod:`~tierfs.planning.simulate`: a Monte-Carlo run of the same model (``tierfs simulate``), which
+  checks the goodput figures.
+
+Imports point one way: report -> optimise -> model <- simulate.
 """
 
 from .model import (BYTES_PER_PARAM, DEFAULT_BACKGROUND_SLOWDOWN, FailureClass, PlanInputs, RamBudget, Strategy,

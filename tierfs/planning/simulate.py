@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import planning
+from .model import Strategy
 
 #: normal quantile of a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -86,7 +86,7 @@ class SimResult:
 class _Schedule:
     """Wall time of the failure-free schedule: ``wall(g)`` is when the saves after interval ``g`` end."""
 
-    def __init__(self, s: planning.Strategy) -> None:
+    def __init__(self, s: Strategy) -> None:
         self.tau = float(s.interval)
         self.unit = self.tau + s.tiers[0].blocking
         self.slow = [(int(t.every), float(t.blocking)) for t in s.tiers[1:]]
@@ -117,7 +117,7 @@ class _Schedule:
         return np.where(w < 0, -1, lo)
 
 
-def simulate(strategy: planning.Strategy, mttf: float, work: float, *, runs: int = 200, seed: int = 0,
+def simulate(strategy: Strategy, mttf: float, work: float, *, runs: int = 200, seed: int = 0,
              max_failures: int | None = None) -> SimResult:
     """Simulate ``runs`` independent runs of a job needing ``work`` seconds of training.
 
