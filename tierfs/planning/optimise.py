@@ -1,7 +1,7 @@
 """Planning a job: RAM per host, and for each strategy the bandwidths allow, the intervals that maximise
 its goodput.
 
-:func:`make_plan` starts each strategy at Young/Daly's intervals (:mod:`tierfs.planning.model`) and
+:func:`make_plan` starts each strategy at Young/Daly's intervals (:mod:`tierfs.planning.formulas`) and
 moves them to the maximum of :func:`~tierfs.planning.model.expected_goodput` with :func:`optimise`; the
 :class:`Plan` it returns is what ``tierfs plan`` prints (:mod:`tierfs.planning.report`).
 """
@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from .model import (FailureClass, PlanInputs, RamBudget, Strategy, TierModel, cluster_mttf, expected_goodput,
-                    ram_per_host, sustained_bandwidth, young_daly)
+from .formulas import RamBudget, cluster_mttf, ram_per_host, sustained_bandwidth, young_daly
+from .inputs import PlanInputs
+from .model import FailureClass, Strategy, TierModel, expected_goodput
 from .units import duration
 
 
