@@ -18,7 +18,8 @@ pool's transfer). :func:`wait_for` is the same wait for a call such as ``TieredS
 Exit status: work that failed at exit, or was cut short by the bound, makes the process exit with
 status 1 (after every exit handler registered since tierfs was imported has run), so that a job whose
 last checkpoint or upload is not durable does not look successful; ``exit_timeout=0`` (finish nothing
-at exit, on purpose) leaves the status alone. A program that ended by Ctrl-C still ends by SIGINT.
+at exit, on purpose) leaves the status alone. A program that ended by Ctrl-C still ends by SIGINT
+(:mod:`tierfs._exitstatus`).
 
 The order matters. tierfs's background threads are daemon threads: the interpreter does not wait for
 them, and stops them once its exit handlers have run. The work is finished in two passes:
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from ._args import DEFAULT_EXIT_TIMEOUT, EXIT_TIMEOUT_ENV as ENV, exit_seconds, shown_seconds  # noqa: F401
+from ._exitstatus import die_by_sigint, fail, main_interrupted
 from ._retry import short
 
 log = logging.getLogger("tierfs")
@@ -100,9 +102,6 @@ _installed = False
 _start: float | None = None  # when the first pass began: every bound counts from there
 _interrupted = False
 _presses = 0  # Ctrl-C pressed while the exit waited
-_failed_pid: int | None = None  # the process whose work at exit failed or was cut short: it exits with 1
-#: the exit status of a process whose work at exit failed or was cut short by its bound
-FAILED_STATUS = 1
 
 
 def register(obj: Any, timeout: float, work: Callable[[Any], "Work | None"]) -> None:
@@ -162,7 +161,7 @@ def _run(final: bool) -> None:
     except KeyboardInterrupt:  # (also a second Ctrl-C while the first one's lines were being written)
         _stop(jobs)
     except BaseException as e:  # noqa: BLE001 - at exit: one line, never a traceback
-        _fail()
+        fail()
         log.warning("tierfs: finishing background work at exit failed (%s)", short(e, with_type=True))
 
 
@@ -230,7 +229,7 @@ def _finish(jobs: list[_Job], final: bool) -> None:
                     waiting.remove(j)
         except KeyboardInterrupt:
             _presses += 1
-            if _presses + _main_interrupted() < 2:  # the first Ctrl-C: say what is left, go on
+            if _presses + main_interrupted() < 2:  # the first Ctrl-C: say what is left, go on
                 for j in waiting:
                     left = j.work.pending()
                     if left is not None:
@@ -248,7 +247,7 @@ def _stop(jobs: list[_Job]) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread
         pass
-    _fail()
+    fail()
     said = False
     for j in jobs:
         try:
@@ -260,18 +259,12 @@ def _stop(jobs: list[_Job]) -> None:
     if not said:
         log.warning("tierfs: exit interrupted by Ctrl-C; background work may be left unfinished (its data stays "
                     "where it is)")
-    _die_by_sigint()
-
-
-def _main_interrupted() -> int:
-    """1 when the program ended by an uncaught KeyboardInterrupt (its first Ctrl-C), else 0."""
-    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return int(isinstance(last, KeyboardInterrupt))
+    die_by_sigint()
 
 
 def _stops(presses: int, already: int | None = None) -> str:
     """How to stop a wait: ``"Ctrl-C stops waiting"``, or twice when nothing was pressed yet."""
-    pressed = presses + (_main_interrupted() if already is None else already)
+    pressed = presses + (main_interrupted() if already is None else already)
     return "Ctrl-C stops waiting" if pressed else "Ctrl-C twice stops waiting"
 
 
@@ -286,59 +279,12 @@ def _lose(job: _Job, reason: str, failed: bool = True) -> None:
 def _report(job: _Job, reason: str, failed: bool = True) -> None:
     """The one warning line of ``job``'s work left unfinished or failed for ``reason``."""
     if failed:
-        _fail()
+        fail()
     try:
         line = job.work.lost(reason)
     except Exception as e:  # noqa: BLE001 - the reason alone, still one line
         line = f"tierfs: at exit, {reason}; background work of {job.obj!r} is unfinished ({short(e)})"
     log.warning("%s", line)
-
-
-def _fail() -> None:
-    """This process's work at exit failed or was cut short: it exits with :data:`FAILED_STATUS`."""
-    global _failed_pid
-    _failed_pid = os.getpid()
-
-
-def _flush() -> None:
-    """Write out what was logged and printed, before the process ends without the rest of its exit."""
-    for h in [*logging.getLogger().handlers, *log.handlers, logging.lastResort]:
-        try:
-            if h is not None:
-                h.flush()
-        except Exception:  # noqa: BLE001 - a handler that cannot flush: nothing more to do
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream
-            pass
-
-
-def _die_by_sigint() -> None:
-    """End the process now, as an uncaught Ctrl-C ends it (killed by SIGINT; status 130 where that fails)."""
-    _flush()
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    except (OSError, ValueError):  # not the main thread, or no such signal here
-        pass
-    os._exit(130)
-
-
-def _exit_status() -> None:
-    """The last exit handler (registered when tierfs is imported): a process whose work at exit failed or
-    was cut short exits with :data:`FAILED_STATUS` (or by SIGINT, when the program ended by Ctrl-C)."""
-    if _failed_pid != os.getpid():
-        return
-    if _main_interrupted():
-        _die_by_sigint()
-    _flush()
-    os._exit(FAILED_STATUS)
-
-
-atexit.register(_exit_status)
 
 
 def wait_for(work: Work, what: str) -> None:
