@@ -24,6 +24,8 @@ from ._rootdir import missing_dirs, remove_new_dirs
 from ._stages import stage
 from ._worker import BACKGROUND_NICE, Throttle, Worker
 from .core.ledger import StepLedger
+from .core.background import Background
+from .core.ownership import Ownership
 from .core.parts import Parts
 from .dist import Group, agreement
 from .dist.groups import env_node_source
@@ -92,13 +94,14 @@ class Opening:
         for r in reps:
             r.bind(files[0], group)
             layout.check(r.nodes, f"{r.name}'s node numbers")
-        self.parts = Parts(
-            tiers=tiers, group=group, ledger=ledger, throttle=throttle,
-            commits=Worker("tierfs-commit", ledger.fail),
+        work = Background(
+            ledger=ledger, throttle=throttle, commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
-            commit_group=commit_group, copy_groups=copy_groups, threads=threads, file_size=file_size,
-            block_size=block_size, clock=clock, layout=layout)
+            commit_group=commit_group, copy_groups=copy_groups)
+        ranks = Ownership(group, layout, reps[0] if reps else None)
+        self.parts = Parts(tiers=tiers, ledger=ledger, ranks=ranks, work=work, threads=threads,
+                           file_size=file_size, block_size=block_size, clock=clock)
         for r in reps:
             self.open(r)
         return self.parts
@@ -108,7 +111,7 @@ class Opening:
         Never raises: the constructor's own error is the one to see."""
         if self.parts is not None:
             try:
-                self.parts.close()
+                self.parts.work.close()
             except Exception as e:  # noqa: BLE001 - logged; the rest is still undone
                 log.warning("closing the store's workers failed (%s)", short(e, with_type=True))
         for t in reversed(self.opened):
@@ -140,7 +143,7 @@ class StoreWork:
         return [s for s in sorted(ledger.snapshot().info) if ledger.busy(s)]
 
     def _done(self) -> bool:
-        workers = [self.parts.restores, self.parts.commits, *self.parts.copies.values()]
+        workers = self.parts.work.workers()
         return not self._busy() and all(_idle(w) for w in workers)
 
     def _missing(self, step: int) -> list[Holder]:
@@ -167,7 +170,7 @@ class StoreWork:
             else:
                 on = ", ".join(f"tier {t.name!r} ({getattr(t, 'location', t.name)})" for t in self._missing(s))
                 said.append(f"step {s}{self._nbytes(s)} not yet on {on}")
-        if not said and not _idle(self.parts.restores):
+        if not said and not _idle(self.parts.work.restores):
             return "TieredStore: the rest of a restore (sending to the ranks still receiving, agreeing)"
         return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")
 

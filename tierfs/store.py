@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _args, _exit, _lifecycle, _stages, state as st
+from . import _args, _exit, _lifecycle, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.parts import check_tiers
@@ -32,7 +32,7 @@ from .core.restore.sources import Skipped
 from .core.retention import Retention
 from .core.saving import SavePath
 from .dist import Group, default_group, seconds
-from .errors import ArgumentError, BackgroundError, TierfsError
+from .errors import ArgumentError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
 from .tiers.base import Holder, Replicator, Tier
@@ -125,8 +125,7 @@ class TieredStore:
                                               self.block_size, clock)
             self._reader = Reader(self._parts)
             self._retention = Retention(self._parts, self._reader)
-            self._saving = SavePath(self._parts, self._retention, self.wait_until_finished,
-                                    self.raise_background_errors)
+            self._saving = SavePath(self._parts, self._retention)
             if cleanup:
                 self._cleanup_uncommitted()
             self.refresh()
@@ -159,7 +158,7 @@ class TieredStore:
 
     def _cleanup_uncommitted(self) -> None:
         for t in self.tiers:
-            if self._parts.owns(t):
+            if self._parts.ranks.owns(t):
                 for s, ok in t.list_steps().items():
                     if not ok:
                         log.info("tier %s: removing uncommitted step %d left by an interrupted save", t.name, s)
@@ -190,7 +189,7 @@ class TieredStore:
         instead of returning an empty list."""
         names = set(_args.names(tiers, "tiers", self._parts.names) or ()) if tiers is not None else None
         _args.flag(raise_lost, "raise_lost")
-        self._parts.restores.join()  # the steps as the last restore left them (its failure: at the next call)
+        self._parts.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
         views = g.all_gather(mine) if g.world_size > 1 else [mine]
@@ -249,27 +248,16 @@ class TieredStore:
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
         """Raise the first error background work hit since the last call, if any."""
-        self._parts.settle()  # the rest of a restore that returned here: its failure first
-        errors = self._parts.ledger.take_errors()
-        if errors:
-            first = errors[0]
-            more = f" (and {len(errors) - 1} more, see the log)" if len(errors) > 1 else ""
-            where = _stages.of(first)  # e.g. "copy of step 7 on s3": the step and the tier
-            said = str(first) if isinstance(first, TierfsError) else f"{type(first).__name__}: {first}"
-            where = f" ({where})" if where and where not in said else ""
-            err = BackgroundError(f"background copy failed{where}: {said}{more}")
-            err.tierfs_stage = _stages.of(first)  # type: ignore[attr-defined]
-            raise err from first
+        self._parts.work.raise_errors()
 
     def wait_until_committed(self) -> None:
         """Block until every save so far is committed in the first tier (its copies to slower tiers may
         still run)."""
-        self._parts.commits.join()
+        self._parts.work.commits.join()
 
     def wait_until_finished(self) -> None:
         """Block until every background commit, copy and deletion is done; raise the first failure."""
-        self._parts.join()
-        self.raise_background_errors()
+        self._parts.work.finish()
 
     # -- retention ----------------------------------------------------------------------------------
     def retention_plan(self) -> dict[str, list[int]]:
@@ -360,7 +348,7 @@ class TieredStore:
         self._check_open()
         # saves' commits first: their retention must not delete what this restore sends, and the copies they
         # hand on reach the copy workers before its re-seeding, in the same order on every rank
-        self._parts.commits.join()
+        self._parts.work.commits.join()
         error: ArgumentError | None = None
         try:
             check()
@@ -429,7 +417,7 @@ class TieredStore:
         background on a rank that returned before the others, see :meth:`restore_into`) is done."""
         if self._closed:
             raise TierfsError("the store is closed; create a new TieredStore")
-        self._parts.settle()
+        self._parts.work.settle()
 
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any.
@@ -449,7 +437,7 @@ class TieredStore:
         finally:
             self._closed = True
             if _lifecycle.StoreWork(self).pending() is None:  # else Ctrl-C left copies running: not joined
-                self._parts.close()
+                self._parts.work.close()
                 for t in self.tiers:
                     t.close()
 

@@ -54,5 +54,5 @@ def catch_up(parts: Parts, saving: SavePath) -> list[tuple[int, str]]:
         parts.ledger.catch_up(s, name, StepInfo(s, float(marker.committed or 0.0)),
                               transient=first.name not in (marker.tiers or ()))
         parts.ledger.pin(first.name, s)
-        parts.copies[name].submit(functools.partial(saving.hand_on, s, parts.tier(name), marker, {}))
+        parts.work.copies[name].submit(functools.partial(saving.hand_on, s, parts.tier(name), marker, {}))
     return sorted(agreed, reverse=True)

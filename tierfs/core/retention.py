@@ -99,7 +99,7 @@ class Retention:
             tier.delete_step(step)  # the copies this rank keeps
             return
         assert isinstance(tier, Tier)
-        if tier.is_local and len(p.sharing(tier)) > 1:
-            tier.release(step, p.group.rank, marker=p.owns(tier))
-        elif p.owns(tier):
+        if tier.is_local and len(p.ranks.sharing(tier)) > 1:
+            tier.release(step, p.group.rank, marker=p.ranks.owns(tier))
+        elif p.ranks.owns(tier):
             tier.delete_step(step)

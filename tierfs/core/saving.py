@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -68,13 +68,10 @@ def _declaration(replicated: Any) -> Any:
 class SavePath:
     """Saves of one store (see the module docstring)."""
 
-    def __init__(self, parts: Parts, retention: Retention, wait_until_finished: Callable[[], None],
-                 raise_background_errors: Callable[[], None]) -> None:
+    def __init__(self, parts: Parts, retention: Retention) -> None:
         self.parts, self.retention = parts, retention
         # the structures saved most recently, newest first, with the replicated= declaration of each
         self._layouts: list[tuple[Layout, Any]] = []
-        self._wait_until_finished = wait_until_finished
-        self._raise_background_errors = raise_background_errors
 
     # -- choosing the tiers -------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
@@ -112,7 +109,7 @@ class SavePath:
                 names, values, structure = describe(state)
                 layout = self._layout(names, values, structure, replicated)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
-            self._raise_background_errors()
+            p.work.raise_errors()
             chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
                                      max_in_flight, when_busy)
             if p.ledger.busy(step):
@@ -122,7 +119,7 @@ class SavePath:
         except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
             failure = e
         group = p.group if wait is None else p.group.with_timeout(wait)
-        commit_group = p.commit_group if wait is None else p.commit_group.with_timeout(wait)
+        commit_group = p.work.commit_group if wait is None else p.work.commit_group.with_timeout(wait)
         views = agree(group, mine, failure, f"save step {step}", outcome="nothing saved")
         chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
         holders = sorted({n for v in views for n in v[1]})
@@ -140,7 +137,7 @@ class SavePath:
                                       "replace it or save a new step")
             stale = timeline.superseded([v[2:] for v in views], step, restored)
             if holders or stale:
-                self._wait_until_finished()
+                p.work.finish()
                 self._supersede(step, stale, restored)
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
@@ -154,13 +151,13 @@ class SavePath:
                         agree(commit_group, None, e, f"commit step {step}", outcome="not committed")
                     except BaseException:  # noqa: BLE001 - already raised to the caller
                         pass
-                p.commits.submit(abort)
+                p.work.commits.submit(abort)
             raise
         p.ledger.begin(step, StepInfo(step, p.clock(), dict(metrics or {})), [t.name for t in chosen],
                        transient=first not in chosen)
         slow = [t for t in chosen if t is not first]
         if not blocking:
-            p.commits.submit(lambda: self._commit(staged, slow, commit_group))
+            p.work.commits.submit(lambda: self._commit(staged, slow, commit_group))
         elif p.group.world_size == 1:
             self._commit(staged, slow, commit_group, p.threads)
         else:  # commits of all ranks go through the commit worker, in order
@@ -174,7 +171,7 @@ class SavePath:
                     failed.append(e)
                 finally:
                     done.set()
-            p.commits.submit(commit_now)
+            p.work.commits.submit(commit_now)
             done.wait()
             if failed:
                 raise failed[0]
@@ -274,7 +271,7 @@ class SavePath:
         self.retention.apply(first, on_error=p.ledger.fail)
         for t in slow:
             p.ledger.pin(first.name, step)
-            p.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
+            p.work.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
         p.ledger.done(step)
         if not slow:
             self._prepare(step, manifest.files)
@@ -284,7 +281,7 @@ class SavePath:
         nothing the keep policy lets go is still held (the buffers such steps and old replicas free are
         the spares: RAM holds the committed step, one replica and one spare set)."""
         if not self.retention.pending(self.parts.first):
-            self.parts.commits.submit(lambda: self.parts.first.prepare(step, sizes))
+            self.parts.work.commits.submit(lambda: self.parts.first.prepare(step, sizes))
 
     def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank
@@ -293,9 +290,9 @@ class SavePath:
         wrote = False
         try:
             with agreement(group, what, outcome="not committed"):
-                if self.parts.owns(tier):
+                if self.parts.ranks.owns(tier):
                     with stage("marker", step, tier.name):
-                        commit(tier, step, marker.to_bytes(), self.parts.expected_manifests(tier, marker))
+                        commit(tier, step, marker.to_bytes(), self.parts.ranks.expected_manifests(tier, marker))
                         wrote = True
         except BaseException:
             if wrote:
@@ -332,13 +329,13 @@ class SavePath:
         """Byte copy of this rank's files from the first tier to ``dst``, verified before upload, marker
         last once every rank's shard is there."""
         p, src = self.parts, self.parts.first
-        group = p.copy_groups[dst.name]
+        group = p.work.copy_groups[dst.name]
         t0 = time.perf_counter()
         with agreement(group, f"copy step {step} to {dst.name}", outcome="not committed") as vote:
             with stage("copy", step, dst.name):
                 manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
                 # a damaged RAM copy must not become the durable one; verified and sent within the cap
-                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.pace(step, dst.name),
+                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.work.pace(step, dst.name),
                                        batched=False)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
         log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _units.Bytes(vote.mine),
@@ -360,7 +357,7 @@ class SavePath:
         except (TierfsError, OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"  # still take part: the receivers refuse
         # no check before sending: each receiver verifies every block as it lands
-        failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=p.pace(step, dst.name), error=error)
+        failed = dst.replicate(step, marker.to_bytes(), mbytes, files, pace=p.work.pace(step, dst.name), error=error)
         del files
         if failed:
             s, t, why = failed[0]

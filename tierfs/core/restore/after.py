@@ -47,10 +47,10 @@ def localize(parts: Parts, group: Group, s: int, info: RestoreInfo, shard: Shard
             first.discard_staged(s)
             log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
     wrote_by = group.all_gather(wrote)
-    if parts.owns(first) and any(wrote_by[r] for r in parts.sharing(first)):
+    if parts.ranks.owns(first) and any(wrote_by[r] for r in parts.ranks.sharing(first)):
         marker = Marker.from_bytes(shard.marker)
         try:
-            commit(first, s, shard.marker, parts.expected_manifests(first, marker))
+            commit(first, s, shard.marker, parts.ranks.expected_manifests(first, marker))
         except (TierfsError, OSError) as e:
             log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
     group.barrier()
@@ -70,7 +70,7 @@ def reseed(parts: Parts, rep: Replicator, s: int, plan: RestorePlan, shard: Shar
         shard = shard.whole()  # the arrays it landed in are the caller's once the restore returns
     log.info("step %d: re-seeding %d peer copies in the background", s, len(pairs))
     parts.ledger.pin(parts.first.name, s)  # the shard this rank sends stays until it is sent
-    parts.copies[rep.name].submit(lambda: _send_replicas(parts, rep, s, pairs, shard))
+    parts.work.copies[rep.name].submit(lambda: _send_replicas(parts, rep, s, pairs, shard))
 
 
 def _send_replicas(parts: Parts, rep: Replicator, s: int, pairs: list[tuple[int, int]], shard: Shard) -> None:
@@ -83,7 +83,7 @@ def _send_replicas(parts: Parts, rep: Replicator, s: int, pairs: list[tuple[int,
                 files = {n: shard.files[n] for n in shard.manifest.replica_files}
         except (TierfsError, OSError, ValueError, KeyError) as e:
             error, files = f"{type(e).__name__}: {e}", {}  # still take part: the receivers refuse
-        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=parts.pace(s, rep.name),
+        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=parts.work.pace(s, rep.name),
                                error=error)
     finally:
         parts.ledger.unpin(parts.first.name, s)

@@ -78,7 +78,7 @@ class Restore:
                     self._restored(a, names, step is None)
                     info = a.got[0]
                     info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
-                    self.parts.restores.submit(functools.partial(self._settle, a, sending))
+                    self.parts.work.restores.submit(functools.partial(self._settle, a, sending))
                     return info
                 if self._agreed(a, left=False):
                     self._restored(a, names, step is None)
