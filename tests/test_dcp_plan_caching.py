@@ -25,6 +25,7 @@ from tierfs.policies import PreserveAll
 from tierfs.tiers import MemoryTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 from dcp_child import make_state, same  # noqa: E402
@@ -287,7 +288,7 @@ finish(out)
 
 def test_two_ranks_cached_saves_with_structure_changes(shm_dir, tmp_path):
     script = tmp_path / "child.py"
-    script.write_text(TWO_RANK_CHILD.format(here=str(HERE)))
+    script.write_text(TWO_RANK_CHILD.format(here=str(CHILDREN)))
     outs = gloo_job.run_job(2, script, shm_dir, timeout=120)
     for o in outs:
         assert o["exact"] == [True] * 8, o

@@ -4,7 +4,7 @@ rank and the stage, and the survivors close and exit cleanly.
 
 A real job of 3 processes (gloo on localhost, each its own node with its own RAM directory under
 /dev/shm), a RAM tier and ``PeerTier(replicas=1)``: rank 1 is struck in the ``transfer`` test hook, as it
-is about to send its first bytes of step 2 to its peer (tests/dead_peer_child.py).
+is about to send its first bytes of step 2 to its peer (tests/children/dead_peer_child.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import gloo_job
 
 HERE = Path(__file__).parent
-CHILD = HERE / "dead_peer_child.py"
+CHILDREN = HERE / "children"
+CHILD = CHILDREN / "dead_peer_child.py"
 VICTIM = 1
 STAGE = "replication of step 2 on peer"
 

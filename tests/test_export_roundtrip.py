@@ -27,6 +27,7 @@ from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 
@@ -262,14 +263,14 @@ def test_cli_export_dcp_of_a_manager_step(shm_dir, tmp_path, capsys):
 
 # -- two ranks -----------------------------------------------------------------------------------------
 def test_two_rank_fsdp2_manager_step_loads_in_one_process(shm_dir, tmp_path):
-    """An FSDP2 job of two ranks (tests/manager_dcp_child.py): the export loads into a plain model and Adam in
+    """An FSDP2 job of two ranks (tests/children/manager_dcp_child.py): the export loads into a plain model and Adam in
     one process, weights, Adam's state and param_groups as the job saved them; per-rank values are rank 0's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from manager_dcp_child import digest, train
 
     obj = str(tmp_path / "obj")
-    outs = gloo_job.run_job(2, HERE / "manager_dcp_child.py", shm_dir, obj, "save", timeout=180)
+    outs = gloo_job.run_job(2, CHILDREN / "manager_dcp_child.py", shm_dir, obj, "save", timeout=180)
     saved = outs[0]["saved"]
     store = TieredStore([ObjectTier(f"file://{obj}")])  # the object tier took every 2nd step
     out = tmp_path / "plain"
@@ -326,7 +327,7 @@ finish({{"rank": rank}})
 
 def test_values_only_another_rank_has_come_from_that_rank(tmp_path):
     script = tmp_path / "child.py"
-    script.write_text(RANK_VALUES_CHILD.format(here=str(HERE)))
+    script.write_text(RANK_VALUES_CHILD.format(here=str(CHILDREN)))
     obj = str(tmp_path / "obj")
     gloo_job.run_job(2, script, obj, timeout=120)
     out = tmp_path / "plain"

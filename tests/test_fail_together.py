@@ -16,7 +16,8 @@ import pytest
 import gloo_job
 
 HERE = Path(__file__).parent
-CHILD = HERE / "fault_child.py"
+CHILDREN = HERE / "children"
+CHILD = CHILDREN / "fault_child.py"
 
 
 def run(tmp_path: Path, stage: str, failing: int, tier: str | None = None) -> list[dict]:

@@ -1,7 +1,7 @@
 """Ctrl-C while a step's copy to the object tier is pending: what the waits say, and how a second Ctrl-C
 ends them.
 
-A child process (tests/interrupt_child.py) saves a step whose copy waits in the ``transfer`` test hook
+A child process (tests/children/interrupt_child.py) saves a step whose copy waits in the ``transfer`` test hook
 until the test writes to its stdin, so the copy is pending for exactly as long as the test wants; every
 step here is synchronised on the child's output, never on time.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from tierfs import TieredStore
 from tierfs.tiers import ObjectTier
 
-CHILD = Path(__file__).with_name("interrupt_child.py")
+CHILD = Path(__file__).parent / "children" / "interrupt_child.py"
 WAIT = 120  # seconds any one line may take to appear (a bound, never a pause)
 
 
@@ -27,7 +27,7 @@ class Child:
     """The child process, its output read line by line on threads."""
 
     def __init__(self, ram: str, url: str, mode: str) -> None:
-        path = os.pathsep.join([str(CHILD.parent.parent), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(CHILD.parents[2]), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
         self.p = subprocess.Popen([sys.executable, str(CHILD), ram, url, mode], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

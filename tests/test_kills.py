@@ -35,6 +35,7 @@ from tierfs.format import step_dirname
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 SEED = int(os.environ.get("TIERFS_KILL_SEED", "20250611"))
 ROUNDS = 30
 
@@ -72,7 +73,7 @@ def test_thirty_random_sigkills_while_saving(seed, shm_dir, tmp_path):
     pytest.importorskip("torch")  # the saving processes hold a torch model's and optimizer's state
     obj = tmp_path / "obj"
     obj.mkdir()
-    proc = subprocess.run([sys.executable, str(HERE / "kill_child.py"), shm_dir, str(obj), str(seed), str(ROUNDS)],
+    proc = subprocess.run([sys.executable, str(CHILDREN / "kill_child.py"), shm_dir, str(obj), str(seed), str(ROUNDS)],
                           capture_output=True, text=True, timeout=280)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     print(f"seed {seed}: {len(records)} rounds")

@@ -23,7 +23,7 @@ from tierfs.errors import StepNotFoundError  # noqa: E402
 from tierfs.policies import FixedIntervalPolicy, LatestN  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 
-CHILD = str(Path(__file__).with_name("lightning_child.py"))
+CHILD = str(Path(__file__).parent / "children" / "lightning_child.py")
 ROOT = str(Path(__file__).resolve().parents[1])
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("lightning")
 
 from _steps import committed  # noqa: E402
 
-CHILD = str(Path(__file__).with_name("lightning_sharded_child.py"))
+CHILD = str(Path(__file__).parent / "children" / "lightning_sharded_child.py")
 ROOT = str(Path(__file__).resolve().parents[1])
 
 

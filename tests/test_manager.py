@@ -21,6 +21,7 @@ from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 
 
 def make_state(seed: int = 0) -> dict:
@@ -213,8 +214,8 @@ def test_object_store_stopping_mid_run_surfaces_on_next_call(shm_dir):
 
 
 def test_sigterm_saves_last_step_to_preemption_tiers(shm_dir, tmp_path):
-    child = subprocess.Popen([sys.executable, str(HERE / "preempt_child.py"), shm_dir, str(tmp_path / "o")],
-                             stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(HERE)})
+    child = subprocess.Popen([sys.executable, str(CHILDREN / "preempt_child.py"), shm_dir, str(tmp_path / "o")],
+                             stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(CHILDREN)})
     for line in child.stdout:
         if line.startswith("step 7"):
             child.send_signal(signal.SIGTERM)
@@ -229,9 +230,9 @@ def test_sigterm_saves_last_step_to_preemption_tiers(shm_dir, tmp_path):
 
 
 def test_sigterm_in_a_loop_that_never_asks_saves_once_then_ends_as_sigterm_would(shm_dir, tmp_path):
-    child = subprocess.Popen([sys.executable, str(HERE / "sigterm_child.py"), shm_dir, str(tmp_path / "o")],
+    child = subprocess.Popen([sys.executable, str(CHILDREN / "sigterm_child.py"), shm_dir, str(tmp_path / "o")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=os.environ | {"PYTHONPATH": str(HERE)})
+                             env=os.environ | {"PYTHONPATH": str(CHILDREN)})
     for line in child.stdout:
         if line.startswith("step 5"):
             child.send_signal(signal.SIGTERM)

@@ -21,6 +21,7 @@ from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 from dcp_child import make_state  # noqa: E402
@@ -225,7 +226,7 @@ def test_a_plain_dcp_step_is_readable_by_the_manager_only_through_dcp(shm_dir):
 
 # -- several processes, FSDP2 (DTensor) ----------------------------------------------------------------
 def run_job(world: int, shm: str, obj: str, mode: str) -> list[dict]:
-    return gloo_job.run_job(world, HERE / "manager_dcp_child.py", shm, obj, mode, timeout=180)
+    return gloo_job.run_job(world, CHILDREN / "manager_dcp_child.py", shm, obj, mode, timeout=180)
 
 
 def test_fsdp2_sharded_state_with_two_ranks_then_four_then_one(shm_dir, tmp_path):

@@ -7,7 +7,8 @@ from pathlib import Path
 import gloo_job
 
 HERE = Path(__file__).parent
-CHILD = HERE / "membership_child.py"
+CHILDREN = HERE / "children"
+CHILD = CHILDREN / "membership_child.py"
 NO_NODES = {"TIERFS_NODE_RANK": None, "GROUP_RANK": None, "LOCAL_WORLD_SIZE": None}
 
 

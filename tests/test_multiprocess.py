@@ -14,10 +14,11 @@ from tierfs.dist import GATHER_WIDTH
 from tierfs.format import Marker, step_dirname
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 
 
 def run_job(world: int, shm: str, obj: str, mode: str, same_node: bool = False) -> list[dict]:
-    return gloo_job.run_job(world, HERE / "mp_child.py", shm, obj, mode, same_node=same_node)
+    return gloo_job.run_job(world, CHILDREN / "mp_child.py", shm, obj, mode, same_node=same_node)
 
 
 @pytest.mark.parametrize("world, mode", [(2, "save-sync"), (3, "save-async")])
@@ -66,7 +67,7 @@ def test_exchange_sends_everything_and_raises_after_a_failed_check():
     """Point-to-point exchange over two lanes: buffers of any size (empty too) arrive bit-exact and in order;
     a failing check on one rank is raised there only once every byte has moved, and the group stays usable
     (all_gather of short and long JSON too)."""
-    outs = gloo_job.run_job(2, HERE / "exchange_child.py")
+    outs = gloo_job.run_job(2, CHILDREN / "exchange_child.py")
     assert [o["raised"] for o in outs] == ["check failed", None]
     assert all(o["exact"] and o["after"] == [0, 1] and o["off_thread"] for o in outs)
     assert outs[0]["seen"] == [0, 1] and outs[1]["seen"] == [0, 1, 2, 3, 4]  # no checks after a failure

@@ -18,7 +18,8 @@ from tierfs.tiers import PeerTier
 from tierfs.tiers.peer import plan_fetch, replica_targets
 
 HERE = Path(__file__).parent
-CHILD = HERE / "peer_child.py"
+CHILDREN = HERE / "children"
+CHILD = CHILDREN / "peer_child.py"
 
 
 # -- placement and fetch planning (pure functions) ------------------------------------------------
@@ -273,7 +274,7 @@ def test_localize_brings_a_lost_shard_back_into_ram(saved_r1, tmp_path):
 def test_data_parallel_manager_state_restores_from_ram_and_peers_alone(tmp_path):
     """DCP writes a replicated tensor from one rank only; tierfs keeps it in every rank's shard, so each
     node reloads from its own RAM, and a replaced node from its peer, with no durable tier at all."""
-    child = HERE / "ddp_child.py"
+    child = CHILDREN / "ddp_child.py"
     shm = tmp_path / "shm"
     gloo_job.run_job(3, child, str(shm), "save")
     outs = gloo_job.run_job(3, child, str(shm), "load")

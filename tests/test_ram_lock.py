@@ -1,6 +1,6 @@
 """One job per RAM directory: a second job gets one error naming the directory and the holder's pid, and
 harms nothing of the first; readers open beside it; the directory is free again once the job closes or is
-killed. The other jobs are real processes (tests/ram_lock_child.py)."""
+killed. The other jobs are real processes (tests/children/ram_lock_child.py)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ from tierfs.tiers import MemoryTier
 from ram_lock_child import state_for, write
 
 HERE = Path(__file__).parent
-ENV = os.environ | {"PYTHONPATH": str(HERE)}
+CHILDREN = HERE / "children"
+ENV = os.environ | {"PYTHONPATH": str(CHILDREN)}
 
 
 def run(ram: Path, mode: str) -> Any:
     """What ram_lock_child.py said, run as a job of its own."""
-    proc = subprocess.run([sys.executable, str(HERE / "ram_lock_child.py"), str(ram), mode], capture_output=True,
+    proc = subprocess.run([sys.executable, str(CHILDREN / "ram_lock_child.py"), str(ram), mode], capture_output=True,
                           text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
@@ -37,7 +38,7 @@ def run(ram: Path, mode: str) -> Any:
 
 def hold(ram: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
     """A job holding ``ram`` (step 1 saved) until its stdin closes, and its pid."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "ram_lock_child.py"), str(ram), "hold"], text=True,
+    proc = subprocess.Popen([sys.executable, str(CHILDREN / "ram_lock_child.py"), str(ram), "hold"], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=ENV | (env or {}))
     assert proc.stdout is not None
     line = proc.stdout.readline()

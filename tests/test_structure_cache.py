@@ -30,6 +30,7 @@ from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 
@@ -445,7 +446,7 @@ def test_damaged_byte_in_ram_is_served_from_the_object_tier(shm_dir, tmp_path):
 
 
 def test_one_rank_changing_structure_makes_every_rank_save_through_dcp(tmp_path, shm_dir):
-    outs = gloo_job.run_job(2, HERE / "structure_child.py", shm_dir, timeout=60)
+    outs = gloo_job.run_job(2, CHILDREN / "structure_child.py", shm_dir, timeout=60)
     for o in outs:
         assert o["errors"] == {}, o
         assert o["restored"] == [1, 2, 3, 4, 5, 6, 7]

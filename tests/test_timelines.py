@@ -21,6 +21,7 @@ from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 
 
 def state_for(step: int, run: int) -> dict:
@@ -116,21 +117,21 @@ def test_rollback_through_the_manager_then_a_restart_resumes_the_new_timeline(sh
 
 def test_a_job_of_three_nodes_goes_back_on_every_rank(shm_dir, tmp_path):
     obj = str(tmp_path / "obj")
-    run_job(3, HERE / "timeline_child.py", shm_dir, obj, "run")
-    back = run_job(3, HERE / "timeline_child.py", shm_dir, obj, "rollback")
+    run_job(3, CHILDREN / "timeline_child.py", shm_dir, obj, "run")
+    back = run_job(3, CHILDREN / "timeline_child.py", shm_dir, obj, "rollback")
     assert [r["restored"] for r in back] == [[6, 1]] * 3
     for r in back:  # step 8 of the first run is gone from RAM and peers, step 7 replaced
         assert r["steps"] == {"3": ["file"], "6": ["file"], "7": ["ram"], "8": ["ram", "peer"]}, r
-    again = run_job(3, HERE / "timeline_child.py", shm_dir, obj, "resume")
+    again = run_job(3, CHILDREN / "timeline_child.py", shm_dir, obj, "resume")
     assert [(r["step"], r["run"], r["exact"]) for r in again] == [(8, 2, True)] * 3
 
 
 def test_newer_steps_a_lost_node_lacks_are_passed_over_and_said(shm_dir, tmp_path):
     obj = str(tmp_path / "obj")
-    run_job(4, HERE / "timeline_child.py", shm_dir, obj, "run")  # 7, 8 in RAM and on peers; 3, 6 on file
+    run_job(4, CHILDREN / "timeline_child.py", shm_dir, obj, "run")  # 7, 8 in RAM and on peers; 3, 6 on file
     for node in (1, 2):  # rank 1's shard of 7 and 8, and its only replica, are gone
         shutil.rmtree(Path(shm_dir) / f"node{node}")
-    out = run_job(4, HERE / "timeline_child.py", shm_dir, obj, "resume")
+    out = run_job(4, CHILDREN / "timeline_child.py", shm_dir, obj, "resume")
     for r in out:
         assert (r["step"], r["run"], r["exact"]) == (6, 1, True), r
         passed = {s: why for s, why in r["skipped"] if s in (7, 8)}  # peers keep only 8's replicas
@@ -138,10 +139,10 @@ def test_newer_steps_a_lost_node_lacks_are_passed_over_and_said(shm_dir, tmp_pat
 
 
 def test_two_neighbouring_nodes_lost_is_an_error_naming_the_steps_never_nothing(shm_dir):
-    run_job(4, HERE / "timeline_child.py", shm_dir, "-", "run")  # steps 7, 8 in RAM and on peers (ring)
+    run_job(4, CHILDREN / "timeline_child.py", shm_dir, "-", "run")  # steps 7, 8 in RAM and on peers (ring)
     for node in (1, 2):  # replaced: rank 1's shard and its only replica (on rank 2) are gone
         shutil.rmtree(Path(shm_dir) / f"node{node}")
-    out = run_job(4, HERE / "timeline_child.py", shm_dir, "-", "lost")
+    out = run_job(4, CHILDREN / "timeline_child.py", shm_dir, "-", "lost")
     for r in out:
         kind, msg, steps = r["store"]
         assert kind == "CheckpointLostError" and steps == [7, 8], r

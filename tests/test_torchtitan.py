@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torchtitan.components.checkpoint")
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 sys.path.insert(0, str(HERE))
 import gloo_job  # noqa: E402
 from _steps import committed  # noqa: E402
@@ -25,8 +26,8 @@ def job(shm: str, obj: Path, dump: Path, async_mode: str = "disabled", total: in
         start: bool = False):
     args = (shm, str(obj), str(dump), async_mode, str(total), str(sleep))
     if start:
-        return gloo_job.start_job(2, HERE / "torchtitan_child.py", *args)
-    return gloo_job.run_job(2, HERE / "torchtitan_child.py", *args, timeout=180)
+        return gloo_job.start_job(2, CHILDREN / "torchtitan_child.py", *args)
+    return gloo_job.run_job(2, CHILDREN / "torchtitan_child.py", *args, timeout=180)
 
 
 def _same(a: Path, b: Path) -> None:

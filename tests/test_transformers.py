@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from tierfs.format import MARKER, step_dirname  # noqa: E402
 
-CHILD = Path(__file__).with_name("hf_child.py")
+CHILD = Path(__file__).parent / "children" / "hf_child.py"
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 12
 

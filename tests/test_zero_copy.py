@@ -1,5 +1,5 @@
 """Zero-copy restores are read-only, and what they map is never rewritten: in the writer's process, and in a
-reader process while the writer saves on (tests/zero_copy_child.py)."""
+reader process while the writer saves on (tests/children/zero_copy_child.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tierfs.tiers import MemoryTier
 from zero_copy_child import digest, sneak, state_for, tries
 
 HERE = Path(__file__).parent
+CHILDREN = HERE / "children"
 #: what each write of ``zero_copy_child.tries`` raises
 REFUSED = {k: "TierfsError" if k.startswith("torch") and k != "torch numpy" else "ValueError" for k in [
     "torch add_", "torch setitem", "torch +=", "torch out=", "torch copy_", "torch view zero_", "torch init",
@@ -42,12 +43,12 @@ def bins(step_dir: Path) -> set[int]:
 
 
 class Reader:
-    """tests/zero_copy_child.py over ``ram``: one JSON answer per command."""
+    """tests/children/zero_copy_child.py over ``ram``: one JSON answer per command."""
 
     def __init__(self, ram: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "zero_copy_child.py"), str(ram)], text=True,
+        self.proc = subprocess.Popen([sys.executable, str(CHILDREN / "zero_copy_child.py"), str(ram)], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=os.environ | {"PYTHONPATH": str(HERE)})
+                                     env=os.environ | {"PYTHONPATH": str(CHILDREN)})
         self.first = self.answer()
 
     def answer(self) -> Any:

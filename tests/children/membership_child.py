@@ -25,7 +25,7 @@ from tierfs.adapters.dcp import TieredReader, TieredWriter
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 def model_state(seed: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from tierfs import CheckpointManager
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.tiers import MemoryTier, ObjectTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 from _digest import state_digest
 
 warnings.filterwarnings("ignore")

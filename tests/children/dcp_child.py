@@ -22,7 +22,7 @@ from tierfs.adapters.dcp import TieredReader, TieredWriter
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 

@@ -25,7 +25,7 @@ from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 from tierfs.tiers.peer import Wire
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 def state_for(rank: int, step: int, n: int = 300_000) -> dict:

@@ -27,7 +27,7 @@ from tierfs.policies import PreserveAll
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tierfs.dist import GATHER_WIDTH, TorchGroup
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 def main() -> None:

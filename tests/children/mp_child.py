@@ -15,7 +15,7 @@ from tierfs import TieredStore
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.tiers import MemoryTier, ObjectTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 def state_for(rank: int, step: int) -> dict:

@@ -26,7 +26,7 @@ from tierfs.adapters.torchtitan import TieredCheckpointManager
 from tierfs.policies import FixedIntervalPolicy
 from tierfs.tiers import MemoryTier, ObjectTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 

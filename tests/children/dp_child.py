@@ -17,7 +17,7 @@ from tierfs import TieredStore
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 class CountingObjectTier(ObjectTier):

@@ -20,7 +20,7 @@ from tierfs.errors import TierfsError
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 
 def state_for(rank: int, step: int, run: int) -> dict:

@@ -30,7 +30,7 @@ from tierfs.policies import LatestN, PreserveAll
 from tierfs.testing import assert_states_equal, hooks
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 PEER = {"replication", "fetch", "localize", "reseed"}
 LOST_NODE = {"fetch", "localize", "reseed"}

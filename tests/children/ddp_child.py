@@ -19,7 +19,7 @@ from tierfs import CheckpointManager
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, PeerTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 
 warnings.filterwarnings("ignore")
 

@@ -23,7 +23,7 @@ from tierfs import CheckpointManager
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 
-from _child import finish  # tests/ is the script's directory, first on sys.path
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
 from _digest import state_digest as digest
 from dp_child import CountingObjectTier, tensors, tree_bytes
 
