@@ -18,7 +18,7 @@ from tierfs import _units
 from tierfs.cli import main
 from tierfs.core.restoring import RestoreInfo
 from tierfs.format import manifest_filename, step_dirname, user_key
-from tierfs.ops import find_damage
+from tierfs.cli.steps import find_damage
 from tierfs.policies import FixedIntervalPolicy, LatestN, PreserveAll
 from tierfs.tiers import MemoryTier, ObjectTier
 
