@@ -16,7 +16,7 @@ import pytest
 from tierfs import CheckpointManager, TieredStore
 from tierfs import _units
 from tierfs.cli import main
-from tierfs.core.restoring import RestoreInfo
+from tierfs.core.restore.pipeline import RestoreInfo
 from tierfs.format import manifest_filename, step_dirname, user_key
 from tierfs.cli.steps import find_damage
 from tierfs.policies import FixedIntervalPolicy, LatestN, PreserveAll
