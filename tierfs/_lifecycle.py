@@ -31,8 +31,7 @@ from .dist import Group, agreement
 from .dist.groups import env_node_source
 from .dist.nodes import observe
 from .tiers.base import Holder, Replicator, Tier
-from .tiers.memory import MemoryTier
-from .tiers.object import ObjectTier
+from .tiers.capabilities import LocalFiles, SharedDirectory
 
 if TYPE_CHECKING:
     from .store import TieredStore
@@ -45,17 +44,7 @@ _POLL = 0.05
 
 def local_dirs(tier: Holder) -> list[Path]:
     """The local directories ``tier`` creates when it opens (none for a remote tier)."""
-    if isinstance(tier, MemoryTier):
-        return [tier.path]
-    if isinstance(tier, ObjectTier):
-        return [Path(tier.root)] if tier.protocol in ("file", "local") else []
-    if isinstance(tier, Replicator):  # the peer tier keeps its replicas in a RAM tier of its own, once bound
-        try:
-            local = getattr(tier, "local", None)
-        except Exception:  # noqa: BLE001 - not bound: nothing of it is on disk yet
-            return []
-        return [local.path] if isinstance(local, MemoryTier) else []
-    return []
+    return tier.local_dirs() if isinstance(tier, LocalFiles) else []
 
 
 class Opening:
@@ -71,7 +60,7 @@ class Opening:
         """Open ``tier``, noting the directories it is about to create."""
         for d in local_dirs(tier):
             self.made += missing_dirs(d)
-        if isinstance(tier, MemoryTier):
+        if isinstance(tier, SharedDirectory):
             tier.lock_on_open = self.writes  # a second job on the directory fails here, not at its first write
         self.opened.append(tier)
         tier.open()
@@ -86,7 +75,8 @@ class Opening:
             for t in files:
                 with stage("open", tier=t.name):
                     self.open(t)
-        layout = observe(group, files)
+        layout = observe(group, lambda: {t.name: [t.identity(), t.location] for t in files
+                                         if isinstance(t, SharedDirectory)})
         layout.check(group.nodes, env_node_source())
         # one group per thread role, so collectives of different threads never interleave
         commit_group = group.fork()  # a blocking save waits for the commit: full priority
@@ -175,9 +165,7 @@ class StoreWork:
         return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")
 
     def _drop_spares(self) -> None:
-        first = self.parts.first
-        if isinstance(first, MemoryTier):
-            first.drop_spares()  # spare buffers for a next save that never comes
+        self.parts.staging.drop_spares()  # spare buffers for a next save that never comes
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -67,7 +67,7 @@ def _tiers_of(config: Any) -> list[Holder]:
         tiers = config.tiers() if callable(config.tiers) else config.tiers
         return list(tiers)
     if config.tiers_config:
-        from ..cli.targets import tiers_from_config
+        from ..config import tiers_from_config
 
         return list(tiers_from_config(config.tiers_config))
     raise ArgumentError("TieredCheckpointManager.Config needs tiers= (a list of tiers or a function "

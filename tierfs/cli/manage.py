@@ -20,6 +20,7 @@ from .._rootdir import check_local_url
 from .._units import duration, rate, size
 from ..errors import TierfsError, TierUnavailableError
 from ..tiers.base import Tier
+from ..tiers.capabilities import LocalFiles
 from . import UsageError
 from .display import add_no_progress, add_threads, age, progress_bar, step_bytes
 from .targets import (add_target_args, close_all, describe, is_config, is_url, select, storage_options_from_args,
@@ -155,7 +156,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for t in tiers:
             t.check_readable()
         for t in chosen:
-            pids = t.live_users()
+            pids = t.live_users() if isinstance(t, LocalFiles) else []
             if pids and not args.force:
                 raise TierfsError(f"tier {t.name!r} ({t.location}) is in use by running process(es) "
                                   f"{pids}: stop the job first, or pass --force")

@@ -181,6 +181,8 @@ def intervals_from_config(path: str, step_time: float | None) -> dict[str, float
 
     out: dict[str, float] = {}
     for spec in read_config(path):
+        if spec.kind not in ("memory", "object"):  # the planner models a RAM tier and an object tier
+            continue
         if spec.save is None:
             continue
         name = "ram" if spec.kind == "memory" else "object"

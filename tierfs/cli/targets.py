@@ -14,8 +14,9 @@ from typing import Any
 
 from .. import _args
 from .._rootdir import check_local_url
-from ..config import read_config
+from .. import config
 from ..errors import FormatError, TierUnavailableError
+from ..tiers import registry
 from ..tiers.base import Tier
 from . import UsageError
 
@@ -82,39 +83,9 @@ def storage_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def tiers_from_config(path: str | Path) -> list[Tier]:
-    """The tiers a config file describes (format: :mod:`tierfs.config`).
-
-    Parameters
-    ----------
-    path : str or Path
-        The JSON file; relative tier paths are taken from its directory.
-
-    Returns
-    -------
-    list of Tier
-        MemoryTier and ObjectTier objects, not opened, in the config's order.
-
-    Raises
-    ------
-    FormatError
-        The config is malformed, or two tiers have the same name.
-    """
-    from ..tiers import MemoryTier, ObjectTier
-
-    tiers: list[Tier] = []
-    for spec in read_config(path):
-        if spec.kind == "memory":
-            tiers.append(MemoryTier(spec.path, budget=spec.budget, name=spec.name or "ram", **spec.policies()))
-        else:
-            assert spec.url is not None  # read_config requires it of an object tier
-            _args.object_url(spec.url, f"{spec.where}: url")  # a typo is an error, never a local directory
-            check_local_url(spec.url, f"config {path}: tier url")
-            tiers.append(ObjectTier(spec.url, spec.storage_options, name=spec.name, **spec.policies()))
-    names = [t.name for t in tiers]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise FormatError(f"config {path}: tier names must be unique, {dup} repeats; set \"name\"")
-    return tiers
+    """The tiers of a config file (:mod:`tierfs.config`) that hold files, not opened: what the commands work
+    on (a peer tier in the file keeps copies only while its job runs; the commands leave it out)."""
+    return [t for t in config.tiers_from_config(path) if isinstance(t, Tier)]
 
 
 def tiers_from_target(target: str, storage_options: dict[str, Any]) -> list[Tier]:
@@ -141,23 +112,21 @@ def tiers_from_target(target: str, storage_options: dict[str, Any]) -> list[Tier
     TierUnavailableError
         The target does not exist or is neither a directory, a URL nor a config.
     """
-    from ..tiers import MemoryTier, ObjectTier
-
     _args.object_url(target, "TARGET", relative=True)  # s3:/bucket is a typo, not a directory
     if is_url(target):
         check_local_url(target, "TARGET")
-        return [ObjectTier(target, storage_options)]
-    if storage_options:
+    if not is_url(target) and storage_options:
         raise UsageError("--storage-options/-o only apply to a URL target (put them in the config file "
                          "for config targets)")
     p = Path(target).expanduser()
-    if p.is_file():
+    if not is_url(target) and p.is_file():
         if p.suffix.lower() != ".json":
             raise TierUnavailableError(f"{target} is a file but not a *.json tier config; give a tier "
                                        "directory, an fsspec URL or a config file")
         return tiers_from_config(p)
-    if p.is_dir():
-        return [MemoryTier(p)]
+    tier = registry.from_target(target, storage_options)  # a tier directory, an fsspec URL
+    if isinstance(tier, Tier):
+        return [tier]
     if p.suffix.lower() == ".json":
         raise TierUnavailableError(f"config file {target} does not exist")
     raise TierUnavailableError(f"{target}: no such directory (expected a tier directory, an fsspec URL "

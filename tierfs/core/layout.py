@@ -9,7 +9,7 @@ gets a new one: a step is never written with a stale layout.
 
 The RAM tier's buffers are reused mappings, so the typed views a copy writes through (one torch tensor or
 numpy array per leaf, viewing its bytes in the buffer) are made once per buffer and layout and kept in
-the buffer's memo (:meth:`~tierfs.tiers.base.Tier.buffer_memo`), which dies with the mapping. A save of a
+the buffer's memo (:meth:`~tierfs.tiers.capabilities.Staging.buffer_memo`), which dies with the mapping. A save of a
 known structure into known buffers then does only the copies: torch tensors in one ``_foreach_copy_``
 (the same ``copy_`` as a hand-written loop, on torch's threads), numpy arrays with ``np.copyto``.
 """

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from .. import _args
 from ..errors import ArgumentError
 from ..tiers.base import Holder, Replicator, Tier
+from ..tiers.capabilities import Staging, staging
 from .background import Background
 from .ledger import StepLedger
 from .ownership import Ownership
@@ -60,6 +61,7 @@ class Parts:
     block_size: int
     clock: Callable[[], float] = time.time
     first: Tier = field(init=False)  # where saves land and commit first
+    staging: Staging = field(init=False)  # how a save is copied into the first tier
     replicator: Replicator | None = field(init=False)  # the tier keeping other ranks' shards, if any
     files: list[Tier] = field(init=False)  # every tier holding files, fastest first
 
@@ -68,6 +70,7 @@ class Parts:
         reps = [t for t in self.tiers if isinstance(t, Replicator)]
         self.replicator = reps[0] if reps else None
         self.first = self.files[0]
+        self.staging = staging(self.first)
 
     @property
     def group(self) -> "Group":

@@ -15,6 +15,7 @@ from .._stages import stage
 from ..errors import TierfsError
 from ..policies import StepInfo
 from ..tiers.base import Holder, Tier
+from ..tiers.capabilities import SharedDirectory
 from .ledger import Snapshot
 from .parts import Parts
 from .reads import Reader
@@ -99,7 +100,7 @@ class Retention:
             tier.delete_step(step)  # the copies this rank keeps
             return
         assert isinstance(tier, Tier)
-        if tier.is_local and len(p.ranks.sharing(tier)) > 1:
+        if isinstance(tier, SharedDirectory) and len(p.ranks.sharing(tier)) > 1:
             tier.release(step, p.group.rank, marker=p.ranks.owns(tier))
         elif p.ranks.owns(tier):
             tier.delete_step(step)

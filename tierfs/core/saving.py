@@ -215,12 +215,12 @@ class SavePath:
                metrics: Mapping[str, Any] | None) -> Staged:
         """Copy the arrays into the first tier's buffers, through the layout's views of them."""
         p, first = self.parts, self.parts.first
-        bufs = first.stage(step, layout.files)  # raises CapacityError before anything is written
+        bufs = p.staging.stage(step, layout.files)  # raises CapacityError before anything is written
         try:
-            dst, raw = layout.views(bufs, {f: first.buffer_memo(step, f) for f in layout.files})
+            dst, raw = layout.views(bufs, {f: p.staging.buffer_memo(step, f) for f in layout.files})
             layout.copy(values, dst)
         except BaseException:
-            first.discard_staged(step)
+            p.staging.discard_staged(step)
             raise
         return Staged(layout, step, {i: values[i] for i in layout.json}, dict(metadata or {}), dict(metrics or {}),
                       raw)
@@ -243,7 +243,7 @@ class SavePath:
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
                     with stage("manifest", step, first.name):
-                        first.write_staged(step)
+                        p.staging.write_staged(step)
                         mbytes = manifest.to_bytes()
                         first.write_file(step, manifest_filename(rank), mbytes)
                         check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
@@ -251,7 +251,7 @@ class SavePath:
                                    manifest.bundles, manifest.groups) if manifest.bundles else []
                     vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes, held]
                 except BaseException:
-                    first.discard_staged(step)
+                    p.staging.discard_staged(step)
                     raise
             parts = vote.results
             check_digests(step, [v[3] for v in parts])  # on every rank alike: all raise, or none
@@ -260,7 +260,7 @@ class SavePath:
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
-            first.discard_staged(step)
+            p.staging.discard_staged(step)
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))
@@ -281,7 +281,7 @@ class SavePath:
         nothing the keep policy lets go is still held (the buffers such steps and old replicas free are
         the spares: RAM holds the committed step, one replica and one spare set)."""
         if not self.retention.pending(self.parts.first):
-            self.parts.work.commits.submit(lambda: self.parts.first.prepare(step, sizes))
+            self.parts.work.commits.submit(lambda: self.parts.staging.prepare(step, sizes))
 
     def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank

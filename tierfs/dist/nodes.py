@@ -13,7 +13,7 @@ raises the same one-line error naming the ranks and the directory.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import TierfsError
 from .agree import agree
@@ -53,15 +53,14 @@ class Layout:
                         "share it the same node number, or give each rank a directory of its own")
 
 
-def observe(group: Group, tiers: Sequence[Any]) -> Layout:
-    """Every rank's identities of its node-local tiers' storage (collective; a rank that cannot read
-    its own raises, and the others raise naming it)."""
+def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> Layout:
+    """Every rank's identities of its node-local tiers' storage, ``{tier: [identity, location]}`` as
+    ``identities()`` gives them (collective; a rank that cannot read its own raises, and the others raise
+    naming it)."""
     mine: dict[str, list[Any]] = {}
     failure: BaseException | None = None
     try:
-        for t in tiers:
-            if t.is_local:
-                mine[t.name] = [t.identity(), t.location]
+        mine = identities()
     except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
         failure = e
     return Layout(group.rank, agree(group, mine, failure, "open the store: which ranks share a directory"))

@@ -1,9 +1,14 @@
 """Storage tiers: :class:`Tier` (holds files) and :class:`Replicator` (keeps other ranks' shards) are the
-interfaces, ``tierfs.testing`` the suites a tier passes."""
+interfaces, :mod:`.capabilities` what only some tiers do, :mod:`.registry` the kinds a config file names
+(the built-in ones in :mod:`.kinds`), ``tierfs.testing`` the suites a tier passes."""
 
+from . import kinds as _kinds  # noqa: F401 - registers the built-in kinds
 from .base import Capacity, Holder, Replicator, Tier
+from .capabilities import LocalFiles, SharedDirectory, Staging, ZeroCopy
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
+from .registry import Kind, register
 
-__all__ = ["Capacity", "Holder", "MemoryTier", "ObjectTier", "PeerTier", "Replicator", "Tier"]
+__all__ = ["Capacity", "Holder", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
+           "SharedDirectory", "Staging", "Tier", "ZeroCopy", "register"]

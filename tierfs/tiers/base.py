@@ -4,9 +4,10 @@
 party's): it stores steps in the on-tier format (`tierfs.format`) and knows nothing of the store, of
 other tiers, or of when to save: policies decide that. Paths a tier takes are always ``(step, file
 name)`` pairs; file names are validated so nothing outside the tier's root is ever touched. Subclasses
-implement the abstract primitives; ``stage``/``write_staged`` (where save bytes land) and
-``write_files``/``read_files`` (bulk, may run concurrently) have defaults built on them.
-``tierfs.testing.TierTests`` is the suite every tier passes.
+implement the abstract primitives; ``write_files``/``read_files`` (bulk, may run concurrently) have
+defaults built on them. What only some tiers do (staging saves into buffers they own, a directory ranks
+of a node share, local files, zero-copy views) is a capability (:mod:`.capabilities`), asked for as such.
+``tierfs.testing.TierTests`` is the suite every tier passes, with one more per capability.
 
 :class:`Replicator` is the other role a tier can have: it keeps copies of *other* ranks' shards, moved
 between ranks in exchanges every rank joins (the peer tier). The store holds at most one, after the RAM
@@ -82,7 +83,6 @@ class Tier(ABC):
 
     def __init__(self, name: str, save: SavePolicy | None, keep: PreservationPolicy) -> None:
         self.name, self.save_policy, self.keep_policy = _holder_args(type(self).__name__, name, save, keep)
-        self._staged: dict[int, dict[str, np.ndarray]] = {}
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -91,19 +91,9 @@ class Tier(ABC):
         return False
 
     @property
-    def zero_copy(self) -> bool:
-        """True when ``read_file`` returns a view of the stored bytes rather than a copy."""
-        return False
-
-    @property
     def location(self) -> str:
         """Where the tier keeps its steps, for people (a directory or a URL)."""
         return self.name
-
-    def identity(self) -> list[Any] | None:
-        """For a node-local tier, after ``open``: a JSON value equal on two ranks exactly when they use the
-        same storage (the RAM tier: host, device and inode of its root). None for a shared tier."""
-        return None
 
     @abstractmethod
     def capacity(self) -> Capacity: ...
@@ -133,7 +123,7 @@ class Tier(ABC):
 
     @abstractmethod
     def read_file(self, step: int, name: str) -> Bytes:
-        """The whole file as a 1-D uint8 array (a view where ``zero_copy``) or bytes."""
+        """The whole file as a 1-D uint8 array (a view of the stored bytes on a ZeroCopy tier) or bytes."""
 
     @abstractmethod
     def write_marker(self, step: int, data: bytes) -> None:
@@ -142,12 +132,6 @@ class Tier(ABC):
     @abstractmethod
     def delete_step(self, step: int) -> None:
         """Remove a step, marker first, so a half-deleted step never looks committed."""
-
-    def release(self, step: int, rank: int, marker: bool) -> None:
-        """Delete ``rank``'s files of ``step`` (and the marker if ``marker``), where several ranks share the
-        tier's directory on a node. Default: the marker holder deletes the whole step."""
-        if marker:
-            self.delete_step(step)
 
     # -- derived operations -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -161,38 +145,8 @@ class Tier(ABC):
         """When the newest file of ``step`` was written (seconds since the epoch), or None if unknown."""
         return None
 
-    def live_users(self) -> list[int]:
-        """Live processes other than this one that are using the tier's local files (a running job);
-        empty where the tier cannot tell."""
-        return []
-
     def read_marker(self, step: int) -> Marker:
         return Marker.from_bytes(bytes(self.read_file(step, MARKER)))
-
-    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-        """Writable 1-D uint8 buffers, one per file, that ``write_staged`` will persist.
-
-        Must fail (CapacityError) before anything is written when the files would not fit.
-        The default allocates process memory; the RAM tier hands out its mapped files instead.
-        """
-        self._check_fits(sum(sizes.values()))
-        bufs = {validate_filename(n): np.empty(s, dtype=np.uint8) for n, s in sizes.items()}
-        self._staged[step] = bufs
-        return bufs
-
-    def buffer_memo(self, step: int, name: str) -> "dict[Any, Any] | None":
-        """A dict that lives as long as the buffer ``stage`` gave for file ``name`` of ``step``, where the
-        store keeps what it works out about that buffer (typed views of it) for later saves into the same
-        buffer; None (the default) where buffers are not reused."""
-        return None
-
-    def write_staged(self, step: int) -> None:
-        bufs = self._staged.pop(step, None)
-        if bufs:
-            self.write_files(step, bufs)
-
-    def discard_staged(self, step: int) -> None:
-        self._staged.pop(step, None)
 
     def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         """Write several files; ``pace(nbytes)`` is called before each (a bandwidth throttle)."""
@@ -201,27 +155,11 @@ class Tier(ABC):
                 pace(as_u8(data).nbytes)
             self.write_file(step, name, data)
 
-    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
-        """Get ready, off the critical path, for the save after ``step``, whose files will likely have
-        these sizes (default: nothing)."""
-
-    def export(self, step: int, name: str) -> "np.ndarray[Any, Any]":
-        """A zero-copy view handed to the user; only tiers with ``zero_copy`` support it."""
-        raise NotImplementedError(f"tier {self.name!r} cannot hand out zero-copy views")
-
     def read_files(self, step: int, names: list[str]) -> dict[str, Bytes]:
         return {n: self.read_file(step, n) for n in names}
 
-    def _check_fits(self, nbytes: int) -> None:
-        avail = self.capacity().available
-        if avail is not None and nbytes > avail:
-            raise CapacityError(
-                f"tier {self.name!r}: saving {_units.size(nbytes)} would exceed its space "
-                f"({_units.size(avail)} left); raise the budget, free space or keep fewer steps")
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
-
 
 
 @runtime_checkable

@@ -74,6 +74,7 @@ class MemoryTier(Tier):
         self._idle = threading.Event()  # cleared while prepare() builds spare buffers
         self._idle.set()
         self._last_staged = -1
+        self._staged: dict[int, dict[str, np.ndarray]] = {}
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
         self._pool.job = JobLock(self.path, self._pool.dir)  # held from the first write (or open) until close
         self._exports = Exports()  # the mappings zero-copy views are made of, and their steps' leases
@@ -81,10 +82,6 @@ class MemoryTier(Tier):
     # -- capabilities -------------------------------------------------------------------------------
     @property
     def is_local(self) -> bool:
-        return True
-
-    @property
-    def zero_copy(self) -> bool:
         return True
 
     @property
@@ -325,8 +322,7 @@ class MemoryTier(Tier):
     # -- reading ------------------------------------------------------------------------------------
     def read_file(self, step: int, name: str, *, populate: bool | None = None) -> np.ndarray:
         """A view of the file's bytes through a kept mapping (read-only unless this process wrote it). A new
-        mapping's pages are all mapped at once unless ``populate`` is False (a file only sent on: the
-        wire maps them as it reads; default: the tier's choice)."""
+        mapping's pages are all mapped at once unless ``populate`` is False (default: the tier's choice)."""
         path = self._file(step, name)
         b = self._bufs.get(path)
         if b is None:
@@ -337,6 +333,13 @@ class MemoryTier(Tier):
             if b is not new:
                 new.close()
         return b.array()
+
+    def view(self, step: int, name: str) -> np.ndarray:
+        """The file as :meth:`read_file` gives it, its pages mapped as they are read (a file only sent on)."""
+        return self.read_file(step, name, populate=False)
+
+    def local_dirs(self) -> list[Path]:
+        return [self.path]
 
     def export(self, step: int, name: str) -> np.ndarray:
         """A view handed to the user: a copy-on-write mapping of the file the restore verifies, so that a

@@ -179,6 +179,13 @@ class ObjectTier(Tier):
         return self._pool.map(fn, items)
 
     # -- listing ------------------------------------------------------------------------------------
+    def local_dirs(self) -> list[Path]:
+        """The directory of a ``file://`` tier; none for remote storage."""
+        return [Path(self.root)] if self.protocol in ("file", "local") else []
+
+    def live_users(self) -> list[int]:
+        return []
+
     def list_steps(self) -> dict[int, bool]:
         self.fs.invalidate_cache(self.root)
         try:

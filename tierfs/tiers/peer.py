@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -240,6 +241,13 @@ class PeerTier(Replicator):
         return self.local.location if self._local is not None else "(not bound)"
 
     # -- the replicas this rank keeps ---------------------------------------------------------------
+    def local_dirs(self) -> list[Path]:
+        """The replicas' directory, inside the RAM tier's (none before ``bind``)."""
+        return [self._local.path] if self._local is not None else []
+
+    def live_users(self) -> list[int]:
+        return self._local.live_users() if self._local is not None else []
+
     def capacity(self) -> Capacity:
         return self.local.capacity()
 

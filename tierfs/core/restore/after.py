@@ -37,14 +37,14 @@ def localize(parts: Parts, group: Group, s: int, info: RestoreInfo, shard: Shard
         shard = shard.whole()
         try:
             with stage("localize", s, first.name):
-                bufs = first.stage(s, shard.manifest.files)
+                bufs = parts.staging.stage(s, shard.manifest.files)
                 for name, data in _copy.shard_views(shard.manifest, shard.files).items():
                     np.copyto(bufs[name], data)
-                first.write_staged(s)
+                parts.staging.write_staged(s)
                 first.write_file(s, manifest_filename(parts.group.rank), shard.mbytes)
             wrote = True
         except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
-            first.discard_staged(s)
+            parts.staging.discard_staged(s)
             log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
     wrote_by = group.all_gather(wrote)
     if parts.ranks.owns(first) and any(wrote_by[r] for r in parts.ranks.sharing(first)):

@@ -23,6 +23,7 @@ from ...errors import StateMismatchError, TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands
 from ...tiers.base import Tier
+from ...tiers.capabilities import Staging, ZeroCopy
 from ..layout import DIRECT_MAX, ReadViews, describe
 from ..sharing import by_bundle
 
@@ -129,7 +130,7 @@ class NewArrays(Sink):
         self.values[e.name] = self._landing[e.name]
 
     def array(self, e: Entry, src: np.ndarray, tier: Tier | None, step: int) -> np.ndarray | None:
-        if self.zero_copy and tier is not None and tier.zero_copy:
+        if self.zero_copy and isinstance(tier, ZeroCopy):
             view = tier.export(step, e.file)[e.offset:e.offset + e.length]
             key = self._manifest.key(e.name) if self._manifest is not None else repr(e.name)
             self.values[e.name] = st.read_only_view(e.lib, e.dtype, e.shape, view, f"{key} (step {step})")
@@ -368,7 +369,7 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
         if target is not None:  # verified first, copied with the others after
             targets.append(target)
             if e.file not in memos:
-                memos[e.file] = None if tier is None else tier.buffer_memo(step, e.file)
+                memos[e.file] = tier.buffer_memo(step, e.file) if isinstance(tier, Staging) else None
             typed, src = views.typed(e, raw[e.file], memos[e.file])
             sources.append(typed)
             if len(e.crc32c) == 1:

@@ -29,7 +29,7 @@ from ...errors import ArgumentError, StateMismatchError, TierfsError
 from ...format import MARKER, Marker
 from ...protocol import checked_manifest
 from ...tiers.base import Replicator, Tier
-from ...tiers.memory import MemoryTier
+from ...tiers.capabilities import ZeroCopy
 from ...tiers.peer import plan_fetch
 from ..layout import ReadViews
 from ..parts import Parts
@@ -125,8 +125,8 @@ class _Files(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         if name not in self.names:
             raise KeyError(name)
-        if isinstance(self.tier, MemoryTier):  # only sent on: the wire maps the pages as it reads them
-            return self.tier.read_file(self.step, name, populate=False)
+        if isinstance(self.tier, ZeroCopy):  # only sent on: the wire maps the pages as it reads them
+            return self.tier.view(self.step, name)
         return self.tier.read_file(self.step, name)
 
     def __iter__(self) -> Iterator[str]:

@@ -1,0 +1,134 @@
+"""What only some tiers do, as capabilities the store asks for (``isinstance(tier, Staging)``), never by
+the tier's class.
+
+- :class:`Staging`: the tier hands out the buffers a save is copied into and persists them (the RAM tier:
+  mapped files reused from step to step). A first tier without it is staged through :class:`HeapStaging`
+  (buffers of process memory, written with ``write_files``); :func:`staging` picks one.
+- :class:`SharedDirectory`: ranks of one node may use the same storage (the RAM tier's directory): the
+  store observes which do (``identity``), each deletes only its own files (``release``), and one job at a
+  time uses it (``lock_on_open``).
+- :class:`LocalFiles`: the tier keeps files in directories of this machine (the RAM tier, the peer tier's
+  replicas, a ``file://`` object tier): what it creates when it opens, and who else is using them.
+- :class:`ZeroCopy`: reads are views of the stored bytes; ``export`` hands one to the user, read-only.
+
+``tierfs.testing`` has a conformance suite per capability, beside ``TierTests``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+from .. import _units
+from ..errors import CapacityError
+from ..format import validate_filename
+from .base import Tier
+
+
+@runtime_checkable
+class Staging(Protocol):
+    """A tier that owns the buffers a save is copied into."""
+
+    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """Writable 1-D uint8 buffers, one per file, that :meth:`write_staged` persists. Fails
+        (CapacityError) before anything is written when the files would not fit."""
+
+    def buffer_memo(self, step: int, name: str) -> dict[Any, Any] | None:
+        """A dict that lives as long as the buffer ``stage`` gave for file ``name`` of ``step``, where the
+        store keeps what it works out about that buffer (typed views of it) for later saves into the same
+        buffer; None where buffers are not reused."""
+
+    def write_staged(self, step: int) -> None:
+        """Persist the staged buffers of ``step`` under their names."""
+
+    def discard_staged(self, step: int) -> None:
+        """Forget the staged buffers of ``step`` (a save that failed), leaving no file behind."""
+
+    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+        """Get ready, off the critical path, for the save after ``step``, whose files will likely have these
+        sizes."""
+
+    def drop_spares(self) -> None:
+        """Give back the buffers kept for saves that will not come (the process is exiting)."""
+
+
+@runtime_checkable
+class SharedDirectory(Protocol):
+    """A node-local tier whose storage several ranks of a node may share, one job at a time."""
+
+    #: take the job's lock on the storage when the tier opens (a store that saves): a second job fails then
+    lock_on_open: bool
+
+    def identity(self) -> list[Any]:
+        """After ``open``: a JSON value equal on two ranks exactly when they use the same storage (the RAM
+        tier: host, device and inode of its root)."""
+
+    def release(self, step: int, rank: int, marker: bool) -> None:
+        """Delete ``rank``'s files of ``step`` (and the marker if ``marker``): each rank of a node takes back
+        its own files; the last one out removes the step."""
+
+
+@runtime_checkable
+class LocalFiles(Protocol):
+    """A tier that keeps its files in directories of this machine."""
+
+    def local_dirs(self) -> list[Path]:
+        """The directories the tier creates when it opens (a constructor that fails removes those it made)."""
+
+    def live_users(self) -> list[int]:
+        """Live processes other than this one that are using the tier's files (a running job)."""
+
+
+@runtime_checkable
+class ZeroCopy(Protocol):
+    """A tier whose reads are views of the stored bytes."""
+
+    def export(self, step: int, name: str) -> np.ndarray:
+        """A view of file ``name`` of ``step`` handed to the user: writes never reach the file, and the file
+        is not reused while the view lives."""
+
+    def view(self, step: int, name: str) -> np.ndarray:
+        """A read-only view of the file whose pages are mapped as they are read (for sending it on)."""
+
+
+class HeapStaging:
+    """:class:`Staging` for a tier that has none: buffers of process memory, persisted with ``write_files``."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self._staged: dict[int, dict[str, np.ndarray]] = {}
+
+    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        nbytes, avail = sum(sizes.values()), self.tier.capacity().available
+        if avail is not None and nbytes > avail:
+            raise CapacityError(
+                f"tier {self.tier.name!r}: saving {_units.size(nbytes)} would exceed its space "
+                f"({_units.size(avail)} left); raise the budget, free space or keep fewer steps")
+        bufs = {validate_filename(n): np.empty(s, dtype=np.uint8) for n, s in sizes.items()}
+        self._staged[step] = bufs
+        return bufs
+
+    def buffer_memo(self, step: int, name: str) -> dict[Any, Any] | None:
+        return None
+
+    def write_staged(self, step: int) -> None:
+        bufs = self._staged.pop(step, None)
+        if bufs:
+            self.tier.write_files(step, bufs)
+
+    def discard_staged(self, step: int) -> None:
+        self._staged.pop(step, None)
+
+    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+        pass
+
+    def drop_spares(self) -> None:
+        pass
+
+
+def staging(tier: Tier) -> Staging:
+    """How a save is staged into ``tier``: the tier itself when it has :class:`Staging`, else
+    :class:`HeapStaging`."""
+    return tier if isinstance(tier, Staging) else HeapStaging(tier)
