@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from tierfs._worker import BACKGROUND_NICE, Throttle
-    from tierfs.dist import TorchGroup
+    from tierfs.ranks import TorchGroup
     from tierfs.tiers.peer import Wire
 
     CHUNK = Wire().chunk  # the peer tier's message size

@@ -1,5 +1,5 @@
 """What people read: ``verify`` naming a damaged block by its file, bytes and key; ``plan`` and ``simulate``
-output and options; sizes, durations and rates in human units (:mod:`tierfs._units`) in the CLI, in
+output and options; sizes, durations and rates in human units (:mod:`tierfs._readable`) in the CLI, in
 ``RestoreInfo`` and in the store's log lines."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tierfs import CheckpointManager, TieredStore
-from tierfs import _units
+from tierfs import _readable
 from tierfs.cli import main
 from tierfs.core.restore.pipeline import RestoreInfo
 from tierfs.format import manifest_filename, step_dirname, user_key
@@ -292,7 +292,7 @@ def test_simulate_options_match_their_help(capsys):
     (1048575, "1.0 MiB"), (5 << 20, "5.0 MiB"), (3 << 30, "3.0 GiB"), (2 << 40, "2.0 TiB"),
 ])
 def test_size(n, text):
-    assert _units.size(n) == text
+    assert _readable.size(n) == text
 
 
 @pytest.mark.parametrize("n, text", [
@@ -300,7 +300,7 @@ def test_size(n, text):
     (840e9, "840.00 GB"), (5e12, "5.00 TB"),
 ])
 def test_size_si(n, text):
-    assert _units.size(n, si=True) == text
+    assert _readable.size(n, si=True) == text
 
 
 @pytest.mark.parametrize("s, text", [
@@ -309,21 +309,21 @@ def test_size_si(n, text):
     (3 * 86400, "3.0 d"), (math.inf, "never"), (math.nan, "-"),
 ])
 def test_duration(s, text):
-    assert _units.duration(s) == text
+    assert _readable.duration(s) == text
 
 
 def test_rate():
-    assert _units.rate(13.44e9) == "13.44 GB/s"
-    assert _units.rate(200e6) == "200.0 MB/s"
-    assert _units.rate(16384, 0.0012) == "13.7 MB/s"
-    assert _units.rate(5e3) == "5.0 kB/s"
-    assert _units.rate(10, 0) == "-"
-    assert _units.rate(0) == "0 B/s"
+    assert _readable.rate(13.44e9) == "13.44 GB/s"
+    assert _readable.rate(200e6) == "200.0 MB/s"
+    assert _readable.rate(16384, 0.0012) == "13.7 MB/s"
+    assert _readable.rate(5e3) == "5.0 kB/s"
+    assert _readable.rate(10, 0) == "-"
+    assert _readable.rate(0) == "0 B/s"
 
 
 def test_log_arguments_read_well_and_stay_numbers():
     r = logging.LogRecord("tierfs", logging.INFO, __file__, 1, "step %d replicated to peers: %s sent in %s",
-                          (3, _units.Bytes(16384), _units.Seconds(0.0012)), None)
+                          (3, _readable.Bytes(16384), _readable.Seconds(0.0012)), None)
     assert r.getMessage() == "step 3 replicated to peers: 16.0 KiB sent in 1.2 ms"
     assert float(r.args[2]) == pytest.approx(0.0012) and r.args[1] == 16384  # type: ignore[index]
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gloo_job
-from tierfs.core.sharing import Sharing, _Packer, by_bundle, declared, place
+from tierfs.core.dataparallel import Sharing, _Packer, by_bundle, declared, place
 from tierfs.errors import ArgumentError, FormatError
 from tierfs.format import Entry, Manifest
 

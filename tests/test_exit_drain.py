@@ -346,4 +346,4 @@ def test_a_manager_that_fails_after_its_store_opened_closes_it_and_removes_its_d
     t.join()
     assert len(errors) == 1 and isinstance(errors[0], ValueError)
     assert not (Path(shm_dir) / "mgr").exists()
-    assert not [o for o in _exit._registry if isinstance(o, TieredStore) and o._parts.first.location == str(ram)]
+    assert not [o for o in _exit._registry if isinstance(o, TieredStore) and o._ctx.first.location == str(ram)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gloo_job
-from tierfs.dist import GATHER_WIDTH
+from tierfs.ranks import GATHER_WIDTH
 from tierfs.format import Marker, step_dirname
 
 HERE = Path(__file__).parent

@@ -464,7 +464,7 @@ def test_a_layout_is_planned_once_per_structure_and_dcp_runs_only_when_it_change
     and the manager calls dcp.save only when the structure changed (every save still restores bit-exact)."""
     import torch.distributed.checkpoint as dcp
 
-    from tierfs.core.layout import Layout
+    from tierfs.core.layout import ShardLayout as Layout
 
     plans, dcp_saves = [0], [0]
     real_plan, real_save = Layout.plan.__func__, dcp.save  # type: ignore[attr-defined]

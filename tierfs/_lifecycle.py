@@ -1,7 +1,7 @@
 """A store's life cycle outside its calls: opening its tiers (undone when the constructor fails) and its
 background work finished when the interpreter exits.
 
-:class:`Opening` opens a :class:`~tierfs.TieredStore`'s tiers and builds its :class:`~tierfs.core.parts.Parts`,
+:class:`Opening` opens a :class:`~tierfs.TieredStore`'s tiers and builds its :class:`~tierfs.core.context.Context`,
 noting first which directories of local tiers (the RAM tier's, the peer tier's replicas, a ``file://`` object
 tier's) do not exist yet. When the constructor fails after that (a tier that cannot be reached, a membership
 contradiction, a bad argument), :meth:`Opening.undo` closes what was opened and removes the directories it
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import _units
+from . import _readable
 from ._retry import short
 from ._rootdir import missing_dirs, remove_new_dirs
 from ._stages import stage
@@ -26,11 +26,11 @@ from ._worker import BACKGROUND_NICE, Throttle, Worker
 from .core.ledger import StepLedger
 from .core.background import Background
 from .core.ownership import Ownership
-from .core.parts import Parts
-from .dist import Group, agreement
-from .dist.groups import env_node_source
-from .dist.nodes import observe
-from .tiers.base import Holder, Replicator, Tier
+from .core.context import Context
+from .ranks import Group, agreement
+from .ranks.groups import env_node_source
+from .ranks.nodes import observe
+from .tiers.base import AnyTier, Replicator, Tier
 from .tiers.capabilities import LocalFiles, SharedDirectory
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ log = logging.getLogger("tierfs")
 _POLL = 0.05
 
 
-def local_dirs(tier: Holder) -> list[Path]:
+def local_dirs(tier: AnyTier) -> list[Path]:
     """The local directories ``tier`` creates when it opens (none for a remote tier)."""
     return tier.local_dirs() if isinstance(tier, LocalFiles) else []
 
@@ -52,11 +52,11 @@ class Opening:
 
     def __init__(self, writes: bool = True) -> None:
         self.made: list[Path] = []  # directories that did not exist before a tier opened
-        self.opened: list[Holder] = []
-        self.parts: Parts | None = None
+        self.opened: list[AnyTier] = []
+        self.ctx: Context | None = None
         self.writes = writes  # a store that saves: its RAM tiers are this job's (locked when they open)
 
-    def open(self, tier: Holder) -> None:
+    def open(self, tier: AnyTier) -> None:
         """Open ``tier``, noting the directories it is about to create."""
         for d in local_dirs(tier):
             self.made += missing_dirs(d)
@@ -65,8 +65,8 @@ class Opening:
         self.opened.append(tier)
         tier.open()
 
-    def build(self, tiers: list[Holder], reps: list[Replicator], group: Group, throttle: Throttle,
-              threads: int | None, file_size: int, block_size: int, clock: Callable[[], float]) -> Parts:
+    def build(self, tiers: list[AnyTier], reps: list[Replicator], group: Group, throttle: Throttle,
+              threads: int | None, file_size: int, block_size: int, clock: Callable[[], float]) -> Context:
         """Open the file tiers (every rank fails if one cannot), check which ranks share the first tier's
         directory against the node numbers, fork the groups, bind the replicators and open them."""
         ledger = StepLedger([t.name for t in tiers])
@@ -75,33 +75,33 @@ class Opening:
             for t in files:
                 with stage("open", tier=t.name):
                     self.open(t)
-        layout = observe(group, lambda: {t.name: [t.identity(), t.location] for t in files
+        nodes = observe(group, lambda: {t.name: [t.identity(), t.location] for t in files
                                          if isinstance(t, SharedDirectory)})
-        layout.check(group.nodes, env_node_source())
+        nodes.check(group.nodes, env_node_source())
         # one group per thread role, so collectives of different threads never interleave
         commit_group = group.fork()  # a blocking save waits for the commit: full priority
         copy_groups = {t.name: group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
         for r in reps:
             r.bind(files[0], group)
-            layout.check(r.nodes, f"{r.name}'s node numbers")
+            nodes.check(r.nodes, f"{r.name}'s node numbers")
         work = Background(
             ledger=ledger, throttle=throttle, commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
             commit_group=commit_group, copy_groups=copy_groups)
-        ranks = Ownership(group, layout, reps[0] if reps else None)
-        self.parts = Parts(tiers=tiers, ledger=ledger, ranks=ranks, work=work, threads=threads,
+        ranks = Ownership(group, nodes, reps[0] if reps else None)
+        self.ctx = Context(tiers=tiers, ledger=ledger, ranks=ranks, work=work, threads=threads,
                            file_size=file_size, block_size=block_size, clock=clock)
         for r in reps:
             self.open(r)
-        return self.parts
+        return self.ctx
 
     def undo(self) -> None:
         """Close what was opened, newest first, and remove the directories made that are empty now.
         Never raises: the constructor's own error is the one to see."""
-        if self.parts is not None:
+        if self.ctx is not None:
             try:
-                self.parts.work.close()
+                self.ctx.work.close()
             except Exception as e:  # noqa: BLE001 - logged; the rest is still undone
                 log.warning("closing the store's workers failed (%s)", short(e, with_type=True))
         for t in reversed(self.opened):
@@ -126,46 +126,46 @@ class StoreWork:
 
     def __init__(self, store: "TieredStore") -> None:
         self.store = store
-        self.parts: Parts = store._parts
+        self.ctx: Context = store._ctx
 
     def _busy(self) -> list[int]:
-        ledger = self.parts.ledger
+        ledger = self.ctx.ledger
         return [s for s in sorted(ledger.snapshot().info) if ledger.busy(s)]
 
     def _done(self) -> bool:
-        workers = self.parts.work.workers()
+        workers = self.ctx.work.workers()
         return not self._busy() and all(_idle(w) for w in workers)
 
-    def _missing(self, step: int) -> list[Holder]:
+    def _missing(self, step: int) -> list[AnyTier]:
         """The tiers that took ``step`` but do not hold it yet."""
-        ledger = self.parts.ledger
+        ledger = self.ctx.ledger
         held = set(ledger.holders(step))
-        return [t for t in self.parts.tiers
+        return [t for t in self.ctx.tiers
                 if t.name not in held and any(i.step == step for i in ledger.previous(t.name))]
 
     def _nbytes(self, step: int) -> str:
         try:
-            return f" ({_units.size(sum(self.parts.first.file_sizes(step).values()))})"
+            return f" ({_readable.size(sum(self.ctx.first.file_sizes(step).values()))})"
         except Exception:  # noqa: BLE001 - only for the message
             return ""
 
     def pending(self) -> str | None:
         if self._done():
             return None
-        first = self.parts.first.name
+        first = self.ctx.first.name
         said = []
         for s in self._busy():
-            if first not in self.parts.ledger.holders(s):
+            if first not in self.ctx.ledger.holders(s):
                 said.append(f"step {s}{self._nbytes(s)} not yet committed")
             else:
                 on = ", ".join(f"tier {t.name!r} ({getattr(t, 'location', t.name)})" for t in self._missing(s))
                 said.append(f"step {s}{self._nbytes(s)} not yet on {on}")
-        if not said and not _idle(self.parts.work.restores):
+        if not said and not _idle(self.ctx.work.restores):
             return "TieredStore: the rest of a restore (sending to the ranks still receiving, agreeing)"
         return "TieredStore: " + ("; ".join(said) if said else "the tiers' upkeep after the last save")
 
     def _drop_spares(self) -> None:
-        self.parts.staging.drop_spares()  # spare buffers for a next save that never comes
+        self.ctx.staging.drop_spares()  # spare buffers for a next save that never comes
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -180,16 +180,16 @@ class StoreWork:
 
     def lost(self, reason: str) -> str:
         self._drop_spares()
-        first = self.parts.first
+        first = self.ctx.first
         said = []
         for s in self._busy():
-            if first.name not in self.parts.ledger.holders(s):
+            if first.name not in self.ctx.ledger.holders(s):
                 said.append(f"step {s} is not committed (the next store on {first.location} removes it)")
                 continue
             for t in self._missing(s):
                 where = getattr(t, "location", t.name)
                 hint = (f" (`tierfs cp {first.location} {where} --step {s}` copies it)"
-                        if self.parts.group.world_size == 1 and isinstance(t, Tier) else "")
+                        if self.ctx.group.world_size == 1 and isinstance(t, Tier) else "")
                 said.append(f"step {s} is NOT durable on tier {t.name!r} ({where}): it is committed only in "
                             f"the RAM tier at {first.location}{hint}")
         if not said:

@@ -31,7 +31,7 @@ from .format import read_json
 from .policies import PreservationPolicy, SavePolicy
 from .policies.spec import keep_policy, save_policy
 from .tiers import registry
-from .tiers.base import Holder
+from .tiers.base import AnyTier
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class TierSpec:
             out["keep"] = self.keep
         return out
 
-    def build(self) -> Holder:
+    def build(self) -> AnyTier:
         """The tier (not opened)."""
         return registry.kind(self.kind, self.where).build(self.entry, self.common())
 
@@ -106,7 +106,7 @@ def read_config(path: str | os.PathLike[str]) -> list[TierSpec]:
     return [_entry(entry, f"config {path}: tiers[{i}]", base) for i, entry in enumerate(entries)]
 
 
-def tiers_from_config(path: str | os.PathLike[str]) -> list[Holder]:
+def tiers_from_config(path: str | os.PathLike[str]) -> list[AnyTier]:
     """The tiers a config file describes, built (not opened), in its order.
 
     Raises

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from . import _copy
+from . import _blocks
 from .errors import FormatError, StepNotFoundError
 from .format import MARKER, Manifest, Marker, listed_in, manifest_filename, manifest_from_marker
 from .tiers.base import Tier
@@ -100,7 +100,7 @@ def verify_shard(tier: Tier, step: int, manifest: Manifest, *, threads: int | No
     checked = 0
     for names in batches(manifest.held_files(tier.is_local)):
         part = manifest.subset(names)
-        _copy.verify(part, tier.read_files(step, names), threads)
+        _blocks.verify(part, tier.read_files(step, names), threads)
         checked += part.nbytes
         if progress is not None:
             progress(part.nbytes)
@@ -122,7 +122,7 @@ def copy_shard(src: Tier, dst: Tier, step: int, manifest: Manifest, mbytes: byte
     for names in groups:
         files = src.read_files(step, names)
         part = manifest.subset(names)
-        _copy.verify(part, files, threads, pace=pace)
+        _blocks.verify(part, files, threads, pace=pace)
         dst.write_files(step, files, pace=pace)
         del files
         if progress is not None:

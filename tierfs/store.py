@@ -11,7 +11,7 @@ The store is a facade over a few parts, one concept each (``tierfs/core/``):
 - :mod:`~tierfs.core.ledger`: what this process knows of every step, behind one lock.
 
 The commit protocol's checks and copies (a manifest checked against its marker, a verified copy with the
-marker last) live in :mod:`tierfs.protocol`, agreeing across ranks in :func:`tierfs.dist.agree`.
+marker last) live in :mod:`tierfs.protocol`, agreeing across ranks in :func:`tierfs.ranks.agree`.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import Any, Callable, Mapping, Sequence
 from . import _args, _exit, _lifecycle, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
-from .core.parts import check_tiers
+from .core.context import check_tiers
 from .core.reads import Reader
 from .core.restore.pipeline import Restore, RestoreInfo, lost_steps
 from .core.restore.sinks import InPlace, NewArrays
 from .core.restore.sources import Skipped
 from .core.retention import Retention
 from .core.saving import SavePath
-from .dist import Group, default_group, seconds
+from .ranks import Group, default_group, seconds
 from .errors import ArgumentError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
 from .protocol import common_steps
-from .tiers.base import Holder, Replicator, Tier
+from .tiers.base import AnyTier, Replicator, Tier
 
 __all__ = ["DEFAULT_BACKGROUND_BANDWIDTH", "RestoreInfo", "TieredStore"]
 
@@ -99,7 +99,7 @@ class TieredStore:
     closes the tiers it opened and removes the directories it created (never one that existed before).
     """
 
-    def __init__(self, tiers: Sequence[Holder], *, group: Group | None = None, threads: int | None = None,
+    def __init__(self, tiers: Sequence[AnyTier], *, group: Group | None = None, threads: int | None = None,
                  file_size: int = DEFAULT_FILE_SIZE, block_size: int = DEFAULT_BLOCK_SIZE,
                  clock: Callable[[], float] = time.time, cleanup: bool = True, max_in_flight: int = 2,
                  when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
@@ -121,16 +121,16 @@ class TieredStore:
         self._closed = True  # until it is open
         self._opening = _lifecycle.Opening(writes=cleanup)
         try:
-            self._parts = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
+            self._ctx = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
                                               self.block_size, clock)
-            self._reader = Reader(self._parts)
-            self._retention = Retention(self._parts, self._reader)
-            self._saving = SavePath(self._parts, self._retention)
+            self._reader = Reader(self._ctx)
+            self._retention = Retention(self._ctx, self._reader)
+            self._saving = SavePath(self._ctx, self._retention)
             if cleanup:
                 self._cleanup_uncommitted()
             self.refresh()
             if cleanup:  # a store that saves: the copies a process ended before making
-                catch_up(self._parts, self._saving)
+                catch_up(self._ctx, self._saving)
         except BaseException:
             self._opening.undo()
             raise
@@ -139,26 +139,26 @@ class TieredStore:
 
     # -- the tiers ----------------------------------------------------------------------------------
     @property
-    def tiers(self) -> list[Holder]:
+    def tiers(self) -> list[AnyTier]:
         """Every tier, fastest first."""
-        return self._parts.tiers
+        return self._ctx.tiers
 
     @property
     def replicator(self) -> Replicator | None:
         """The tier that keeps copies of other ranks' shards (the ``PeerTier``), if any."""
-        return self._parts.replicator
+        return self._ctx.replicator
 
-    def tier(self, name: str) -> Holder:
+    def tier(self, name: str) -> AnyTier:
         """The tier named ``name``."""
-        return self._parts.tier(name)
+        return self._ctx.tier(name)
 
     def refresh(self) -> None:
         """Re-list every tier (steps written by other processes become visible)."""
-        self._parts.refresh()
+        self._ctx.refresh()
 
     def _cleanup_uncommitted(self) -> None:
         for t in self.tiers:
-            if self._parts.ranks.owns(t):
+            if self._ctx.ranks.owns(t):
                 for s, ok in t.list_steps().items():
                     if not ok:
                         log.info("tier %s: removing uncommitted step %d left by an interrupted save", t.name, s)
@@ -170,13 +170,13 @@ class TieredStore:
         self.refresh()
         out: dict[int, list[str]] = {}
         for t in self.tiers:
-            for s in sorted(self._parts.ledger.holding(t.name)):
+            for s in sorted(self._ctx.ledger.holding(t.name)):
                 out.setdefault(s, []).append(t.name)
         return dict(sorted(out.items()))
 
     def has_step(self, step: int) -> bool:
         """Whether ``step`` is being saved or is committed on some tier, as this process knows (no listing)."""
-        return self._parts.ledger.known(step)
+        return self._ctx.ledger.known(step)
 
     def common_steps(self, tiers: Sequence[str] | None = None, *,
                      timeout: float | datetime.timedelta | None = None, raise_lost: bool = False) -> list[int]:
@@ -187,14 +187,14 @@ class TieredStore:
         of the copies it keeps for others). ``raise_lost``: when ranks hold steps but none is held by every
         rank, raise :class:`~tierfs.errors.CheckpointLostError` (naming the steps and the ranks lacking them)
         instead of returning an empty list."""
-        names = set(_args.names(tiers, "tiers", self._parts.names) or ()) if tiers is not None else None
+        names = set(_args.names(tiers, "tiers", self._ctx.names) or ()) if tiers is not None else None
         _args.flag(raise_lost, "raise_lost")
-        self._parts.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
+        self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
         views = g.all_gather(mine) if g.world_size > 1 else [mine]
         common = sorted(common_steps(views))
-        lost = lost_steps([set(v) for v in views], sorted(names or self._parts.names)) if raise_lost else None
+        lost = lost_steps([set(v) for v in views], sorted(names or self._ctx.names)) if raise_lost else None
         if lost is not None:
             raise lost
         return common
@@ -206,7 +206,7 @@ class TieredStore:
         return steps[-1] if steps else None
 
     # -- save ---------------------------------------------------------------------------------------
-    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
+    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
         """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
         return self._saving.should_save(_args.step(step), force=_args.flag(force, "force"),
                                         preempted=_args.flag(preempted, "preempted"))
@@ -248,16 +248,16 @@ class TieredStore:
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
         """Raise the first error background work hit since the last call, if any."""
-        self._parts.work.raise_errors()
+        self._ctx.work.raise_errors()
 
     def wait_until_committed(self) -> None:
         """Block until every save so far is committed in the first tier (its copies to slower tiers may
         still run)."""
-        self._parts.work.commits.join()
+        self._ctx.work.commits.join()
 
     def wait_until_finished(self) -> None:
         """Block until every background commit, copy and deletion is done; raise the first failure."""
-        self._parts.work.finish()
+        self._ctx.work.finish()
 
     # -- retention ----------------------------------------------------------------------------------
     def retention_plan(self) -> dict[str, list[int]]:
@@ -282,15 +282,15 @@ class TieredStore:
 
     def in_progress(self, step: int) -> bool:
         """Whether a save of ``step``, or a copy of it to a slower tier, is still under way."""
-        return self._parts.ledger.busy(_args.step(step))
+        return self._ctx.ledger.busy(_args.step(step))
 
     def delete(self, step: int, tiers: Sequence[str] | None = None, *, wait: bool = True) -> None:
         """Delete ``step`` from the named tiers (default: all), once all background work is done; with
         ``wait=False`` at once, without waiting for other steps' work (``step`` itself must not be
         :meth:`in_progress`)."""
-        step, tiers = _args.step(step), _args.names(tiers, "tiers", self._parts.names)
+        step, tiers = _args.step(step), _args.names(tiers, "tiers", self._ctx.names)
         if not _args.flag(wait, "wait"):
-            if self._parts.ledger.busy(step):
+            if self._ctx.ledger.busy(step):
                 raise TierfsError(f"step {step} is still being saved or copied; delete it once "
                                   "in_progress(step) is False, or with wait=True")
         else:
@@ -348,11 +348,11 @@ class TieredStore:
         self._check_open()
         # saves' commits first: their retention must not delete what this restore sends, and the copies they
         # hand on reach the copy workers before its re-seeding, in the same order on every rank
-        self._parts.work.commits.join()
+        self._ctx.work.commits.join()
         error: ArgumentError | None = None
         try:
             check()
-            step, tiers = _args.optional_step(step), _args.names(tiers, "tiers", self._parts.names)
+            step, tiers = _args.optional_step(step), _args.names(tiers, "tiers", self._ctx.names)
             timeout = _seconds_or_none(timeout)
         except ArgumentError as e:
             step, tiers, timeout, error = None, None, None, e
@@ -361,18 +361,18 @@ class TieredStore:
             if error is not None:
                 raise error
             self.raise_background_errors()
-        return Restore(self._parts, self._parts.usable(tiers), sink, first, timeout).run(step, adopt)
+        return Restore(self._ctx, self._ctx.usable(tiers), sink, first, timeout).run(step, adopt)
 
     def resume_from(self, step: int) -> None:
         """Note that the job goes on from ``step``, which it read by other means than :meth:`restore` (DCP's
         :class:`~tierfs.adapters.dcp.TieredReader`): the next save supersedes steps from there, as after a
         restore of it (see the timeline rule in the manager's guide). Every rank of the job calls it."""
-        self._parts.ledger.restore_of(_args.step(step))
+        self._ctx.ledger.restore_of(_args.step(step))
 
     # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
     def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:
         """The commit marker of ``step`` from the fastest tier holding a readable one."""
-        return self._reader.read_marker(_args.step(step), _args.names(tiers, "tiers", self._parts.names))
+        return self._reader.read_marker(_args.step(step), _args.names(tiers, "tiers", self._ctx.names))
 
     def read_manifest(self, step: int, rank: int, *, tiers: Sequence[str] | None = None
                       ) -> tuple[Manifest, str]:
@@ -382,7 +382,7 @@ class TieredStore:
         parsed once per step and shared by every later read of it: treat it as read-only.
         """
         return self._reader.read_manifest(_args.step(step), _args.integer(rank, "rank", 0),
-                                          _args.names(tiers, "tiers", self._parts.names))
+                                          _args.names(tiers, "tiers", self._ctx.names))
 
     def read_entries(self, step: int, rank: int, names: Sequence[str] | None = None, *,
                      tiers: Sequence[str] | None = None,
@@ -398,7 +398,7 @@ class TieredStore:
         Needs no collective (any rank may read any rank's shard, e.g. to reshard).
         """
         return self._reader.read_entries(_args.step(step), _args.integer(rank, "rank", 0), names,
-                                         _args.names(tiers, "tiers", self._parts.names), consume)
+                                         _args.names(tiers, "tiers", self._ctx.names), consume)
 
     def manifest(self, step: int) -> Manifest:
         """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
@@ -417,7 +417,7 @@ class TieredStore:
         background on a rank that returned before the others, see :meth:`restore_into`) is done."""
         if self._closed:
             raise TierfsError("the store is closed; create a new TieredStore")
-        self._parts.work.settle()
+        self._ctx.work.settle()
 
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any.
@@ -437,7 +437,7 @@ class TieredStore:
         finally:
             self._closed = True
             if _lifecycle.StoreWork(self).pending() is None:  # else Ctrl-C left copies running: not joined
-                self._parts.work.close()
+                self._ctx.work.close()
                 for t in self.tiers:
                     t.close()
 

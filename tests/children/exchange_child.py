@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch.distributed as dist
 
-from tierfs.dist import GATHER_WIDTH, TorchGroup
+from tierfs.ranks import GATHER_WIDTH, TorchGroup
 
 from _child import finish  # tests/children/ is the script's directory, first on sys.path
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .. import _args
 from .._rootdir import check_local_url
-from ..dist import seconds
+from ..ranks import seconds
 from ..errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError,
                       TierfsError)
 from ..format import DCP_SHARD_KEY
@@ -26,7 +26,7 @@ from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedInterval
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
 from ..store import RestoreInfo, TieredStore
 from ..tiers import ObjectTier
-from ..tiers.base import Holder
+from ..tiers.base import AnyTier
 
 if TYPE_CHECKING:  # the DCP path imports torch: only when a state holds tensors, or a step was saved through it
     from .dcp.managed import Plan
@@ -112,7 +112,7 @@ class CheckpointManager:
     fails leaves no tier open and no directory it created.
     """
 
-    def __init__(self, tiers: Sequence[Holder] | None = None, *, directory: str | None = None,
+    def __init__(self, tiers: Sequence[AnyTier] | None = None, *, directory: str | None = None,
                  options: CheckpointManagerOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,

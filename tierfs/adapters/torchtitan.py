@@ -47,7 +47,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from ..errors import ArgumentError, StepNotFoundError
 from ..store import TieredStore
-from ..tiers.base import Holder
+from ..tiers.base import AnyTier
 from .dcp import TieredReader, TieredWriter
 
 log = logging.getLogger("tierfs")
@@ -59,7 +59,7 @@ SUPPORTED_TORCHTITAN = "0.3.0"
 _STEP = re.compile(r"step-(\d+)$")
 
 
-def _tiers_of(config: Any) -> list[Holder]:
+def _tiers_of(config: Any) -> list[AnyTier]:
     """The tiers the config names: ``tiers`` (a list, or a function returning one) or ``tiers_config``."""
     if config.tiers is not None and config.tiers_config:
         raise ArgumentError("TieredCheckpointManager.Config: give tiers or tiers_config, not both")

@@ -63,7 +63,7 @@ from .._fileio import atomic_write
 from ..errors import ArgumentError
 from ..format import crc32c
 from ..store import TieredStore
-from ..tiers.base import Holder
+from ..tiers.base import AnyTier
 
 try:
     import transformers
@@ -178,7 +178,7 @@ def materialize(store: TieredStore, output_dir: str | os.PathLike[str], step: in
     return str(target)
 
 
-def latest_checkpoint(tiers: Sequence[Holder], output_dir: str | os.PathLike[str],
+def latest_checkpoint(tiers: Sequence[AnyTier], output_dir: str | os.PathLike[str],
                       **store_options: Any) -> str | None:
     """The local path of the newest committed checkpoint on ``tiers`` (fetched into
     ``output_dir/checkpoint-{step}/`` if it is not there), for ``trainer.train(resume_from_checkpoint=...)``;
@@ -210,7 +210,7 @@ class TieredTrainerCallback(TrainerCallback):
     set up torch.distributed, so its default group is the job's. :attr:`store` gives it.
     """
 
-    def __init__(self, tiers: Sequence[Holder], *, prune_output_dir: bool = True, **store_options: Any) -> None:
+    def __init__(self, tiers: Sequence[AnyTier], *, prune_output_dir: bool = True, **store_options: Any) -> None:
         super().__init__()
         self._tiers = list(tiers)
         self._options = dict(store_options)

@@ -10,10 +10,10 @@ import os
 import sys
 from typing import Any
 
-from .._units import rate, size
+from .._readable import rate, size
 from .display import add_no_progress
 from .targets import storage_options_from_args
-from .units import parse_bytes, positive_int
+from .numbers import parse_bytes, positive_int
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """What the commands show people: ages, and a progress bar on stderr while bytes move (sizes, durations
-and rates: :mod:`tierfs._units`)."""
+and rates: :mod:`tierfs._readable`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from .._units import duration
+from .._readable import duration
 from ..errors import TierfsError
 from ..tiers.base import Tier
 

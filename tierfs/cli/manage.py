@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _args
 from .._rootdir import check_local_url
-from .._units import duration, rate, size
+from .._readable import duration, rate, size
 from ..errors import TierfsError, TierUnavailableError
 from ..tiers.base import Tier
 from ..tiers.capabilities import LocalFiles
@@ -25,7 +25,7 @@ from . import UsageError
 from .display import add_no_progress, add_threads, age, progress_bar, step_bytes
 from .targets import (add_target_args, close_all, describe, is_config, is_url, select, storage_options_from_args,
                       tiers_from_config, tiers_from_target)
-from .units import parse_duration
+from .numbers import parse_duration
 
 # -- cp ---------------------------------------------------------------------------------------------
 

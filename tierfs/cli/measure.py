@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .._copy import as_u8
+from .._blocks import as_u8
 from ..errors import FormatError
 from ..format import read_json
 
@@ -193,7 +193,7 @@ def bench_peer(nbytes: int, repeats: int = 3, tick: Progress | None = None) -> d
         dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        from ..dist import env_node_rank
+        from ..ranks import env_node_rank
 
         nodes: list[int] = [0] * world
         dist.all_gather_object(nodes, env_node_rank(rank))

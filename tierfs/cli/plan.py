@@ -2,7 +2,7 @@
 
 ``plan`` and ``simulate`` (:mod:`tierfs.cli.simulate`) describe a job with the same arguments
 (:func:`add_model_args`) and turn them into :class:`tierfs.planning.PlanInputs` (:func:`inputs_from_args`);
-sizes, rates and durations take units (:mod:`tierfs.cli.units`). ``bench`` (:mod:`tierfs.cli.bench`)
+sizes, rates and durations take units (:mod:`tierfs.cli.numbers`). ``bench`` (:mod:`tierfs.cli.bench`)
 measures the bandwidths they read.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .. import planning as pl
 from . import UsageError
-from .units import (nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration, parse_duration_or_zero,
+from .numbers import (nonneg_int, parse_bytes, parse_count, parse_count_int, parse_duration, parse_duration_or_zero,
                     parse_fraction, parse_rate, positive_int)
 
 # -- shared arguments -------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import sys
 from typing import Any
 
 from .. import planning as pl
-from .._units import duration, rate, size
+from .._readable import duration, rate, size
 from .plan import add_model_args, inputs_from_args, usage_errors
-from .units import int_at_least, parse_count, parse_duration
+from .numbers import int_at_least, parse_count, parse_duration
 
 
 def _sizes(text: str) -> list[int]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import _copy
+from .. import _blocks
 from ..errors import ChecksumError, FormatError, StepExistsError, TierfsError
 from ..format import Manifest, blocks, crc32c
 from ..protocol import batches, commit, copy_shard, step_manifests
@@ -49,7 +49,7 @@ def find_damage(manifest: Manifest, files: Mapping[str, Any]) -> list[Damage]:
 
     Raises FormatError when a file's length is not the manifest's (a truncated copy).
     """
-    raw = _copy.shard_views(manifest, files)
+    raw = _blocks.shard_views(manifest, files)
     out = []
     for e in sorted((e for e in manifest.entries if e.kind == "array" and e.file in raw),
                     key=lambda e: (e.file, e.offset)):
@@ -95,7 +95,7 @@ def verify_shard_naming_damage(tier: Tier, step: int, manifest: Manifest, *, thr
         part = manifest.subset(names)
         files = tier.read_files(step, names)
         try:
-            _copy.verify(part, files, threads)
+            _blocks.verify(part, files, threads)
         except ChecksumError as e:
             raise _damaged(tier, step, manifest, files, e) from e
         finally:

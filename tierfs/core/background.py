@@ -14,7 +14,7 @@ from typing import Callable
 
 from .. import _hooks, _stages
 from .._worker import Throttle, Worker
-from ..dist import Group
+from ..ranks import Group
 from ..errors import BackgroundError, TierfsError
 from .ledger import StepLedger
 

@@ -16,19 +16,19 @@ from typing import Any
 
 from ..errors import TierfsError
 from ..policies import StepInfo
-from .parts import Parts
+from .context import Context
 from .saving import SavePath
 
 log = logging.getLogger("tierfs")
 
 
-def missing_copies(parts: Parts) -> list[tuple[int, str]]:
+def missing_copies(ctx: Context) -> list[tuple[int, str]]:
     """``(step, tier)`` pairs of this rank: a step its first tier holds whose marker names ``tier``, a slower
     file tier that does not hold it."""
-    first = parts.first
+    first = ctx.first
     out = []
-    for s in sorted(parts.ledger.holding(first.name), reverse=True):
-        lacking = [t.name for t in parts.files[1:] if s not in parts.ledger.holding(t.name)]
+    for s in sorted(ctx.ledger.holding(first.name), reverse=True):
+        lacking = [t.name for t in ctx.files[1:] if s not in ctx.ledger.holding(t.name)]
         if not lacking:
             continue
         try:
@@ -40,19 +40,19 @@ def missing_copies(parts: Parts) -> list[tuple[int, str]]:
     return out
 
 
-def catch_up(parts: Parts, saving: SavePath) -> list[tuple[int, str]]:
+def catch_up(ctx: Context, saving: SavePath) -> list[tuple[int, str]]:
     """Hand on, in the background, the copies a process ended before making (collective: every rank opens
     the store); returns the ``(step, tier)`` pairs handed on."""
-    mine: list[Any] = [list(x) for x in missing_copies(parts)]
-    views = parts.group.all_gather(mine) if parts.group.world_size > 1 else [mine]
+    mine: list[Any] = [list(x) for x in missing_copies(ctx)]
+    views = ctx.group.all_gather(mine) if ctx.group.world_size > 1 else [mine]
     agreed = set.intersection(*({(int(s), str(n)) for s, n in v} for v in views))
-    first = parts.first
-    for s, name in sorted(agreed, key=lambda x: (-x[0], parts.names.index(x[1]))):
+    first = ctx.first
+    for s, name in sorted(agreed, key=lambda x: (-x[0], ctx.names.index(x[1]))):
         marker = first.read_marker(s)
         log.warning("step %d is committed in tier %s but not on %s, which its policy chose (the process that saved "
                     "it ended first); copying it there now, in the background", s, first.name, name)
-        parts.ledger.catch_up(s, name, StepInfo(s, float(marker.committed or 0.0)),
+        ctx.ledger.catch_up(s, name, StepInfo(s, float(marker.committed or 0.0)),
                               transient=first.name not in (marker.tiers or ()))
-        parts.ledger.pin(first.name, s)
-        parts.work.copies[name].submit(functools.partial(saving.hand_on, s, parts.tier(name), marker, {}))
+        ctx.ledger.pin(first.name, s)
+        ctx.work.copies[name].submit(functools.partial(saving.hand_on, s, ctx.tier(name), marker, {}))
     return sorted(agreed, reverse=True)

@@ -1,9 +1,9 @@
 """Where a state's arrays go in a step's shard files, worked out once per structure.
 
-Training saves the same structure again and again: the same names, dtypes and shapes. A :class:`Layout`
+Training saves the same structure again and again: the same names, dtypes and shapes. A :class:`ShardLayout`
 is what a save of one structure needs besides the bytes: every leaf's place in the shard files, the
 manifest's entries without their checksums, and how to copy each leaf. :func:`describe` reads a state's
-structure (one walk, a few attribute reads per leaf), a layout whose :attr:`~Layout.signature` equals it
+structure (one walk, a few attribute reads per leaf), a layout whose :attr:`~ShardLayout.signature` equals it
 is reused, and a structure that differs in anything (a name, the order, a dtype, a shape, a leaf's kind)
 gets a new one: a step is never written with a stale layout.
 
@@ -29,7 +29,7 @@ import numpy as np
 from .. import _hooks, state as st
 from ..errors import ArgumentError
 from ..format import Entry, Manifest
-from .sharing import Sharing, place
+from .dataparallel import Sharing, place
 
 # how a leaf is copied into its buffer
 TORCH, NUMPY, OTHER, JSON = 0, 1, 2, 3
@@ -97,7 +97,7 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
 
 
 @dataclass
-class Layout:
+class ShardLayout:
     """A save's plan for one structure (see the module docstring). Made by :meth:`plan`."""
 
     names: list[str]
@@ -116,10 +116,10 @@ class Layout:
 
     @classmethod
     def plan(cls, names: list[str], values: list[Any], signature: list[Any], rank: int, file_size: int,
-             sharing: Sharing | Callable[[list[str], dict[int, int]], Sharing] | None = None) -> "Layout":
+             sharing: Sharing | Callable[[list[str], dict[int, int]], Sharing] | None = None) -> "ShardLayout":
         """Work out the layout of a new structure, checking every leaf as :func:`tierfs.state.to_leaf`
         does (a leaf it cannot store is an ArgumentError naming it). ``sharing``: the leaves other ranks
-        hold too (:mod:`.sharing`), in files of their own."""
+        hold too (:mod:`.dataparallel`), in files of their own."""
         if len(set(names)) != len(names):
             seen: set[str] = set()
             dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]

@@ -1,15 +1,15 @@
 """Who the ranks are and what they share: which rank owns a tier's commits and deletions, which ranks use
-the same storage of a node-local tier (as observed when the store opened, :mod:`tierfs.dist.nodes`), and
+the same storage of a node-local tier (as observed when the store opened, :mod:`tierfs.ranks.nodes`), and
 which manifests must be on a tier before its marker."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dist import Group
-from ..dist.nodes import Layout
+from ..ranks import Group
+from ..ranks.nodes import NodeMap
 from ..format import Marker, manifest_filename
-from ..tiers.base import Holder, Replicator, Tier
+from ..tiers.base import AnyTier, Replicator, Tier
 
 
 @dataclass
@@ -17,10 +17,10 @@ class Ownership:
     """The ranks of a store's job (``group``) and who shares what (``nodes``; None: each rank its own)."""
 
     group: Group
-    nodes: Layout | None = None
+    nodes: NodeMap | None = None
     replicator: Replicator | None = None
 
-    def owns(self, tier: Holder) -> bool:
+    def owns(self, tier: AnyTier) -> bool:
         """Whether this rank commits and deletes whole steps on ``tier``: per node for local tiers, rank 0
         for shared ones; on a replicator each rank its own copies."""
         if tier is self.replicator:

@@ -10,7 +10,7 @@ from ..errors import RestoreError, StepNotFoundError
 from ..format import Entry, Manifest, Marker
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
-from .parts import Parts
+from .context import Context
 from .restore.sinks import Views
 from .restore.sources import Skipped, first_verified, read_shard
 
@@ -18,15 +18,15 @@ from .restore.sources import Skipped, first_verified, read_shard
 class Reader:
     """Reads of committed steps, without collectives."""
 
-    def __init__(self, parts: Parts) -> None:
-        self.parts = parts
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
 
     def holding(self, step: int, tiers: Sequence[str] | None) -> list[Tier]:
         """The file tiers among ``tiers`` (default: all) holding a committed copy of ``step``."""
-        usable = self.parts.usable(tiers)
-        self.parts.refresh()
-        before, _, after = self.parts.roles(usable)  # in the order asked for
-        held = [t for t in before + after if step in self.parts.ledger.holding(t.name)]
+        usable = self.ctx.usable(tiers)
+        self.ctx.refresh()
+        before, _, after = self.ctx.roles(usable)  # in the order asked for
+        held = [t for t in before + after if step in self.ctx.ledger.holding(t.name)]
         if not held:
             raise StepNotFoundError(f"step {step} is not committed on {[t.name for t in usable]}")
         return held
@@ -40,7 +40,7 @@ class Reader:
 
     def read_manifest(self, step: int, rank: int, tiers: Sequence[str] | None = None) -> tuple[Manifest, str]:
         def read(t: Tier) -> Manifest:
-            with self.parts.ledger.pinned(t.name, step):
+            with self.ctx.ledger.pinned(t.name, step):
                 return checked_manifest(t, step, rank)[0]
         skipped: Skipped = []
         found = first_verified(self.holding(step, tiers), step, read, skipped, f" rank {rank}")
@@ -56,7 +56,7 @@ class Reader:
         wanted = None if names is None else list(dict.fromkeys(names))
         for t in self.holding(step, tiers):
             sink = Views(wanted)
-            with self.parts.ledger.pinned(t.name, step):
+            with self.ctx.ledger.pinned(t.name, step):
                 if first_verified([t], step, lambda t: self._entries(t, step, rank, sink), skipped,
                                   f" rank {rank}") is not None:
                     consume(sink.values, t.name)  # while the tier's files are pinned
@@ -66,16 +66,16 @@ class Reader:
     def _entries(self, t: Tier, step: int, rank: int, sink: Views) -> None:
         """Wanted entries of ``rank``'s shard on ``t``; those a shared tier holds in their owners' shards
         read from there."""
-        read_shard(self.parts, t, step, rank, sink)
+        read_shard(self.ctx, t, step, rank, sink)
         for owner, names in sorted(sink.away.items()):
             there = Views(names)
-            read_shard(self.parts, t, step, owner, there)
+            read_shard(self.ctx, t, step, owner, there)
             sink.values.update(there.values)
 
     def verify(self, step: int, tier: Tier) -> Manifest:
         """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
-        manifest, _ = checked_manifest(tier, step, self.parts.group.rank)
-        verify_shard(tier, step, manifest, threads=self.parts.threads)
+        manifest, _ = checked_manifest(tier, step, self.ctx.group.rank)
+        verify_shard(tier, step, manifest, threads=self.ctx.threads)
         return manifest
 
 

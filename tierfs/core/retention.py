@@ -14,16 +14,16 @@ from typing import Callable, Mapping
 from .._stages import stage
 from ..errors import TierfsError
 from ..policies import StepInfo
-from ..tiers.base import Holder, Tier
+from ..tiers.base import AnyTier, Tier
 from ..tiers.capabilities import SharedDirectory
 from .ledger import Snapshot
-from .parts import Parts
+from .context import Context
 from .reads import Reader
 
 log = logging.getLogger("tierfs")
 
 
-def doomed(tier: Holder, snap: Snapshot, held: Mapping[str, set[int]] | None = None) -> list[int]:
+def doomed(tier: AnyTier, snap: Snapshot, held: Mapping[str, set[int]] | None = None) -> list[int]:
     """The steps of ``tier`` that retention deletes, given what every tier holds (default: the snapshot's
     holdings): not kept by the tier's policy, not pinned, not transient, and not the only copy of the
     newest step."""
@@ -40,13 +40,13 @@ def doomed(tier: Holder, snap: Snapshot, held: Mapping[str, set[int]] | None = N
 class Retention:
     """Applies the keep policies of a store's tiers."""
 
-    def __init__(self, parts: Parts, reader: Reader) -> None:
-        self.parts, self.reader = parts, reader
+    def __init__(self, ctx: Context, reader: Reader) -> None:
+        self.ctx, self.reader = ctx, reader
 
-    def apply(self, tier: Holder, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def apply(self, tier: AnyTier, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Delete what ``tier``'s keep policy lets go now; a failure is raised, or handed to ``on_error``."""
         try:
-            for s in doomed(tier, self.parts.ledger.snapshot()):
+            for s in doomed(tier, self.ctx.ledger.snapshot()):
                 log.debug("tier %s: retention deletes step %d", tier.name, s)
                 self.delete(tier, s)
         except Exception as e:
@@ -55,10 +55,10 @@ class Retention:
             log.error("tier %s: retention failed (%s); raised by the next call", tier.name, e)
             on_error(e)
 
-    def pending(self, tier: Holder) -> bool:
+    def pending(self, tier: AnyTier) -> bool:
         """Whether ``tier`` holds a step its keep policy lets go that is still being read or copied (its
         space comes free once that is done)."""
-        snap = self.parts.ledger.snapshot()
+        snap = self.ctx.ledger.snapshot()
         committed = sorted(snap.held[tier.name] - snap.transient)
         keep = set(tier.keep_policy.keep([snap.info.get(s, StepInfo(s)) for s in committed])) if committed else set()
         return any(s not in keep and s in snap.pinned[tier.name] for s in committed)
@@ -67,7 +67,7 @@ class Retention:
         """``{tier: [steps its keep policy would delete now]}``, deleting nothing, for every tier, as the
         deletions would go tier by tier. Steps this process did not save get their commit time and metrics
         from their marker and manifest first."""
-        p = self.parts
+        p = self.ctx
         p.refresh()
         for s in p.ledger.unknown_info():
             when, metrics = 0.0, {}
@@ -85,17 +85,17 @@ class Retention:
             held[tier.name] -= set(out[tier.name])
         return out
 
-    def delete(self, tier: Holder, step: int) -> None:
+    def delete(self, tier: AnyTier, step: int) -> None:
         """Delete ``step`` from ``tier``, as this rank's part: ranks sharing a node's directory each take
         back their own files and the owner drops the marker; elsewhere the owner deletes the step."""
-        p = self.parts
+        p = self.ctx
         if not p.ledger.claim(tier.name, step):
             return
         with stage("retention", step, tier.name):
             self._delete(tier, step)
 
-    def _delete(self, tier: Holder, step: int) -> None:
-        p = self.parts
+    def _delete(self, tier: AnyTier, step: int) -> None:
+        p = self.ctx
         if tier is p.replicator:
             tier.delete_step(step)  # the copies this rank keeps
             return

@@ -21,18 +21,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args, _copy, _nogc, _units, state as st
+from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
-from ..dist import Group, agree, agreement, seconds
+from ..ranks import Group, agree, agreement, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import Manifest, Marker, crc32c, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
-from ..tiers.base import Holder, Replicator, Tier
-from .layout import Layout, describe
-from .parts import Parts
+from ..tiers.base import AnyTier, Replicator, Tier
+from .layout import ShardLayout, describe
+from .context import Context
 from .retention import Retention
-from .sharing import Sharing, check_digests, declared, digests
+from .dataparallel import Sharing, check_digests, declared, digests
 from . import timeline
 
 log = logging.getLogger("tierfs")
@@ -44,7 +44,7 @@ MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and 
 class Staged:
     """A step staged in the first tier, waiting for its checksums and commit."""
 
-    layout: Layout
+    layout: ShardLayout
     step: int
     values: dict[int, Any]  # the JSON leaves' values, by leaf index
     metadata: dict[str, Any]
@@ -68,37 +68,37 @@ def _declaration(replicated: Any) -> Any:
 class SavePath:
     """Saves of one store (see the module docstring)."""
 
-    def __init__(self, parts: Parts, retention: Retention) -> None:
-        self.parts, self.retention = parts, retention
+    def __init__(self, ctx: Context, retention: Retention) -> None:
+        self.ctx, self.retention = ctx, retention
         # the structures saved most recently, newest first, with the replicated= declaration of each
-        self._layouts: list[tuple[Layout, Any]] = []
+        self._layouts: list[tuple[ShardLayout, Any]] = []
 
     # -- choosing the tiers -------------------------------------------------------------------------
-    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[Holder]:
+    def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
         """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
-        now = self.parts.clock()
-        return [t for t in self.parts.tiers if force or t.save_policy.should_save(
-            SaveContext(step=step, time=now, previous=self.parts.ledger.previous(t.name), preempted=preempted))]
+        now = self.ctx.clock()
+        return [t for t in self.ctx.tiers if force or t.save_policy.should_save(
+            SaveContext(step=step, time=now, previous=self.ctx.ledger.previous(t.name), preempted=preempted))]
 
-    def _make_room(self, step: int, chosen: list[Holder], max_in_flight: int, when_busy: str) -> list[Holder]:
+    def _make_room(self, step: int, chosen: list[AnyTier], max_in_flight: int, when_busy: str) -> list[AnyTier]:
         """Apply the in-flight bound: wait, or drop the slow tiers for this step."""
-        first = self.parts.first
-        skip = when_busy == "skip" and self.parts.ledger.in_flight() >= max_in_flight
+        first = self.ctx.first
+        skip = when_busy == "skip" and self.ctx.ledger.in_flight() >= max_in_flight
         if skip:
             slow = [t.name for t in chosen if t is not first]
             if slow:
                 log.warning("step %d: %d saves still in flight, skipping it on %s", step,
-                            self.parts.ledger.in_flight(), slow)
+                            self.ctx.ledger.in_flight(), slow)
             chosen = [t for t in chosen if t is first]
         if chosen:
-            self.parts.ledger.wait_for_room(max_in_flight, uncommitted_only=skip)
+            self.ctx.ledger.wait_for_room(max_in_flight, uncommitted_only=skip)
         return chosen
 
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
              max_in_flight: int, when_busy: str, timeout: Any = None, replicated: Any = None) -> bool:
-        p = self.parts
+        p = self.ctx
         mine, failure, wait = None, None, None
         try:  # this rank's view; every rank hears of a failure here before any of them goes on
             # the arguments first: a bad one (a leaf of the state too) fails before anything is replaced
@@ -186,13 +186,13 @@ class SavePath:
         log.warning("step %d: removing steps %s from every tier: they are from the run this job went back from "
                     "(%s)", step, stale, why)
         for s in stale:
-            for t in self.parts.tiers:
+            for t in self.ctx.tiers:
                 self.retention.delete(t, s)
 
-    def _layout(self, names: list[str], values: list[Any], structure: list[Any], replicated: Any) -> Layout:
+    def _layout(self, names: list[str], values: list[Any], structure: list[Any], replicated: Any) -> ShardLayout:
         """The layout of a state of this structure: a recent one that matches, or a new one (which checks
         every leaf). JSON leaves are checked on every save; arrays of a known structure need no check.
-        ``replicated``: a :class:`~.sharing.Sharing` (adapters), the user's declaration, or None; a
+        ``replicated``: a :class:`~.dataparallel.Sharing` (adapters), the user's declaration, or None; a
         declaration is worked out once per structure."""
         given = replicated if isinstance(replicated, Sharing) or replicated is None else None
         declaration = None if given is not None or replicated is None else _declaration(replicated)
@@ -202,33 +202,33 @@ class SavePath:
                 for i in lay.json:
                     st.check_leaf(names[i], values[i])
                 return lay
-        g = self.parts.group
+        g = self.ctx.group
         sharing: Any = given
         if declaration is not None:
             def sharing(names: list[str], sizes: dict[int, int]) -> Sharing:
                 return declared(names, sizes, replicated, g.rank, g.world_size)
-        lay = Layout.plan(names, values, structure, g.rank, self.parts.file_size, sharing)
+        lay = ShardLayout.plan(names, values, structure, g.rank, self.ctx.file_size, sharing)
         self._layouts = [(lay, declaration), *self._layouts[:MAX_LAYOUTS - 1]]
         return lay
 
-    def _stage(self, step: int, layout: Layout, values: list[Any], metadata: Mapping[str, Any] | None,
+    def _stage(self, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
                metrics: Mapping[str, Any] | None) -> Staged:
         """Copy the arrays into the first tier's buffers, through the layout's views of them."""
-        p, first = self.parts, self.parts.first
-        bufs = p.staging.stage(step, layout.files)  # raises CapacityError before anything is written
+        p, first = self.ctx, self.ctx.first
+        bufs = p.staging.buffers(step, layout.files)  # raises CapacityError before anything is written
         try:
             dst, raw = layout.views(bufs, {f: p.staging.buffer_memo(step, f) for f in layout.files})
             layout.copy(values, dst)
         except BaseException:
-            p.staging.discard_staged(step)
+            p.staging.discard(step)
             raise
         return Staged(layout, step, {i: values[i] for i in layout.json}, dict(metadata or {}), dict(metrics or {}),
                       raw)
 
-    def _commit(self, staged: Staged, slow: list[Holder], group: Group, threads: int | None = 1) -> None:
+    def _commit(self, staged: Staged, slow: list[AnyTier], group: Group, threads: int | None = 1) -> None:
         """Checksums (on ``threads``: one leaves training a core), manifest, marker, agreed over ``group``
         (the commit worker's); then hand on to the slow tiers."""
-        p, first = self.parts, self.parts.first
+        p, first = self.ctx, self.ctx.first
         step, rank = staged.step, p.group.rank
         try:
             with agreement(group, f"commit step {step}", outcome="not committed") as vote:
@@ -237,13 +237,13 @@ class SavePath:
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)
                     arrays = [manifest.entries[i] for i in staged.layout.arrays]  # as the buffers are
                     with stage("checksum", step, first.name):
-                        crcs = _copy.run([_copy.Job(e.name, buf, None, p.block_size)
+                        crcs = _blocks.run([_blocks.Job(e.name, buf, None, p.block_size)
                                           for e, buf in zip(arrays, staged.buffers)],
                                          threads)
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
                     with stage("manifest", step, first.name):
-                        p.staging.write_staged(step)
+                        p.staging.persist(step)
                         mbytes = manifest.to_bytes()
                         first.write_file(step, manifest_filename(rank), mbytes)
                         check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
@@ -251,20 +251,20 @@ class SavePath:
                                    manifest.bundles, manifest.groups) if manifest.bundles else []
                     vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes, held]
                 except BaseException:
-                    p.staging.discard_staged(step)
+                    p.staging.discard(step)
                     raise
-            parts = vote.results
-            check_digests(step, [v[3] for v in parts])  # on every rank alike: all raise, or none
-            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in parts}, nbytes=sum(v[2] for v in parts),
+            votes = vote.results
+            check_digests(step, [v[3] for v in votes])  # on every rank alike: all raise, or none
+            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in votes}, nbytes=sum(v[2] for v in votes),
                             tiers=staged.tiers)
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
-            p.staging.discard_staged(step)
+            p.staging.discard(step)
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))
-        log.info("step %d committed in %s: %s%s", step, first.name, _units.Bytes(marker.nbytes),
+        log.info("step %d committed in %s: %s%s", step, first.name, _readable.Bytes(marker.nbytes),
                  f"; copies to {[t.name for t in slow]} follow in the background" if slow else "")
         # the step is committed whatever retention does: a failure there is the next call's to raise. Before
         # the copies start: the buffers it frees take the replicas this step brings
@@ -280,8 +280,8 @@ class SavePath:
         """Pre-fault the next step's buffers in the first tier, once the copies of ``step`` are done and
         nothing the keep policy lets go is still held (the buffers such steps and old replicas free are
         the spares: RAM holds the committed step, one replica and one spare set)."""
-        if not self.retention.pending(self.parts.first):
-            self.parts.work.commits.submit(lambda: self.parts.staging.prepare(step, sizes))
+        if not self.retention.pending(self.ctx.first):
+            self.ctx.work.commits.submit(lambda: self.ctx.staging.prepare(step, sizes))
 
     def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank
@@ -290,9 +290,9 @@ class SavePath:
         wrote = False
         try:
             with agreement(group, what, outcome="not committed"):
-                if self.parts.ranks.owns(tier):
+                if self.ctx.ranks.owns(tier):
                     with stage("marker", step, tier.name):
-                        commit(tier, step, marker.to_bytes(), self.parts.ranks.expected_manifests(tier, marker))
+                        commit(tier, step, marker.to_bytes(), self.ctx.ranks.expected_manifests(tier, marker))
                         wrote = True
         except BaseException:
             if wrote:
@@ -303,10 +303,10 @@ class SavePath:
             raise
 
     # -- hand on ------------------------------------------------------------------------------------
-    def hand_on(self, step: int, dst: Holder, marker: Marker, sizes: Mapping[str, int]) -> None:
+    def hand_on(self, step: int, dst: AnyTier, marker: Marker, sizes: Mapping[str, int]) -> None:
         """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
         bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
-        p, first = self.parts, self.parts.first
+        p, first = self.ctx, self.ctx.first
         stored = False
         try:
             if dst is p.replicator:
@@ -328,7 +328,7 @@ class SavePath:
     def _upload(self, step: int, dst: Tier, marker: Marker) -> bool:
         """Byte copy of this rank's files from the first tier to ``dst``, verified before upload, marker
         last once every rank's shard is there."""
-        p, src = self.parts, self.parts.first
+        p, src = self.ctx, self.ctx.first
         group = p.work.copy_groups[dst.name]
         t0 = time.perf_counter()
         with agreement(group, f"copy step {step} to {dst.name}", outcome="not committed") as vote:
@@ -338,13 +338,13 @@ class SavePath:
                 vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.work.pace(step, dst.name),
                                        batched=False)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
-        log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _units.Bytes(vote.mine),
-                 _units.Seconds(time.perf_counter() - t0))
+        log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _readable.Bytes(vote.mine),
+                 _readable.Seconds(time.perf_counter() - t0))
         return True
 
     def _replicate(self, step: int, dst: Replicator, marker: Marker) -> bool:
         """Every rank sends its shard to its peers at once; stored only if every copy is verified."""
-        p, src = self.parts, self.parts.first
+        p, src = self.ctx, self.ctx.first
         t0 = time.perf_counter()
         mbytes, files, error, nbytes = b"", {}, None, 0
         try:
@@ -364,6 +364,6 @@ class SavePath:
             log.warning("step %d is not replicated to peers (%d of the copies failed, e.g. rank %d -> %d: %s); "
                         "peers keep their previous step", step, len(failed), s, t, why)
             return False
-        log.info("step %d replicated to peers: %s sent in %s", step, _units.Bytes(nbytes),
-                 _units.Seconds(time.perf_counter() - t0))
+        log.info("step %d replicated to peers: %s sent in %s", step, _readable.Bytes(nbytes),
+                 _readable.Seconds(time.perf_counter() - t0))
         return True

@@ -24,7 +24,7 @@ import fsspec
 from .. import _args
 from .._fileio import make_private_dir
 from .._rootdir import check_root, default_path, root_dir, warn_unless_memory
-from ..dist import seconds
+from ..ranks import seconds
 from ..errors import ArgumentError, TierUnavailableError
 
 log = logging.getLogger("tierfs")

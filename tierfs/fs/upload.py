@@ -17,7 +17,7 @@ import shutil
 import time
 from typing import IO, TYPE_CHECKING, NamedTuple
 
-from .. import _units
+from .. import _readable
 from .._fileio import atomic_write
 from .._retry import PERMANENT, retry, short
 from .._worker import lower_priority
@@ -150,7 +150,7 @@ class ExitWork:
 
     def _what(self, rels: list[str]) -> str:
         nbytes = sum(self.d.ramdir.sizes.get(r, self.set_aside.get(r, 0)) for r in rels)
-        return f"{len(rels)} file(s) ({_units.size(nbytes)}) written through tiered::"
+        return f"{len(rels)} file(s) ({_readable.size(nbytes)}) written through tiered::"
 
     def _on(self, rels: list[str]) -> str:
         """``on <where they go> (e.g. <one of them>)``, the example left out when it says nothing more."""

@@ -27,7 +27,7 @@ from typing import IO, Any, Callable, Iterable, Union
 
 import fsspec
 
-from .. import _exit, _units
+from .. import _exit, _readable
 from .._fileio import FILE_MODE, private_opener
 from .._worker import Throttle
 from ..errors import BackgroundError, CapacityError
@@ -156,10 +156,10 @@ class Drain:
                 self.enqueue(r)
             self.cond.wait()
         dirty_bytes = sum(sizes.get(r, 0) for r in self.dirty)
-        budget = "none" if self.budget is None else _units.size(self.budget)
+        budget = "none" if self.budget is None else _readable.size(self.budget)
         raise CapacityError(
-            f"tiered RAM directory {self.root}: writing {_units.size(nbytes)} does not fit (budget {budget}, "
-            f"{_units.size(dirty_bytes)} not yet durable on {self.place(self.dirty)}); raise budget=, flush() more "
+            f"tiered RAM directory {self.root}: writing {_readable.size(nbytes)} does not fit (budget {budget}, "
+            f"{_readable.size(dirty_bytes)} not yet durable on {self.place(self.dirty)}); raise budget=, flush() more "
             f"often or write less")
 
     def full_error(self, rel: str) -> CapacityError:

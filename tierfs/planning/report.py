@@ -6,7 +6,7 @@ import math
 from typing import Any, Sequence
 
 from .optimise import Plan
-from .units import duration, gigabytes, rate
+from .._readable import duration, rate, size
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -42,22 +42,22 @@ _LEGEND = (
 def format_plan(plan: Plan) -> str:
     """The plan as the readable text ``tierfs plan`` prints."""
     p, r = plan.inputs, plan.ram
-    out = [f"checkpoint {gigabytes(p.checkpoint)}, {p.hosts} hosts, {p.accelerators} accelerators, "
-           f"shard per host {gigabytes(p.shard)}"]
+    out = [f"checkpoint {_gb(p.checkpoint)}, {p.hosts} hosts, {p.accelerators} accelerators, "
+           f"shard per host {_gb(p.shard)}"]
     if p.data_parallel > 1:
-        out.append(f"data-parallel degree {p.data_parallel}: the object store takes {gigabytes(p.checkpoint)} per "
-                   f"save ({gigabytes(p.checkpoint / p.hosts)} per host), not {gigabytes(p.checkpoint * p.data_parallel)}; "
+        out.append(f"data-parallel degree {p.data_parallel}: the object store takes {_gb(p.checkpoint)} per "
+                   f"save ({_gb(p.checkpoint / p.hosts)} per host), not {_gb(p.checkpoint * p.data_parallel)}; "
                    "peers replicate nothing (the hosts holding the same part have it in RAM)")
     if p.mttf is not None:
         out.append(f"cluster MTTF {duration(p.mttf)}; failures losing the node {p.node_loss:.0%}"
                    + (f", of those losing every replica too {p.replica_loss:.0%}" if p.replicas else ""))
     out += ["", "RAM per host for the RAM tier"]
-    rows: list[tuple[str, ...]] = [("own steps kept", f"{p.keep} x {gigabytes(r.shard)}", gigabytes(r.own)),
-            ("steps in flight", f"{p.in_flight} x {gigabytes(r.shard)}", gigabytes(r.in_flight)),
-            ("replicas held for others", f"{p.peer_replicas} x {p.replica_keep} x {gigabytes(r.shard)}",
-             gigabytes(r.replicas)),
-            ("headroom", f"{p.headroom:.0%}", gigabytes(r.headroom)),
-            ("total", "", gigabytes(r.total))]
+    rows: list[tuple[str, ...]] = [("own steps kept", f"{p.keep} x {_gb(r.shard)}", _gb(r.own)),
+            ("steps in flight", f"{p.in_flight} x {_gb(r.shard)}", _gb(r.in_flight)),
+            ("replicas held for others", f"{p.peer_replicas} x {p.replica_keep} x {_gb(r.shard)}",
+             _gb(r.replicas)),
+            ("headroom", f"{p.headroom:.0%}", _gb(r.headroom)),
+            ("total", "", _gb(r.total))]
     out += _table(rows)
     if plan.object_rule is not None:
         t = plan.object_rule
@@ -121,3 +121,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                         for c in sp.strategy.classes],
             "notes": list(sp.strategy.notes)})
     return out
+
+
+def _gb(n: float) -> str:
+    """Bytes in decimal units (``840.00 GB``, ``5.00 TB``), as the planner's inputs are."""
+    return size(n, si=True)

@@ -34,22 +34,22 @@ class StagingTests(TierTests):
     def test_staged_buffers_become_the_files(self, tier: Tier) -> None:
         assert isinstance(tier, Staging)
         data = {_BIN: np.random.default_rng(2).bytes(70_000), "rank_00000.0001.bin": b"\x01\x02"}
-        bufs = tier.stage(4, {n: len(b) for n, b in data.items()})
+        bufs = tier.buffers(4, {n: len(b) for n, b in data.items()})
         assert {n: (b.dtype, b.size, b.flags.writeable) for n, b in bufs.items()} == \
             {n: (np.dtype(np.uint8), len(b), True) for n, b in data.items()}
         for n, b in data.items():
             bufs[n][:] = np.frombuffer(b, dtype=np.uint8)
             memo = tier.buffer_memo(4, n)
             assert memo is None or isinstance(memo, dict)
-        tier.write_staged(4)
+        tier.persist(4)
         tier.write_marker(4, b"m")
         assert tier.committed_steps() == [4]
         assert {n: bytes(tier.read_file(4, n)) for n in data} == data
 
     def test_a_discarded_stage_leaves_nothing(self, tier: Tier) -> None:
         assert isinstance(tier, Staging)
-        tier.stage(5, {_BIN: 1000})
-        tier.discard_staged(5)
+        tier.buffers(5, {_BIN: 1000})
+        tier.discard(5)
         assert 5 not in tier.list_steps()
         tier.prepare(5, {_BIN: 1000})  # getting ready for the next save changes nothing on the tier
         tier.drop_spares()

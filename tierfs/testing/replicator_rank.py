@@ -115,7 +115,7 @@ def fetched(got: Any, want: Shard | None = None) -> dict[str, Any]:
 def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ..dist import TorchGroup
+    from ..ranks import TorchGroup
     from ..store import TieredStore
 
     dist.init_process_group("gloo")

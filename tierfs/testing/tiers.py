@@ -116,7 +116,7 @@ class TierTests:
             with pytest.raises(FormatError):
                 tier.write_file(1, bad, b"x")
             with pytest.raises(FormatError):
-                staging(tier).stage(1, {bad: 1})
+                staging(tier).buffers(1, {bad: 1})
         with pytest.raises(FormatError):
             tier.write_file(-1, "ok.bin", b"x")
 
@@ -171,10 +171,10 @@ def _fill(tier: Tier, step: int, files: dict[str, bytes]) -> None:
     """A step's files written as the store writes them: staged (in the tier's own buffers where it has
     them), then persisted."""
     stage = staging(tier)
-    bufs = stage.stage(step, {n: len(b) for n, b in files.items()})
+    bufs = stage.buffers(step, {n: len(b) for n, b in files.items()})
     for n, b in files.items():
         bufs[n][:] = np.frombuffer(b, dtype=np.uint8)
-    stage.write_staged(step)
+    stage.persist(step)
 
 
 def _state(seed: int) -> dict[str, Any]:

@@ -3,12 +3,12 @@ interfaces, :mod:`.capabilities` what only some tiers do, :mod:`.registry` the k
 (the built-in ones in :mod:`.kinds`), ``tierfs.testing`` the suites a tier passes."""
 
 from . import kinds as _kinds  # noqa: F401 - registers the built-in kinds
-from .base import Capacity, Holder, Replicator, Tier
+from .base import Capacity, AnyTier, Replicator, Tier
 from .capabilities import LocalFiles, SharedDirectory, Staging, ZeroCopy
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
 from .registry import Kind, register
 
-__all__ = ["Capacity", "Holder", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
+__all__ = ["Capacity", "AnyTier", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
            "SharedDirectory", "Staging", "Tier", "ZeroCopy", "register"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import _units
+from .. import _readable
 from ..errors import CapacityError
 from .base import Capacity
 
@@ -33,7 +33,7 @@ def full(root: Path, what: str) -> CapacityError:
     """The error of a write (``what``) that found the tmpfs of ``root`` full (no bytes or no inodes left)."""
     try:
         sv = os.statvfs(root)
-        left = f"{_units.size(sv.f_bavail * sv.f_frsize)} and {sv.f_favail} inodes free"
+        left = f"{_readable.size(sv.f_bavail * sv.f_frsize)} and {sv.f_favail} inodes free"
     except OSError:
         left = "free space unknown"
     return CapacityError(f"RAM tier {root}: out of space {what} ({left}); {FULL_ADVICE}")
@@ -43,9 +43,9 @@ def no_room(root: Path, step: int, new_bytes: int, cap: Capacity) -> CapacityErr
     """The error of a save of ``step`` that needs ``new_bytes`` more than ``cap`` has room for."""
     by_budget = cap.budget is not None and (cap.free is None or cap.budget - cap.used <= cap.free)
     return CapacityError(
-        f"RAM tier {root}: step {step} needs {_units.size(new_bytes)} more but only "
-        f"{_units.size(max(0, cap.available or 0))} is left (budget "
-        f"{'none' if cap.budget is None else _units.size(cap.budget)}, used "
-        f"{_units.size(cap.used)}, {'unknown' if cap.free is None else _units.size(cap.free)} free "
+        f"RAM tier {root}: step {step} needs {_readable.size(new_bytes)} more but only "
+        f"{_readable.size(max(0, cap.available or 0))} is left (budget "
+        f"{'none' if cap.budget is None else _readable.size(cap.budget)}, used "
+        f"{_readable.size(cap.used)}, {'unknown' if cap.free is None else _readable.size(cap.free)} free "
         f"on the tmpfs); {'raise budget= or keep fewer steps' if by_budget else FULL_ADVICE} (need about "
         f"(kept steps + 1) x step size)")

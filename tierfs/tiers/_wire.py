@@ -24,9 +24,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import _copy
-from ..dist import framed
-from ..dist.waits import said
+from .. import _blocks
+from ..ranks import framed
+from ..ranks.waits import said
 from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError
 from ..format import Entry, Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
@@ -136,7 +136,7 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
 
     A rank whose connection fails (its process ended, or it did not answer in time) drops out of the later
     steps of the round, on both sides, while the other pairs go on: every rank still reaches the caller's
-    agreement together, where the failure is raised naming that rank (:mod:`tierfs.dist.waits`)."""
+    agreement together, where the failure is raised naming that rank (:mod:`tierfs.ranks.waits`)."""
     room = wire.first - 8
     lost: dict[int, str] = {}  # peers whose connection failed, and why
 
@@ -192,7 +192,7 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
         at = cuts(m) if land and m is not None else {}
         if ok[0] and t not in lost:
             for name, f in files.items():
-                out = _copy.as_u8(f)
+                out = _blocks.as_u8(f)
                 data_out += [(t, out[a:b]) for a, b in _pieces(wire, out.size, at.get(name, ()))]
     checks = {(s, name): _FileCheck(manifests[s], name) for s in incoming if errors[s] is None for name in bufs[s]}
     data_in: list[tuple[int, str, np.ndarray, int, int]] = []  # (source, file, where, start, end)

@@ -13,7 +13,7 @@ of a node share, local files, zero-copy views) is a capability (:mod:`.capabilit
 between ranks in exchanges every rank joins (the peer tier). The store holds at most one, after the RAM
 tier, and saves to it with ``replicate`` and restores from it with ``fetch``.
 
-:class:`Holder` is what the store's bookkeeping, listing and retention use of both.
+:class:`AnyTier` is what the store's bookkeeping, listing and retention use of both.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_ch
 
 import numpy as np
 
-from .. import _args, _units
-from .._copy import as_u8
+from .. import _args, _readable
+from .._blocks import as_u8
 from ..errors import CapacityError
 from ..format import MARKER, Manifest, Marker, validate_filename
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
@@ -163,7 +163,7 @@ class Tier(ABC):
 
 
 @runtime_checkable
-class Holder(Protocol):
+class AnyTier(Protocol):
     """What the store's bookkeeping, listing and retention use of every tier, whatever its role."""
 
     name: str
@@ -186,7 +186,7 @@ class Holder(Protocol):
 #: a shard as ``fetch`` returns it to its receiver: manifest, manifest bytes, marker bytes, files
 Fetched = tuple[Manifest, bytes, bytes, dict[str, np.ndarray]]
 #: ``landing(manifest) -> {entry name: uint8 array of its length}``: where a receiver wants entries to land
-Landing = Callable[[Manifest], Mapping[str, np.ndarray]]
+ReceiveInto = Callable[[Manifest], Mapping[str, np.ndarray]]
 #: ``(source rank, receiving rank, reason)`` of a copy that failed
 FailedCopy = tuple[int, int, str]
 
@@ -197,7 +197,7 @@ class Replicator(ABC):
     step is committed in the first tier, lists what it holds with :meth:`holdings`, restores a rank's
     lost shard with :meth:`fetch` and, after a restore, gives replaced ranks their copies back.
 
-    Its own storage (the copies it keeps) is listed, deleted and retained like a tier's (:class:`Holder`).
+    Its own storage (the copies it keeps) is listed, deleted and retained like a tier's (:class:`AnyTier`).
     """
 
     kind: str = "replicator"
@@ -236,7 +236,7 @@ class Replicator(ABC):
 
     @abstractmethod
     def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",
-              landing: Landing | None = None) -> Fetched | str | None:
+              landing: ReceiveInto | None = None) -> Fetched | str | None:
         """Move shards of ``step`` from holders to the ranks that lack them (collective); ``assign`` is
         ``{rank: holder}``, the same on every rank. ``landing`` (the receiver's, optional) names arrays
         that entries go straight into: every entry it names in the returned files lands there, and its

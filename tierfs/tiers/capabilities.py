@@ -21,7 +21,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from .. import _units
+from .. import _readable
 from ..errors import CapacityError
 from ..format import validate_filename
 from .base import Tier
@@ -31,19 +31,19 @@ from .base import Tier
 class Staging(Protocol):
     """A tier that owns the buffers a save is copied into."""
 
-    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-        """Writable 1-D uint8 buffers, one per file, that :meth:`write_staged` persists. Fails
+    def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """Writable 1-D uint8 buffers, one per file, that :meth:`persist` writes under their names. Fails
         (CapacityError) before anything is written when the files would not fit."""
 
     def buffer_memo(self, step: int, name: str) -> dict[Any, Any] | None:
-        """A dict that lives as long as the buffer ``stage`` gave for file ``name`` of ``step``, where the
+        """A dict that lives as long as the buffer ``buffers`` gave for file ``name`` of ``step``, where the
         store keeps what it works out about that buffer (typed views of it) for later saves into the same
         buffer; None where buffers are not reused."""
 
-    def write_staged(self, step: int) -> None:
+    def persist(self, step: int) -> None:
         """Persist the staged buffers of ``step`` under their names."""
 
-    def discard_staged(self, step: int) -> None:
+    def discard(self, step: int) -> None:
         """Forget the staged buffers of ``step`` (a save that failed), leaving no file behind."""
 
     def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
@@ -100,12 +100,12 @@ class HeapStaging:
         self.tier = tier
         self._staged: dict[int, dict[str, np.ndarray]] = {}
 
-    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         nbytes, avail = sum(sizes.values()), self.tier.capacity().available
         if avail is not None and nbytes > avail:
             raise CapacityError(
-                f"tier {self.tier.name!r}: saving {_units.size(nbytes)} would exceed its space "
-                f"({_units.size(avail)} left); raise the budget, free space or keep fewer steps")
+                f"tier {self.tier.name!r}: saving {_readable.size(nbytes)} would exceed its space "
+                f"({_readable.size(avail)} left); raise the budget, free space or keep fewer steps")
         bufs = {validate_filename(n): np.empty(s, dtype=np.uint8) for n, s in sizes.items()}
         self._staged[step] = bufs
         return bufs
@@ -113,12 +113,12 @@ class HeapStaging:
     def buffer_memo(self, step: int, name: str) -> dict[Any, Any] | None:
         return None
 
-    def write_staged(self, step: int) -> None:
+    def persist(self, step: int) -> None:
         bufs = self._staged.pop(step, None)
         if bufs:
             self.tier.write_files(step, bufs)
 
-    def discard_staged(self, step: int) -> None:
+    def discard(self, step: int) -> None:
         self._staged.pop(step, None)
 
     def prepare(self, step: int, sizes: Mapping[str, int]) -> None:

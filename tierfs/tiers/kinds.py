@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from .._args import object_url
 from .._rootdir import check_local_url
 from ..errors import FormatError
-from .base import Holder
+from .base import AnyTier
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
@@ -30,15 +30,15 @@ def _int(entry: Entry, key: str, default: int | None) -> int | None:
     return value
 
 
-def _memory(entry: Entry, common: dict[str, Any]) -> Holder:
+def _memory(entry: Entry, common: dict[str, Any]) -> AnyTier:
     return MemoryTier(entry.path("path"), budget=_int(entry, "budget", None), **{"name": "ram", **common})
 
 
-def _memory_target(text: str, storage_options: Mapping[str, Any]) -> Holder | None:
+def _memory_target(text: str, storage_options: Mapping[str, Any]) -> AnyTier | None:
     return MemoryTier(Path(text).expanduser()) if "://" not in text and Path(text).expanduser().is_dir() else None
 
 
-def _object(entry: Entry, common: dict[str, Any]) -> Holder:
+def _object(entry: Entry, common: dict[str, Any]) -> AnyTier:
     url, options = entry.values.get("url"), entry.values.get("storage_options") or {}
     if not isinstance(url, str) or not url:
         raise FormatError(f'{entry.where}: an object tier needs "url", e.g. "s3://bucket/run"')
@@ -49,11 +49,11 @@ def _object(entry: Entry, common: dict[str, Any]) -> Holder:
     return ObjectTier(url, dict(options), **common)
 
 
-def _object_target(text: str, storage_options: Mapping[str, Any]) -> Holder | None:
+def _object_target(text: str, storage_options: Mapping[str, Any]) -> AnyTier | None:
     return ObjectTier(text, dict(storage_options)) if "://" in text else None
 
 
-def _peer(entry: Entry, common: dict[str, Any]) -> Holder:
+def _peer(entry: Entry, common: dict[str, Any]) -> AnyTier:
     strategy = entry.values.get("strategy", "ring")
     if strategy not in ("ring", "pairwise"):
         raise FormatError(f'{entry.where}: strategy must be "ring" or "pairwise", got {strategy!r}')

@@ -182,7 +182,7 @@ class MemoryTier(Tier):
         return users(self.path)
 
     # -- writing ------------------------------------------------------------------------------------
-    def stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
         while True:  # a spare set being built is what this save needs: wait for it, don't build another
             self._idle.wait()
@@ -222,7 +222,7 @@ class MemoryTier(Tier):
         b = self._bufs.get(self._file(step, name))
         return None if b is None else b.memo
 
-    def discard_staged(self, step: int) -> None:
+    def discard(self, step: int) -> None:
         """``step`` will not be committed: this process's buffers of it go back to the pool and its manifest,
         if written, is removed (the directory too once empty), so that a failed save holds no space."""
         with self._lock:
@@ -255,7 +255,7 @@ class MemoryTier(Tier):
         if cap.available is not None and new_bytes > cap.available:
             raise _room.no_room(self.path, step, new_bytes, cap)
 
-    def write_staged(self, step: int) -> None:
+    def persist(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
 
     def prepare(self, step: int, sizes: Mapping[str, int]) -> None:

@@ -30,7 +30,7 @@ import fsspec
 import numpy as np
 
 from .. import _args
-from .._copy import as_u8
+from .._blocks import as_u8
 from .._fileio import atomic_write, is_tmp_name, make_private_dir
 from .._retry import PERMANENT, retry, short
 from .._rootdir import check_local_url, check_root

@@ -34,7 +34,7 @@ from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from . import _wire
 from ._wire import Wire
-from .base import Capacity, FailedCopy, Fetched, Landing, Pace, Replicator, Tier
+from .base import Capacity, FailedCopy, Fetched, ReceiveInto, Pace, Replicator, Tier
 from .memory import MemoryTier
 
 log = logging.getLogger("tierfs")
@@ -307,7 +307,7 @@ class PeerTier(Replicator):
         def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
             m, mbytes, _ = _wire.check_header(h, step, src)
             kept = m.replica_files  # what no other node holds (check_header checked the sender offers it)
-            bufs = self.local.stage(step, kept)  # CapacityError when the RAM budget has no room
+            bufs = self.local.buffers(step, kept)  # CapacityError when the RAM budget has no room
             received[src] = mbytes
             return m, {n: bufs[n] for n in kept}, {}  # in the order the sender sends them
 
@@ -316,7 +316,7 @@ class PeerTier(Replicator):
         with operation(describe("reseed" if reseed else "replication", step, self.name)), g.bounded():
             try:
                 errors = _wire.transfer(g, sends, incoming, accept, pace, self.wire)
-                self.local.write_staged(step)  # the bytes are in the mapped files already
+                self.local.persist(step)  # the bytes are in the mapped files already
                 for s in incoming:  # manifests now; the marker only once every copy of the job is in place
                     if errors[s] is None:
                         try:
@@ -341,7 +341,7 @@ class PeerTier(Replicator):
 
     def _drop_received(self, step: int, incoming: Sequence[int], marker: bool) -> None:
         try:
-            self.local.discard_staged(step)
+            self.local.discard(step)
             for s in incoming:
                 self.local.release(step, s, marker=marker)
         except Exception as e:  # noqa: BLE001 - the step is not replicated either way; this is logged
@@ -354,7 +354,7 @@ class PeerTier(Replicator):
         return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
 
     def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",
-              landing: Landing | None = None) -> Fetched | str | None:
+              landing: ReceiveInto | None = None) -> Fetched | str | None:
         """Move shards of ``step`` from holders to the ranks that lack them (collective).
 
         ``assign`` is ``{rank: holder}``, the same on every rank. A holder sends what it keeps (or says
@@ -367,7 +367,7 @@ class PeerTier(Replicator):
         with operation(describe("fetch", step, self.name)), g.bounded():  # one deadline; waits say "fetch"
             return self._fetch(g, step, assign, landing)
 
-    def _fetch(self, g: Any, step: int, assign: Mapping[int, int], landing: Landing | None) -> Fetched | str | None:
+    def _fetch(self, g: Any, step: int, assign: Mapping[int, int], landing: ReceiveInto | None) -> Fetched | str | None:
         me = g.rank
         sends: list[_wire.Send] = []
         for q, h in sorted(assign.items()):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import FormatError
-from .base import Holder
+from .base import AnyTier
 
 #: keys every config entry may have, whatever its kind (the policies and the tier's name)
 COMMON_KEYS = frozenset({"kind", "name", "save", "keep"})
@@ -69,9 +69,9 @@ class Kind:
     name: str
     cls: type
     keys: frozenset[str]
-    build: Callable[[Entry, dict[str, Any]], Holder]
+    build: Callable[[Entry, dict[str, Any]], AnyTier]
     about: str = ""
-    target: Callable[[str, Mapping[str, Any]], Holder | None] | None = field(default=None)
+    target: Callable[[str, Mapping[str, Any]], AnyTier | None] | None = field(default=None)
 
 
 _KINDS: dict[str, Kind] = {}
@@ -97,7 +97,7 @@ def kind(name: Any, where: str) -> Kind:
     return _KINDS[name]
 
 
-def from_target(text: str, storage_options: Mapping[str, Any]) -> Holder | None:
+def from_target(text: str, storage_options: Mapping[str, Any]) -> AnyTier | None:
     """The tier a command-line TARGET names (the first kind that takes it), or None."""
     for k in _KINDS.values():
         if k.target is not None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ... import _nogc, state as st
 from ...core.layout import ReadViews
-from ...dist import agree, outcomes, ranks_failed
+from ...ranks import agree, outcomes, ranks_failed
 from ...errors import RestoreError, StateMismatchError, TierfsError
 from ...format import DCP_EXTRA_PREFIX, dcp_entry_name
 from ...store import RestoreInfo, TieredStore

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ... import _args
-from ...dist import seconds
+from ...ranks import seconds
 from ...errors import ArgumentError, FormatError, StateMismatchError, StepNotFoundError, TierfsError
 from ...store import TieredStore
 from .metadata import META_KEY, as_tensor, check_kwargs, done, metadata_from_json, parse_step

@@ -1,4 +1,4 @@
-"""What DCP's plan says of replicated items, as the store's :class:`~tierfs.core.sharing.Sharing`.
+"""What DCP's plan says of replicated items, as the store's :class:`~tierfs.core.dataparallel.Sharing`.
 
 Before DCP's deduplication each rank's local plan lists every item it holds; after it, each item
 several ranks hold is planned on one of them, chosen to spread the bytes. ``TieredWriter`` keeps the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ...core.sharing import Sharing
+from ...core.dataparallel import Sharing
 from .metadata import entry_name
 
 HELD, SHARED = "tierfs_held", "tierfs_shared"

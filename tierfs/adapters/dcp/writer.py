@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import _args, state as st
-from ...core.sharing import Sharing
-from ...dist import agree, seconds
+from ...core.dataparallel import Sharing
+from ...ranks import agree, seconds
 from ...errors import ArgumentError, FormatError, TierfsError
 from ...format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, user_key
 from ...store import TieredStore

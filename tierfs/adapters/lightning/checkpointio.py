@@ -10,10 +10,10 @@ import lightning
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ...dist.groups import SingleProcess
+from ...ranks.groups import SingleProcess
 from ...errors import ArgumentError, StepNotFoundError
 from ...store import TieredStore
-from ...tiers.base import Holder
+from ...tiers.base import AnyTier
 from . import codec
 from .common import META_KEY, norm
 
@@ -53,7 +53,7 @@ class TieredCheckpointIO(CheckpointIO):
         ``group`` is not accepted: the store is always one process (only global rank 0 saves).
     """
 
-    def __init__(self, tiers: Sequence[Holder], *, blocking: bool = False, trust_pickle: bool = False,
+    def __init__(self, tiers: Sequence[AnyTier], *, blocking: bool = False, trust_pickle: bool = False,
                  remove_from: str | Sequence[str] | None = "all", **store_options: Any) -> None:
         super().__init__()
         if "group" in store_options:

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from ... import state as st
 from ...errors import ArgumentError, StepNotFoundError, TierfsError
 from ...store import TieredStore
-from ...tiers.base import Holder
+from ...tiers.base import AnyTier
 from ..dcp import EXTRA_PREFIX, TieredReader, TieredWriter
 from ..dcp.metadata import as_tensor
 from . import codec
@@ -72,7 +72,7 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
         is True).
     """
 
-    def __init__(self, tiers: Sequence[Holder], *, blocking: bool = False, trust_pickle: bool = False,
+    def __init__(self, tiers: Sequence[AnyTier], *, blocking: bool = False, trust_pickle: bool = False,
                  remove_from: str | Sequence[str] | None = "all",
                  data_parallel_size: Union[Literal["auto"], int] = "auto",
                  tensor_parallel_size: Union[Literal["auto"], int] = "auto",

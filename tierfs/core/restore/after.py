@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ... import _copy, _units
+from ... import _blocks, _readable
 from ..._stages import stage
-from ...dist import Group
+from ...ranks import Group
 from ...errors import TierfsError
 from ...format import Marker, manifest_filename
 from ...protocol import commit
 from ...tiers.base import Replicator
-from ..parts import Parts
+from ..context import Context
 from .sinks import Shard
 from .sources import RestoreInfo
 
@@ -27,37 +27,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs")
 
 
-def localize(parts: Parts, group: Group, s: int, info: RestoreInfo, shard: Shard) -> None:
+def localize(ctx: Context, group: Group, s: int, info: RestoreInfo, shard: Shard) -> None:
     """Write this rank's shard of step ``s``, read from ``info.tier``, into the first tier; each node's owner
     commits it there once all of the node's ranks have theirs (collective over ``group``). A failure only
     costs speed: it is logged."""
-    first = parts.first
+    first = ctx.first
     wrote = False
     if info.tier != first.name:
         shard = shard.whole()
         try:
             with stage("localize", s, first.name):
-                bufs = parts.staging.stage(s, shard.manifest.files)
-                for name, data in _copy.shard_views(shard.manifest, shard.files).items():
+                bufs = ctx.staging.buffers(s, shard.manifest.files)
+                for name, data in _blocks.shard_views(shard.manifest, shard.files).items():
                     np.copyto(bufs[name], data)
-                parts.staging.write_staged(s)
-                first.write_file(s, manifest_filename(parts.group.rank), shard.mbytes)
+                ctx.staging.persist(s)
+                first.write_file(s, manifest_filename(ctx.group.rank), shard.mbytes)
             wrote = True
         except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
-            parts.staging.discard_staged(s)
+            ctx.staging.discard(s)
             log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
     wrote_by = group.all_gather(wrote)
-    if parts.ranks.owns(first) and any(wrote_by[r] for r in parts.ranks.sharing(first)):
+    if ctx.ranks.owns(first) and any(wrote_by[r] for r in ctx.ranks.sharing(first)):
         marker = Marker.from_bytes(shard.marker)
         try:
-            commit(first, s, shard.marker, parts.ranks.expected_manifests(first, marker))
+            commit(first, s, shard.marker, ctx.ranks.expected_manifests(first, marker))
         except (TierfsError, OSError) as e:
             log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
     group.barrier()
-    parts.refresh()
+    ctx.refresh()
 
 
-def reseed(parts: Parts, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:
+def reseed(ctx: Context, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:
     """After restoring the newest step ``s``, give ranks that lost their replicas the copies they kept for
     others again: in the background, on the replicator's copy worker (every rank submits it here, in the
     same order), so the restore returns as soon as the state is in place."""
@@ -66,30 +66,30 @@ def reseed(parts: Parts, rep: Replicator, s: int, plan: RestorePlan, shard: Shar
     pairs = plan.lost_replicas(s, rep.targets)
     if not pairs:
         return
-    if any(r == parts.group.rank for r, _ in pairs):
+    if any(r == ctx.group.rank for r, _ in pairs):
         shard = shard.whole()  # the arrays it landed in are the caller's once the restore returns
     log.info("step %d: re-seeding %d peer copies in the background", s, len(pairs))
-    parts.ledger.pin(parts.first.name, s)  # the shard this rank sends stays until it is sent
-    parts.work.copies[rep.name].submit(lambda: _send_replicas(parts, rep, s, pairs, shard))
+    ctx.ledger.pin(ctx.first.name, s)  # the shard this rank sends stays until it is sent
+    ctx.work.copies[rep.name].submit(lambda: _send_replicas(ctx, rep, s, pairs, shard))
 
 
-def _send_replicas(parts: Parts, rep: Replicator, s: int, pairs: list[tuple[int, int]], shard: Shard) -> None:
+def _send_replicas(ctx: Context, rep: Replicator, s: int, pairs: list[tuple[int, int]], shard: Shard) -> None:
     t0 = time.perf_counter()
     try:
         error = None
         try:
             with stage("reseed", s, rep.name):  # this rank's part: its shard, as read, is what it sends
-                _copy.shard_views(shard.manifest, shard.files)
+                _blocks.shard_views(shard.manifest, shard.files)
                 files = {n: shard.files[n] for n in shard.manifest.replica_files}
         except (TierfsError, OSError, ValueError, KeyError) as e:
             error, files = f"{type(e).__name__}: {e}", {}  # still take part: the receivers refuse
-        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=parts.work.pace(s, rep.name),
+        failed = rep.replicate(s, shard.marker, shard.mbytes, files, pairs=pairs, pace=ctx.work.pace(s, rep.name),
                                error=error)
     finally:
-        parts.ledger.unpin(parts.first.name, s)
+        ctx.ledger.unpin(ctx.first.name, s)
     if failed:
         log.warning("step %d: re-seeding %d peer copies failed (e.g. %s)", s, len(failed), failed[0])
         return
     if rep.holdings().get(s):
-        parts.ledger.stored(rep.name, s)
-    log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _units.duration(time.perf_counter() - t0))
+        ctx.ledger.stored(rep.name, s)
+    log.info("step %d: re-seeded %d peer copies in %s", s, len(pairs), _readable.duration(time.perf_counter() - t0))

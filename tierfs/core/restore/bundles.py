@@ -1,6 +1,6 @@
 """Completing shards that lack bundles: ranks send each other the entries they share.
 
-A shared tier stores a bundle (entries several ranks hold identically, :mod:`.sharing`) only in its
+A shared tier stores a bundle (entries several ranks hold identically, :mod:`..dataparallel`) only in its
 owner's shard, and a peer keeps a replica only of what no other node holds. After a restore's first
 round (own tiers, peers, the tiers after them) a rank's shard may therefore lack bundles, which
 :func:`complete` moves between ranks (collective): each bundle from its owner when the owner holds its own
@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ... import _copy, _units
+from ... import _blocks, _readable
 from ...format import Entry, Manifest
 from ...tiers import _wire
-from ...tiers.base import Landing
-from ..sharing import by_bundle, group_key
+from ...tiers.base import ReceiveInto
+from ..dataparallel import by_bundle, group_key
 
 log = logging.getLogger("tierfs")
 
@@ -63,7 +63,7 @@ def _key(manifest: Manifest, b: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any], status: Sequence[int],
-             pace: Any = None, wire: _wire.Wire = _wire.Wire(), landing: Landing | None = None) -> str | None:
+             pace: Any = None, wire: _wire.Wire = _wire.Wire(), landing: ReceiveInto | None = None) -> str | None:
     """This rank's part of completing every rank's shard (collective; ``status``: every rank's
     :func:`holds`, the same on every rank). Missing files of this rank's shard are allocated in ``files``
     and filled, except the entries ``landing(manifest)`` names: they land straight in its arrays (and
@@ -74,7 +74,7 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
     want: dict[int, list[_Item]] = {}
     missing = None
     if manifest is not None:
-        raw = {n: _copy.as_u8(f) for n, f in files.items()}
+        raw = {n: _blocks.as_u8(f) for n, f in files.items()}
         members = by_bundle(manifest.entries, manifest.bundles)
         for b, ents in zip(manifest.bundles, members):
             owner, group = b["owner"], manifest.groups[b["group"]]
@@ -120,7 +120,7 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
         return "; ".join(bad)
     if want:
         got = sum(int(v.size) for items in want.values() for _, views, _, _ in items for v in views)
-        log.info("step %d: received %s of shared entries from ranks %s", step, _units.Bytes(got), sorted(want))
+        log.info("step %d: received %s of shared entries from ranks %s", step, _readable.Bytes(got), sorted(want))
     return missing
 
 

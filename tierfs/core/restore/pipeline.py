@@ -28,12 +28,12 @@ from typing import Callable, Sequence
 
 from ..._stages import operation, stage
 from ..._worker import Detached
-from ...dist import Group, agree
+from ...ranks import Group, agree
 from ...errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StateMismatchError,
                        StepNotFoundError, TierfsError)
 from ...protocol import common_steps
-from ...tiers.base import Holder
-from ..parts import Parts
+from ...tiers.base import AnyTier
+from ..context import Context
 from .after import localize, reseed
 from .bundles import WHOLE, holds
 from .sinks import Landing, Shard, Sink
@@ -47,24 +47,24 @@ log = logging.getLogger("tierfs")
 class Restore:
     """One restore (collective): ``run`` picks the step and fills ``sink`` (None: verify only)."""
 
-    def __init__(self, parts: Parts, usable: Sequence[Holder], sink: Sink | None,
+    def __init__(self, ctx: Context, usable: Sequence[AnyTier], sink: Sink | None,
                  check: Callable[[], None] = lambda: None, timeout: float | None = None) -> None:
-        self.parts, self.sink, self.check = parts, sink, check
+        self.ctx, self.sink, self.check = ctx, sink, check
         # this restore's collectives wait at most ``timeout`` (peer transfers: the store's timeout)
         self.timeout = timeout
-        self.base = parts.group if timeout is None else parts.group.with_timeout(timeout)
+        self.base = ctx.group if timeout is None else ctx.group.with_timeout(timeout)
         self.usable = list(usable)
-        before, rep, after = parts.roles(self.usable)
+        before, rep, after = ctx.roles(self.usable)
         # the sources, in order: this rank's own tiers, the replicator (peers), the tiers after it
-        self.own, self.later = TierSource(parts, before), TierSource(parts, after)
+        self.own, self.later = TierSource(ctx, before), TierSource(ctx, after)
         self.replicator = rep
-        self.peers = Peers(parts, rep) if rep is not None else None
-        self.bundles = Bundles(parts, rep)
+        self.peers = Peers(ctx, rep) if rep is not None else None
+        self.bundles = Bundles(ctx, rep)
         self.skipped: Skipped = []
 
     def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
         with operation("restore"):  # what a wait outside a stage says it waited in
-            plan = gather_plan(self.parts, self.usable, self.check, self.base)
+            plan = gather_plan(self.ctx, self.usable, self.check, self.base)
         names = [t.name for t in self.usable]
         leave = self.sink is not None and not adopt  # localize: every rank's first tier before returning
         for s in plan.steps(step, names):
@@ -74,11 +74,11 @@ class Restore:
                 if sending is not None and a.got is not None:  # in place: the rest goes on in the background
                     log.info("step %d is in place on this rank (%s); sending it on and agreeing go on in the "
                              "background", s, a.got[0])
-                    self.parts.ledger.pin(self.parts.first.name, s)  # the RAM copy it sends from stays
+                    self.ctx.ledger.pin(self.ctx.first.name, s)  # the RAM copy it sends from stays
                     self._restored(a, names, step is None)
                     info = a.got[0]
                     info.skipped = list(info.skipped)  # the caller's: the background part goes on with its own
-                    self.parts.work.restores.submit(functools.partial(self._settle, a, sending))
+                    self.ctx.work.restores.submit(functools.partial(self._settle, a, sending))
                     return info
                 if self._agreed(a, left=False):
                     self._restored(a, names, step is None)
@@ -92,7 +92,7 @@ class Restore:
         ranks share, then the tiers after the replicator. Returns ``sending`` (with ``leave``) when this
         rank's verified copy is in its target while ranks lacking the step in RAM still receive: the
         caller may return, and :meth:`_settle` goes on."""
-        mine = a.step in a.plan.fast[self.parts.group.rank]
+        mine = a.step in a.plan.fast[self.ctx.group.rank]
         early = [a.step not in fast for fast in a.plan.fast] if self.peers is not None else []
         if any(early):  # ranks whose RAM lacks the step fetch it first; the others read theirs meanwhile
             assert self.replicator is not None and self.peers is not None
@@ -162,7 +162,7 @@ class Restore:
         """The attempt's step is the one restored: the job goes on from it (the ledger notes it for the
         timeline rule); when it was to be the newest, the newer steps held by only some ranks, passed over,
         are in ``skipped``, naming the ranks that lack them."""
-        self.parts.ledger.restore_of(a.step)
+        self.ctx.ledger.restore_of(a.step)
         passed = a.plan.passed_over(a.step) if newest else []
         for x, lacking in passed:
             self.skipped.append((",".join(names), x, f"held by only some ranks: rank(s) {lacking[:8]} cannot get it"))
@@ -189,7 +189,7 @@ class Restore:
             raise RestoreIncompleteError(f"step {a.step}: this rank restored it and returned, but the restore did "
                                          f"not finish on every rank ({type(e).__name__}: {e}); restart the job") from e
         finally:
-            self.parts.ledger.unpin(self.parts.first.name, a.step)
+            self.ctx.ledger.unpin(self.ctx.first.name, a.step)
 
     def _finish(self, a: Attempt, *, adopt: bool) -> RestoreInfo:
         assert a.got is not None
@@ -200,9 +200,9 @@ class Restore:
                                        "nbytes": info.nbytes, "seconds": info.seconds})
         log.info("restored %s", info)
         if adopt:
-            localize(self.parts, g, a.step, info, shard)
+            localize(self.ctx, g, a.step, info, shard)
         if self.replicator is not None:
-            reseed(self.parts, self.replicator, a.step, a.plan, shard)
+            reseed(self.ctx, self.replicator, a.step, a.plan, shard)
         return info
 
 
@@ -277,7 +277,7 @@ def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLost
         "removing the tiers' directories", steps=sorted(every), lacking=lacking)
 
 
-def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None] = lambda: None,
+def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], None] = lambda: None,
                 group: Group | None = None) -> RestorePlan:
     """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
     ``check()`` runs first (the store raises background failures there); a rank that fails makes every
@@ -286,15 +286,15 @@ def gather_plan(parts: Parts, usable: Sequence[Holder], check: Callable[[], None
     try:
         with stage("planning"):
             check()
-            parts.refresh()
-            before, rep, after = parts.roles(usable)
-            local = {t.name: parts.ledger.holding(t.name) for t in before + after}
+            ctx.refresh()
+            before, rep, after = ctx.roles(usable)
+            local = {t.name: ctx.ledger.holding(t.name) for t in before + after}
             held = rep.holdings() if rep is not None else {}
             view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
                     sorted(set().union(*(local[t.name] for t in before)))]
     except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
         failure = e
-    views = agree(group or parts.group, view, failure, "restore", outcome="nothing restored", classify=error_kind)
+    views = agree(group or ctx.group, view, failure, "restore", outcome="nothing restored", classify=error_kind)
     holders: dict[tuple[int, int], list[int]] = {}
     for h, (_, kept, _) in enumerate(views):
         for s, r in kept:

@@ -18,14 +18,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ... import _copy, _hooks, _nogc, state as st
+from ... import _blocks, _hooks, _nogc, state as st
 from ...errors import StateMismatchError, TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands
 from ...tiers.base import Tier
 from ...tiers.capabilities import Staging, ZeroCopy
 from ..layout import DIRECT_MAX, ReadViews, describe
-from ..sharing import by_bundle
+from ..dataparallel import by_bundle
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Shard:
         (for sending it on, while the restore still owns those arrays)."""
         if not self.landed:
             return self
-        raw = {n: _copy.as_u8(f) for n, f in self.files.items()}
+        raw = {n: _blocks.as_u8(f) for n, f in self.files.items()}
         for e in self.manifest.entries:
             v = self.landed.get(e.name)
             if v is not None:
@@ -340,13 +340,13 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
     manifest = shard.manifest
     if sink is None:
         if not verified:
-            _copy.verify(manifest, shard.files, threads)
+            _blocks.verify(manifest, shard.files, threads)
         return
     sink.reset()  # what an earlier source delivered before it failed, or an older attempt's values
     sink.check(manifest)
-    raw = _copy.shard_views(manifest, shard.files)
+    raw = _blocks.shard_views(manifest, shard.files)
     landed = shard.landed
-    jobs: list[_copy.Job] = []
+    jobs: list[_blocks.Job] = []
     views = ReadViews.of(manifest)
     targets: list[Any] = []
     sources: list[Any] = []
@@ -380,13 +380,13 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
         dst = None if target is not None else sink.array(e, src, tier, step)
         if verified and dst is None:
             continue  # nothing to check, nothing to copy here (a direct target's copy comes below)
-        jobs.append(_copy.Job(e.name, src, dst, manifest.block_size, None if verified else e.crc32c,
+        jobs.append(_blocks.Job(e.name, src, dst, manifest.block_size, None if verified else e.crc32c,
                               functools.partial(manifest.key, e.name)))
     if not verified:
-        _copy.verify_small([_copy.Job(e.name, src, None, manifest.block_size, e.crc32c,
+        _blocks.verify_small([_blocks.Job(e.name, src, None, manifest.block_size, e.crc32c,
                                       functools.partial(manifest.key, e.name)) for e, src in small]
                            if _hooks.active("block") else small, manifest)
-    _copy.run(jobs, threads, checksum=not verified)
+    _blocks.run(jobs, threads, checksum=not verified)
     if targets:
         sink.copy_direct(targets, sources)
     sink.finish()

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ... import _copy, _units
+from ... import _blocks, _readable
 from ..._stages import stage
-from ...dist import Group
+from ...ranks import Group
 from ...errors import ArgumentError, StateMismatchError, TierfsError
 from ...format import MARKER, Marker
 from ...protocol import checked_manifest
@@ -32,7 +32,7 @@ from ...tiers.base import Replicator, Tier
 from ...tiers.capabilities import ZeroCopy
 from ...tiers.peer import plan_fetch
 from ..layout import ReadViews
-from ..parts import Parts
+from ..context import Context
 from .bundles import NONE, OWNED, UNIQUE, WHOLE, complete, holds
 from .sinks import Landing, Shard, Sink, fill
 
@@ -73,8 +73,8 @@ class RestoreInfo:
     def __str__(self) -> str:
         s = f"step {self.step} from tier {self.tier!r}"
         s += f" (rank {self.peer})" if self.peer is not None else ""
-        s += f": {_units.size(self.nbytes)} in {_units.duration(self.seconds)}"
-        s += f" ({_units.rate(self.nbytes, self.seconds)})" if self.seconds > 0 else ""
+        s += f": {_readable.size(self.nbytes)} in {_readable.duration(self.seconds)}"
+        s += f" ({_readable.rate(self.nbytes, self.seconds)})" if self.seconds > 0 else ""
         for tier, step, why in self.skipped:
             s += f"; skipped {tier!r} step {step}: {why}"
         return s
@@ -136,7 +136,7 @@ class _Files(Mapping[str, Any]):
         return len(self.names)
 
 
-def read_shard(parts: Parts, tier: Tier, step: int, rank: int, sink: Sink | None) -> Shard:
+def read_shard(ctx: Context, tier: Tier, step: int, rank: int, sink: Sink | None) -> Shard:
     """Rank ``rank``'s shard of ``step`` from ``tier``, verified and delivered to ``sink``.
 
     A shared tier holds the entries several ranks share only in their owner's shard
@@ -144,7 +144,7 @@ def read_shard(parts: Parts, tier: Tier, step: int, rank: int, sink: Sink | None
     there verified, and is delivered to no sink (:class:`Bundles` completes it from other ranks); a partial
     sink (``read_entries``) gets the others' names in ``sink.away``, by owner, to read from the owners'
     shards."""
-    with parts.ledger.pinned(tier.name, step), stage("read", step, tier.name):
+    with ctx.ledger.pinned(tier.name, step), stage("read", step, tier.name):
         marker = bytes(tier.read_file(step, MARKER))
         manifest, mbytes = checked_manifest(tier, step, rank, Marker.from_bytes(marker))
         if sink is not None:
@@ -158,9 +158,9 @@ def read_shard(parts: Parts, tier: Tier, step: int, rank: int, sink: Sink | None
             names = sorted({e.file for e in manifest.entries if e.kind == "array" and e.name in sink.wanted})
         shard = Shard(manifest, mbytes, marker, tier.read_files(step, names) if names else {})
         if not whole and (sink is None or not sink.partial):
-            _copy.verify(manifest.subset(names), shard.files, parts.threads)
+            _blocks.verify(manifest.subset(names), shard.files, ctx.threads)
             return shard
-        fill(tier, step, shard, sink, parts.threads)
+        fill(tier, step, shard, sink, ctx.threads)
         return shard
 
 
@@ -193,17 +193,17 @@ def first_verified(tiers: Sequence[Tier], step: int, read: Callable[[Tier], T], 
 class TierSource:
     """This rank's shard from the first of its file ``tiers`` (fastest first) holding a copy that verifies."""
 
-    def __init__(self, parts: Parts, tiers: Sequence[Tier]) -> None:
-        self.parts, self.tiers = parts, list(tiers)
+    def __init__(self, ctx: Context, tiers: Sequence[Tier]) -> None:
+        self.ctx, self.tiers = ctx, list(tiers)
 
     def __call__(self, a: Attempt) -> None:
         if not a.open:
             return
-        rank = self.parts.group.rank
+        rank = self.ctx.group.rank
 
         def read(t: Tier) -> tuple[Shard, float]:
             t0 = time.perf_counter()
-            return read_shard(self.parts, t, a.step, rank, a.sink), time.perf_counter() - t0
+            return read_shard(self.ctx, t, a.step, rank, a.sink), time.perf_counter() - t0
         try:
             found = first_verified([t for t in self.tiers if a.step in a.plan.local[t.name]], a.step, read, a.skipped)
         except Exception as e:  # noqa: BLE001 - a mismatch, or a failure filling the target: raised by all
@@ -219,7 +219,7 @@ class TierSource:
         for t in self.tiers:
             if a.step in a.plan.local[t.name]:
                 try:
-                    shard = open_shard(t, a.step, self.parts.group.rank)
+                    shard = open_shard(t, a.step, self.ctx.group.rank)
                     return shard if holds(shard.manifest, shard.files) == WHOLE else None
                 except UNUSABLE as e:
                     log.info("tier %s step %d: sending nothing from this rank's copy (%s)", t.name, a.step, e)
@@ -231,8 +231,8 @@ class TierSource:
 class Peers:
     """Ranks still without their shard get it from a peer keeping a replica; every rank takes part."""
 
-    def __init__(self, parts: Parts, rep: Replicator) -> None:
-        self.parts, self.rep = parts, rep
+    def __init__(self, ctx: Context, rep: Replicator) -> None:
+        self.ctx, self.rep = ctx, rep
 
     def __call__(self, a: Attempt, needs: list[bool] | None = None) -> None:
         """``needs``: the ranks fetching (the same on every rank; default: each says whether it is open).
@@ -246,7 +246,7 @@ class Peers:
             if not assign:
                 return
             t0 = time.perf_counter()
-            with self.parts.ledger.pinned(rep.name, s):  # retention must not delete what a holder sends
+            with self.ctx.ledger.pinned(rep.name, s):  # retention must not delete what a holder sends
                 res = rep.fetch(s, assign, landing=a.landing)
             if isinstance(res, tuple):
                 manifest, mbytes, marker, files = res
@@ -277,7 +277,7 @@ class Peers:
                     holds(a.got[1].manifest, a.got[1].files) == WHOLE:
                 try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
                     # it landed; a failure now is the target's (else completed from other ranks first)
-                    fill(None, s, a.got[1], a.sink, self.parts.threads, verified=True)
+                    fill(None, s, a.got[1], a.sink, self.ctx.threads, verified=True)
                     a.got[0].seconds = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - raised by all ranks
                     a.got, a.mismatch = None, e
@@ -304,8 +304,8 @@ class Bundles:
     """Ranks whose shard lacks the entries they share with others (a peer's replica, a shared tier's copy)
     get them from the ranks holding them (:mod:`.bundles`); every rank takes part, then fills its target."""
 
-    def __init__(self, parts: Parts, rep: Replicator | None) -> None:
-        self.parts, self.rep = parts, rep
+    def __init__(self, ctx: Context, rep: Replicator | None) -> None:
+        self.ctx, self.rep = ctx, rep
 
     def __call__(self, a: Attempt, serve: Shard | None = None) -> None:
         """``serve``: a rank still reading its own copy sends from it as it is (:meth:`TierSource.unverified`)."""
@@ -331,7 +331,7 @@ class Bundles:
                           a.landing.landed(shard, set(files) - set(shard.files)))
             try:
                 # every block was checked: where it was read (a tier, a peer's replica) or as it landed
-                fill(None, a.step, shard, a.sink, self.parts.threads, verified=True)
+                fill(None, a.step, shard, a.sink, self.ctx.threads, verified=True)
                 info.seconds += time.perf_counter() - t0
                 a.got = (info, shard)
                 return

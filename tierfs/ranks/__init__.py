@@ -1,5 +1,5 @@
-"""Who else is saving: the ranks of the job (:mod:`~tierfs.dist.groups`), agreeing or raising across them
-(:mod:`~tierfs.dist.agree`), and which of them share a RAM directory (:mod:`~tierfs.dist.nodes`)."""
+"""Who else is saving: the ranks of the job (:mod:`~tierfs.ranks.groups`), agreeing or raising across them
+(:mod:`~tierfs.ranks.agree`), and which of them share a RAM directory (:mod:`~tierfs.ranks.nodes`)."""
 
 from .agree import agree, agreement, outcomes, ranks_failed
 from .groups import (DEFAULT_TIMEOUT, GATHER_WIDTH, Group, SingleProcess, TorchGroup, default_group, env_node_rank,

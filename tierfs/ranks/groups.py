@@ -6,7 +6,7 @@ gets its own group (``fork``), so collectives from different threads never inter
 
 Every wait is a point-to-point operation with one rank, collectives included (an all-gather is one
 message to and from every other rank), and the waits of one operation share one deadline, the group's
-``timeout`` (:mod:`tierfs.dist.waits`): a rank that does not arrive in time, or whose process is gone
+``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in time, or whose process is gone
 (noticed as soon as its connections drop), makes the waiting rank raise
 :class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
 ranks it waited for in vain. No transfer outlives the call that started it: each one is waited for, to
@@ -15,7 +15,7 @@ its end or its failure, so nothing of tierfs's is left in flight when the interp
 A node is a failure domain: the ranks on one machine. Its number comes from ``TIERFS_NODE_RANK``, else
 torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
 node by setting ``TIERFS_NODE_RANK`` to the rank. Which ranks share a RAM directory is observed when a
-store opens (:mod:`tierfs.dist.nodes`), not assumed from the node number.
+store opens (:mod:`tierfs.ranks.nodes`), not assumed from the node number.
 
 Bulk bytes (the peer tier's replicas) move point to point with ``exchange``: numpy buffers wrapped as
 tensors without a copy, every receive posted before any send so a ring of ranks cannot deadlock.
@@ -152,7 +152,7 @@ class TorchGroup:
 
     def bounded(self) -> ContextManager[Operation]:
         """Run a block as one operation: its waits on this thread share one deadline, this group's timeout
-        from now (see :mod:`tierfs.dist.waits`)."""
+        from now (see :mod:`tierfs.ranks.waits`)."""
         return waits.bounded(self.timeout)
 
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],

@@ -1,7 +1,7 @@
 """Waits on other ranks: one deadline per operation, and exactly which ranks failed.
 
 Every wait of tierfs on another rank is a point-to-point operation with that rank (collectives too are
-built of them, see :mod:`tierfs.dist.groups`), so a wait that fails names the rank it waited for, and only
+built of them, see :mod:`tierfs.ranks.groups`), so a wait that fails names the rank it waited for, and only
 that rank. A rank's process that ends closes its connections, and every operation on them fails at once:
 a dead rank is noticed as soon as its connections drop, by every rank (a collective touches every pair),
 never at the timeout.

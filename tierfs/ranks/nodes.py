@@ -20,7 +20,7 @@ from .agree import agree
 from .groups import Group
 
 
-class Layout:
+class NodeMap:
     """The ranks sharing each node-local tier's storage, and every rank's identities (for checks)."""
 
     def __init__(self, rank: int, views: Sequence[dict[str, list[Any]]]) -> None:
@@ -53,7 +53,7 @@ class Layout:
                         "share it the same node number, or give each rank a directory of its own")
 
 
-def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> Layout:
+def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> NodeMap:
     """Every rank's identities of its node-local tiers' storage, ``{tier: [identity, location]}`` as
     ``identities()`` gives them (collective; a rank that cannot read its own raises, and the others raise
     naming it)."""
@@ -63,4 +63,4 @@ def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> Lay
         mine = identities()
     except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
         failure = e
-    return Layout(group.rank, agree(group, mine, failure, "open the store: which ranks share a directory"))
+    return NodeMap(group.rank, agree(group, mine, failure, "open the store: which ranks share a directory"))

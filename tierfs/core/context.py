@@ -1,9 +1,9 @@
-"""What a store's save path, restore path and retention share: :class:`Parts`.
+"""What a store's save path, restore path and retention share: :class:`Context`.
 
 The tiers in their roles (the first tier, the slower file tiers, the replicator) and the ledger of what
 they hold are here; who the ranks are and what they share is :class:`~.ownership.Ownership`
-(``parts.ranks``), the background workers and their failures :class:`~.background.Background`
-(``parts.work``).
+(``ctx.ranks``), the background workers and their failures :class:`~.background.Background`
+(``ctx.work``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .. import _args
 from ..errors import ArgumentError
-from ..tiers.base import Holder, Replicator, Tier
+from ..tiers.base import AnyTier, Replicator, Tier
 from ..tiers.capabilities import Staging, staging
 from .background import Background
 from .ledger import StepLedger
 from .ownership import Ownership
 
 if TYPE_CHECKING:
-    from ..dist import Group
+    from ..ranks import Group
 
 log = logging.getLogger("tierfs")
 
 
-def check_tiers(tiers: Iterable[Holder]) -> tuple[list[Holder], list[Replicator]]:
+def check_tiers(tiers: Iterable[AnyTier]) -> tuple[list[AnyTier], list[Replicator]]:
     """A store's tiers, checked: a non-empty list of tiers with unique names, the first holding files, at
     most one replicator. Returns them as a list, and the replicators."""
     if isinstance(tiers, (str, bytes, Tier, Replicator)) or not isinstance(tiers, Iterable):
@@ -49,10 +49,10 @@ def check_tiers(tiers: Iterable[Holder]) -> tuple[list[Holder], list[Replicator]
 
 
 @dataclass
-class Parts:
+class Context:
     """Everything a store's paths share (built when the store opens, :mod:`tierfs._lifecycle`)."""
 
-    tiers: list[Holder]  # every tier, fastest first: the first is a file tier
+    tiers: list[AnyTier]  # every tier, fastest first: the first is a file tier
     ledger: StepLedger
     ranks: Ownership  # who the ranks are, who owns what
     work: Background  # the background workers, their groups and failures
@@ -77,7 +77,7 @@ class Parts:
         """The job's ranks (the store's group)."""
         return self.ranks.group
 
-    def roles(self, tiers: Sequence[Holder]) -> tuple[list[Tier], Replicator | None, list[Tier]]:
+    def roles(self, tiers: Sequence[AnyTier]) -> tuple[list[Tier], Replicator | None, list[Tier]]:
         """``tiers`` in their roles: the file tiers before the replicator, the replicator (None when it is
         not among them), the file tiers after it."""
         rep = self.replicator if self.replicator in tiers else None
@@ -90,13 +90,13 @@ class Parts:
         """The tiers' names, fastest first."""
         return [t.name for t in self.tiers]
 
-    def tier(self, name: str) -> Holder:
+    def tier(self, name: str) -> AnyTier:
         for t in self.tiers:
             if t.name == name:
                 return t
         raise ArgumentError(f"no tier named {name!r}; the tiers are {self.names}")
 
-    def usable(self, names: Sequence[str] | None) -> list[Holder]:
+    def usable(self, names: Sequence[str] | None) -> list[AnyTier]:
         """The named tiers in the order given (default: all, fastest first)."""
         return list(self.tiers) if names is None else [self.tier(n) for n in dict.fromkeys(names)]
 
