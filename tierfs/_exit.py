@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered first, so it runs after ours
 import logging
-import math
 import os
 import signal
 import sys

@@ -47,6 +47,18 @@ def local_dirs(tier: AnyTier) -> list[Path]:
     return tier.local_dirs() if isinstance(tier, LocalFiles) else []
 
 
+def remove_uncommitted(ctx: Context) -> None:
+    """Remove the steps without a marker an interrupted save left on the tiers this rank owns (collective:
+    every rank waits for the others before the store lists its tiers)."""
+    for t in ctx.tiers:
+        if ctx.ranks.owns(t):
+            for s, ok in t.list_steps().items():
+                if not ok:
+                    log.info("tier %s: removing uncommitted step %d left by an interrupted save", t.name, s)
+                    t.delete_step(s)
+    ctx.group.barrier()
+
+
 class Opening:
     """A store's constructor's tiers and directories, undone by :meth:`undo` when it fails."""
 

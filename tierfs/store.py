@@ -1,17 +1,10 @@
 """TieredStore: one checkpoint store over several tiers, fastest first.
 
-The store is a facade over a few parts, one concept each (``tierfs/core/``):
-
-- :mod:`~tierfs.core.saving`: stage into the first tier, commit (marker last, once every rank's shard is
-  written), hand on to the slower tiers in the background;
-- :mod:`~tierfs.core.restore`: one gather, a plan of what every rank can get, each rank's shard from the
-  fastest source holding a verified copy, all ranks falling back to an older step together;
-- :mod:`~tierfs.core.reads`: reads of any rank's shard without collectives (DCP's reader, the tools);
-- :mod:`~tierfs.core.retention`: what each tier's keep policy deletes;
-- :mod:`~tierfs.core.ledger`: what this process knows of every step, behind one lock.
-
-The commit protocol's checks and copies (a manifest checked against its marker, a verified copy with the
-marker last) live in :mod:`tierfs.protocol`, agreeing across ranks in :func:`tierfs.ranks.agree`.
+A facade over ``tierfs/core/``, one concept per module: :mod:`~tierfs.core.saving` (stage, commit, hand
+on), :mod:`~tierfs.core.restore` (the restore pipeline), :mod:`~tierfs.core.reads` (reads without
+collectives), :mod:`~tierfs.core.retention`, :mod:`~tierfs.core.ledger` (what this process knows of every
+step). The commit protocol's steps live in :mod:`tierfs.protocol`, agreeing across ranks in
+:func:`tierfs.ranks.agree`.
 """
 
 from __future__ import annotations
@@ -25,17 +18,17 @@ from . import _args, _exit, _lifecycle, state as st
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
+from ._storereads import ShardReads
 from .core.reads import Reader
 from .core.restore.pipeline import Restore, RestoreInfo, lost_steps
 from .core.restore.sinks import InPlace, NewArrays
-from .core.restore.sources import Skipped
 from .core.retention import Retention
 from .core.saving import SavePath
 from .ranks import Group, default_group, seconds
 from .errors import ArgumentError, TierfsError
-from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, Entry, Manifest, Marker
+from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE
 from .protocol import common_steps
-from .tiers.base import AnyTier, Replicator, Tier
+from .tiers.base import AnyTier, Replicator
 
 __all__ = ["DEFAULT_BACKGROUND_BANDWIDTH", "RestoreInfo", "TieredStore"]
 
@@ -46,7 +39,7 @@ def _seconds_or_none(timeout: float | datetime.timedelta | None) -> float | None
     return None if timeout is None else seconds(timeout)
 
 
-class TieredStore:
+class TieredStore(ShardReads):
     """A checkpoint store over ``tiers``, given fastest first (e.g. RAM, then object storage).
 
     Parameters
@@ -127,7 +120,7 @@ class TieredStore:
             self._retention = Retention(self._ctx, self._reader)
             self._saving = SavePath(self._ctx, self._retention)
             if cleanup:
-                self._cleanup_uncommitted()
+                _lifecycle.remove_uncommitted(self._ctx)
             self.refresh()
             if cleanup:  # a store that saves: the copies a process ended before making
                 catch_up(self._ctx, self._saving)
@@ -155,15 +148,6 @@ class TieredStore:
     def refresh(self) -> None:
         """Re-list every tier (steps written by other processes become visible)."""
         self._ctx.refresh()
-
-    def _cleanup_uncommitted(self) -> None:
-        for t in self.tiers:
-            if self._ctx.ranks.owns(t):
-                for s, ok in t.list_steps().items():
-                    if not ok:
-                        log.info("tier %s: removing uncommitted step %d left by an interrupted save", t.name, s)
-                        t.delete_step(s)
-        self.group.barrier()
 
     def steps(self) -> dict[int, list[str]]:
         """``{step: [names of tiers holding a committed copy]}``, newest last."""
@@ -368,48 +352,6 @@ class TieredStore:
         :class:`~tierfs.adapters.dcp.TieredReader`): the next save supersedes steps from there, as after a
         restore of it (see the timeline rule in the manager's guide). Every rank of the job calls it."""
         self._ctx.ledger.restore_of(_args.step(step))
-
-    # -- reading any rank's shard (no collectives: for adapters such as DCP that reshard) -----------
-    def read_marker(self, step: int, *, tiers: Sequence[str] | None = None) -> Marker:
-        """The commit marker of ``step`` from the fastest tier holding a readable one."""
-        return self._reader.read_marker(_args.step(step), _args.names(tiers, "tiers", self._ctx.names))
-
-    def read_manifest(self, step: int, rank: int, *, tiers: Sequence[str] | None = None
-                      ) -> tuple[Manifest, str]:
-        """Any rank's manifest of ``step``, checked against the marker, from the fastest tier holding it.
-
-        Returns ``(manifest, tier name)``. Needs no collective (any rank may call it alone). The manifest is
-        parsed once per step and shared by every later read of it: treat it as read-only.
-        """
-        return self._reader.read_manifest(_args.step(step), _args.integer(rank, "rank", 0),
-                                          _args.names(tiers, "tiers", self._ctx.names))
-
-    def read_entries(self, step: int, rank: int, names: Sequence[str] | None = None, *,
-                     tiers: Sequence[str] | None = None,
-                     consume: Callable[[Mapping[str, tuple[Entry, Any]], str], None]) -> tuple[str, Skipped]:
-        """Read entries of any rank's shard of ``step`` from the fastest tier whose copy verifies.
-
-        For each tier holding the step, fastest first: check the manifest against the marker, read the
-        needed shard files (RAM: mapped views, no copy), verify every block of the wanted entries, then
-        call ``consume({name: (entry, value)}, tier_name)`` while the tier's files are pinned. ``value``
-        is a read-only 1-D uint8 array for array entries (valid only during the call: copy out of it) and
-        the JSON value for json entries. A tier that fails before ``consume`` is called is skipped and the
-        next one tried. Returns ``(tier name, skipped)`` with ``skipped`` as in :class:`RestoreInfo`.
-        Needs no collective (any rank may read any rank's shard, e.g. to reshard).
-        """
-        return self._reader.read_entries(_args.step(step), _args.integer(rank, "rank", 0), names,
-                                         _args.names(tiers, "tiers", self._ctx.names), consume)
-
-    def manifest(self, step: int) -> Manifest:
-        """This rank's manifest of ``step`` (metadata, metrics, entries), from the first tier holding it."""
-        return self.read_manifest(step, self.group.rank)[0]
-
-    def verify(self, step: int, tier: str) -> Manifest:
-        """Check every checksum of this rank's copy of ``step`` on ``tier``; raise on the first problem."""
-        step, t = _args.step(step), self.tier(_args.name(tier, "tier"))
-        if not isinstance(t, Tier):
-            raise TierfsError(f"tier {tier!r} keeps other ranks' copies; verify a tier that holds files")
-        return self._reader.verify(step, t)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def _check_open(self) -> None:

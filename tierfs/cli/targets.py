@@ -15,7 +15,7 @@ from typing import Any
 from .. import _args
 from .._rootdir import check_local_url
 from .. import config
-from ..errors import FormatError, TierUnavailableError
+from ..errors import TierUnavailableError
 from ..tiers import registry
 from ..tiers.base import Tier
 from . import UsageError

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from .. import _readable
 from ..errors import CapacityError
+from ._mapped import Pool
 from .base import Capacity
 
 FULL_ADVICE = "free memory on its tmpfs (other files or processes use it) or keep fewer steps"
@@ -49,3 +51,17 @@ def no_room(root: Path, step: int, new_bytes: int, cap: Capacity) -> CapacityErr
         f"{_readable.size(cap.used)}, {'unknown' if cap.free is None else _readable.size(cap.free)} free "
         f"on the tmpfs); {'raise budget= or keep fewer steps' if by_budget else FULL_ADVICE} (need about "
         f"(kept steps + 1) x step size)")
+
+
+def make_room(root: Path, space: Callable[[], Capacity], pool: Pool, step: int, new_bytes: int,
+              keep: set[int]) -> None:
+    """Raise CapacityError unless ``new_bytes`` more fit in the tier at ``root`` (``space()``: its
+    capacity now); the ``pool``'s buffers not in ``keep`` (ids) are reclaimable space and go first."""
+    cap = space()
+    if cap.available is None or new_bytes <= cap.available:
+        return
+    for b in [b for b in pool.files if id(b) not in keep]:
+        pool.drop(b)
+    cap = space()
+    if cap.available is not None and new_bytes > cap.available:
+        raise no_room(root, step, new_bytes, cap)

@@ -25,10 +25,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_ch
 
 import numpy as np
 
-from .. import _args, _readable
+from .. import _args
 from .._blocks import as_u8
-from ..errors import CapacityError
-from ..format import MARKER, Manifest, Marker, validate_filename
+from ..format import MARKER, Manifest, Marker
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
 
 #: ``pace(nbytes)``: called before bytes move (a bandwidth throttle)

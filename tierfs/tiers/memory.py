@@ -199,7 +199,8 @@ class MemoryTier(Tier):
         self._pool.limit = max(self._pool.limit, sum(sizes.values()))
         plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
-        self._make_room(step, new_bytes, keep={id(b) for b in plan.values() if b is not None})
+        _room.make_room(self.path, self.capacity, self._pool, step, new_bytes,
+                        {id(b) for b in plan.values() if b is not None})
         d = self._dir(step)
         out: dict[str, np.ndarray] = {}
         try:
@@ -242,18 +243,6 @@ class MemoryTier(Tier):
             os.rmdir(self._dir(step))
         except OSError:  # gone already, or another rank's files are in it
             pass
-
-    def _make_room(self, step: int, new_bytes: int, keep: set[int]) -> None:
-        """Raise CapacityError unless ``new_bytes`` more fit; pooled buffers not in ``keep`` (ids) are
-        reclaimable space and go first."""
-        cap = self.capacity()
-        if cap.available is None or new_bytes <= cap.available:
-            return
-        for b in [b for b in self._pool.files if id(b) not in keep]:
-            self._pool.drop(b)
-        cap = self.capacity()
-        if cap.available is not None and new_bytes > cap.available:
-            raise _room.no_room(self.path, step, new_bytes, cap)
 
     def persist(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files

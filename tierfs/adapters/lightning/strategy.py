@@ -32,7 +32,7 @@ from ..dcp import EXTRA_PREFIX, TieredReader, TieredWriter
 from ..dcp.metadata import as_tensor
 from . import codec
 from .checkpointio import TieredCheckpointIO
-from .common import META_KEY, norm
+from .common import norm
 
 log = logging.getLogger("tierfs")
 

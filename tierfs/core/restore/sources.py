@@ -30,7 +30,7 @@ from ...format import MARKER, Marker
 from ...protocol import checked_manifest
 from ...tiers.base import Replicator, Tier
 from ...tiers.capabilities import ZeroCopy
-from ...tiers.peer import plan_fetch
+from ...tiers.placement import plan_fetch
 from ..layout import ReadViews
 from ..context import Context
 from .bundles import NONE, OWNED, UNIQUE, WHOLE, complete, holds
