@@ -231,7 +231,7 @@ class SavePath:
         p, first = self.ctx, self.ctx.first
         step, rank = staged.step, p.group.rank
         try:
-            with agreement(group, f"commit step {step}", outcome="not committed") as vote:
+            with agreement(group, f"commit step {step}", outcome="not committed", gather=True) as vote:
                 try:
                     with _nogc.paused():
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)

@@ -7,7 +7,7 @@ in the collective that the healthy ranks were going to do anyway.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import _stages, errors as _errors
 from .groups import Group
@@ -52,16 +52,55 @@ def agree(group: Group, mine: Any = None, failure: BaseException | None = None, 
     return [v[1] for v in views]
 
 
-def ranks_failed(what: str, failed: dict[int, tuple[str, str, str | None]], outcome: str = ""
-                 ) -> _errors.TierfsError:
+def check(group: Group, failure: BaseException | None = None, what: str = "", *,
+          classify: Classify | None = None, outcome: str = "", mins: Sequence[int] = (),
+          maxes: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Whether every rank got through a step; if any did not, raise on every rank (collective), as
+    :func:`agree` does, but in the same few bytes per rank whatever the job's size: one all-reduce of the
+    lowest and highest failed rank (and of ``mins`` and ``maxes``, reduced element by element with it), and
+    only when a rank failed, a broadcast of that rank's reason. Returns the reduced ``mins`` and ``maxes``.
+    The error names the lowest rank that failed (and the highest, when more did)."""
+    n, me = group.world_size, group.rank
+    if n == 1:
+        if failure is not None:
+            raise failure
+        return list(mins), list(maxes)
+    failed = failure is not None
+    vec = [me if failed else n, -(me if failed else -1), *mins, *(-int(v) for v in maxes)]
+    with _stages.waiting(what or "agreeing with the other ranks"):
+        out = group.all_reduce(vec, "min")
+        first, last = out[0], -out[1]
+        if first < n:  # the lowest failed rank's reason, told to every rank
+            mine = _payload(failure, classify) if me == first else None
+            info = group.broadcast(mine, first)
+    if first < n:
+        if failure is not None:
+            raise failure
+        raise ranks_failed(what, {first: (info[0], info[1], info[2])}, outcome, last=last)
+    k = len(mins)
+    return out[2:2 + k], [-v for v in out[2 + k:]]
+
+
+def _payload(failure: BaseException | None, classify: Classify | None) -> list[Any]:
+    """``[kind, reason, stage]`` of a rank's failure, as other ranks name it."""
+    assert failure is not None
+    kind = (classify or (lambda e: _errors.TierfsError))(failure)
+    return [kind.__name__, f"{type(failure).__name__}: {failure}", _stages.of(failure)]
+
+
+def ranks_failed(what: str, failed: dict[int, tuple[str, str, str | None]], outcome: str = "",
+                 last: int | None = None) -> _errors.TierfsError:
     """The error a rank raises when other ranks failed: ``{rank: (kind, reason, stage)}`` as
-    :func:`outcomes` gives them; of the class the first failed rank's kind names (a tierfs error class)."""
+    :func:`outcomes` gives them; of the class the first failed rank's kind names (a tierfs error class).
+    ``last``: the highest rank that failed, where only the first's reason is known (:func:`check`)."""
     first = min(failed)
     kind, why, where = failed[first]
     cls = getattr(_errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, _errors.TierfsError)):
         cls = _errors.TierfsError
     more = f" (and rank(s) {sorted(failed)[1:]})" if len(failed) > 1 else ""
+    if last is not None and last > max(failed):
+        more = f" (and other ranks, up to rank {last})"
     at = f" in {where}" if where else ""
     tail = f"; {outcome}" if outcome else ""
     err = cls(f"{what}: rank {first} failed{at}{more}: {why}{tail}")
@@ -70,24 +109,37 @@ def ranks_failed(what: str, failed: dict[int, tuple[str, str, str | None]], outc
 
 
 class agreement:
-    """``agree`` around a block: ``with agreement(group, "commit step 3") as vote: ...; vote.mine = x``.
+    """:func:`check` around a block: ``with agreement(group, "commit step 3") as vote: ...``.
 
     On leaving the block every rank learns whether every rank got through it; a rank whose block raised
-    raises it again, the others raise as :func:`agree` does. ``vote.results`` holds every rank's ``mine``.
+    raises it again, the others raise as :func:`check` does. The block may set ``vote.mins`` and
+    ``vote.maxes`` (integers, the same length on every rank): reduced over the ranks in the same
+    all-reduce, in ``vote.min`` and ``vote.max``. With ``gather=True`` it is :func:`agree` instead, and
+    ``vote.results`` holds every rank's ``vote.mine`` (bytes per rank that grow with the job: only where
+    every rank's value is needed).
     """
 
-    def __init__(self, group: Group, what: str, *, outcome: str = "", classify: Classify | None = None) -> None:
-        self.group, self.what, self.outcome, self.classify = group, what, outcome, classify
+    def __init__(self, group: Group, what: str, *, outcome: str = "", classify: Classify | None = None,
+                 gather: bool = False) -> None:
+        self.group, self.what, self.outcome, self.classify, self.gather = group, what, outcome, classify, gather
         self.mine: Any = None
         self.results: list[Any] = []
+        self.mins: Sequence[int] = ()
+        self.maxes: Sequence[int] = ()
+        self.min: list[int] = []
+        self.max: list[int] = []
 
     def __enter__(self) -> "agreement":
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
-            self.results = agree(self.group, self.mine, exc, self.what, classify=self.classify,
-                                 outcome=self.outcome)
+            if self.gather:
+                self.results = agree(self.group, self.mine, exc, self.what, classify=self.classify,
+                                     outcome=self.outcome)
+            else:
+                self.min, self.max = check(self.group, exc, self.what, classify=self.classify,
+                                           outcome=self.outcome, mins=self.mins, maxes=self.maxes)
         except BaseException as e:
             if e is exc:
                 return  # the block's own exception goes on as it was

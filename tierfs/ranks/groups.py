@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import threading
@@ -35,7 +36,7 @@ import numpy as np
 
 from .. import _stages
 from ..errors import ArgumentError
-from . import waits
+from . import collectives, waits
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -78,6 +79,12 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
+    def all_reduce(self, values: Sequence[int], op: str = "min") -> list[int]:
+        return [int(v) for v in values]
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return obj
+
     def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1,
              timeout: float | datetime.timedelta | None = None) -> "SingleProcess":
         return self
@@ -104,8 +111,9 @@ class TorchGroup:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.timeout = seconds(timeout)
-        self._pg = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=self.timeout))
+        self._pg = _new_group(dist, backend, self.timeout)
         self._lanes = [self._pg]
+        self._probe, self._probe_tag = _probe(dist, backend, self.timeout)  # who failed, when a collective did
         self._state: dict[str, str] = {}  # "closed": why this rank's connections on the group were closed
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
@@ -133,9 +141,9 @@ class TorchGroup:
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
         twin._state = {}
         before = _tasks() if nice else set()
-        limit = datetime.timedelta(seconds=twin.timeout)
-        twin._lanes = [self._dist.new_group(backend=twin._backend, timeout=limit) for _ in range(max(1, int(lanes)))]
+        twin._lanes = [_new_group(self._dist, twin._backend, twin.timeout) for _ in range(max(1, int(lanes)))]
         twin._pg = twin._lanes[0]
+        twin._probe, twin._probe_tag = _probe(self._dist, twin._backend, twin.timeout)
         for tid in (_tasks() - before) if nice else ():
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -256,13 +264,50 @@ class TorchGroup:
                 for r, n in enumerate(sizes)]
 
     def barrier(self) -> None:
-        """Wait until every rank got here (one round of messages with every other rank)."""
-        self.all_gather(None)
+        """Wait until every rank got here (an all-reduce of one number)."""
+        self.all_reduce([0])
+
+    def all_reduce(self, values: Sequence[int], op: str = "min") -> list[int]:
+        """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), the
+        same few bytes per rank whatever the job's size (:func:`~tierfs.ranks.collectives.all_reduce`)."""
+        return collectives.all_reduce(self, values, op)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` (JSON) on every rank (:func:`~tierfs.ranks.collectives.broadcast`)."""
+        return collectives.broadcast(self, obj, src)
 
     @property
     def process_group(self) -> Any:
         """The torch.distributed process group of tierfs's collectives (e.g. for ``dcp.save``)."""
         return self._pg
+
+
+def _new_group(dist: Any, backend: str, timeout: float) -> Any:
+    """A new group of every rank (collective), its connections made when first used (gloo's lazy
+    initialisation): a collective over it connects each rank to its two neighbours of a ring, a transfer
+    the two ranks that exchange, so the sockets a rank holds do not grow with the job."""
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+
+
+_PROBES: dict[str, Any] = {}  # backend -> the process's group for finding out who failed (made once)
+_TAGS = itertools.count()  # groups are made in the same order on every rank: the same tag everywhere
+
+
+def _probe(dist: Any, backend: str, timeout: float) -> tuple[Any, int]:
+    """The group a failed collective finds out on which ranks failed (one per process, made with the first
+    group, collective then; its connections made only when a collective fails), and a tag of this group's
+    own on it."""
+    if backend not in _PROBES:
+        _PROBES[backend] = _new_group(dist, backend, timeout)
+    return _PROBES[backend], next(_TAGS)
 
 
 def seconds(timeout: float | datetime.timedelta | None) -> float:
