@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
-from ..ranks import Group, agree, agreement, seconds
+from ..ranks import Group, agree, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import Manifest, Marker, crc32c, manifest_filename
 from ..policies import SaveContext, StepInfo
@@ -56,6 +56,19 @@ class Staged:
         """The manifest (built off the caller's thread), without checksums."""
         return self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
                                     self.metrics)
+
+
+class _Vote:
+    """This rank's part of the agreement before a save, as integers reduced over the ranks in one all-reduce
+    (:func:`~tierfs.ranks.check`): rank 0's choice of tiers (``mins``: 1 chosen, 0 not; other ranks 2), the
+    tiers holding the step already on any rank and whether any rank knows steps the save may supersede
+    (``maxes``). ``view`` is this rank's :func:`.timeline.view`."""
+
+    def __init__(self, names: list[str], chosen: list[str], holders: list[str], view: list[list[int]],
+                 rank: int) -> None:
+        self.view = view
+        self.mins = [int(n in chosen) if rank == 0 else 2 for n in names]
+        self.maxes = [int(n in holders) for n in names] + [len(view[0]), len(view[1])]
 
 
 def _declaration(replicated: Any) -> Any:
@@ -114,15 +127,18 @@ class SavePath:
                                      max_in_flight, when_busy)
             if p.ledger.busy(step):
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
-            mine = [[t.name for t in chosen], p.ledger.holders(step),
-                    *timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored)]
-        except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
+            mine = _Vote(p.names, [t.name for t in chosen], p.ledger.holders(step),
+                         timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored), p.group.rank)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by check
             failure = e
         group = p.group if wait is None else p.group.with_timeout(wait)
         commit_group = p.work.commit_group if wait is None else p.work.commit_group.with_timeout(wait)
-        views = agree(group, mine, failure, f"save step {step}", outcome="nothing saved")
-        chosen = [p.tier(n) for n in views[0][0]]  # every rank does what rank 0 decided (clocks and RAM differ)
-        holders = sorted({n for v in views for n in v[1]})
+        vote = mine or _Vote(p.names, [], [], [[], []], p.group.rank)
+        mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
+                            maxes=vote.maxes)
+        # every rank does what rank 0 decided (clocks and RAM differ); any rank's copies count
+        chosen = [t for t, flag in zip(p.tiers, mins) if flag == 1]
+        holders = [t.name for t, flag in zip(p.tiers, maxes) if flag]
         if not chosen:
             return False
         first = p.first
@@ -135,7 +151,8 @@ class SavePath:
             if holders and not overwrite:
                 raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                       "replace it or save a new step")
-            stale = timeline.superseded([v[2:] for v in views], step, restored)
+            # the steps of a run gone back from: rare, so every rank's view is gathered only then
+            stale = timeline.superseded(group.all_gather(vote.view), step, restored) if any(maxes[-2:]) else []
             if holders or stale:
                 p.work.finish()
                 self._supersede(step, stale, restored)
