@@ -931,26 +931,22 @@ def analyse(by_n: Mapping[int, Counts], op: str, lo: int = 4, hi: int = 64) -> l
 
 def summary(by_n: Mapping[int, Counts], ops: Sequence[str]) -> list[str]:
     """One table of the figures that grow, every operation."""
-    lines = ["| operation | figure (per rank) | at N=4 (med; r0) | at N=64 (med; r0) | growth (med; r0) | "
+    rows = [(op, row) for op in ops for row in analyse(by_n, op)]
+    lo, hi = (rows[0][1]["lo"], rows[0][1]["hi"]) if rows else (4, 64)
+    lines = [f"| operation | figure (per rank) | at N={lo} (med; r0) | at N={hi} (med; r0) | growth (med; r0) | "
              "fit a + b*N (median) | at 1,024 (med; r0) | at 8,192 (med; r0) |", "|" + "---|" * 8]
-    any_row = False
-    for op in ops:
-        for row in analyse(by_n, op):
-            if not row["grows"]:
-                continue
-            any_row = True
-            lo, hi = row["per"][row["lo"]], row["per"][row["hi"]]
-            a, b = row["fit"]
-            lines.append(f"| {op} | {row['figure']} | {num(lo['median'])}; {num(lo['rank0'])} | "
-                         f"{num(hi['median'])}; {num(hi['rank0'])} | {ratio(row['growth'])}; "
-                         f"{ratio(row['growth_rank0'])} | {num(a)} + {b:.4g}*N | {num(row['at'][1024])}; "
-                         f"{num(row['at_rank0'][1024])} | {num(row['at'][8192])}; {num(row['at_rank0'][8192])} |")
-    if not any_row:
+    grows = [(op, row) for op, row in rows if row["grows"]]
+    for op, row in grows:
+        p_lo, p_hi = row["per"][row["lo"]], row["per"][row["hi"]]
+        a, b = row["fit"]
+        lines.append(f"| {op} | {row['figure']} | {num(p_lo['median'])}; {num(p_lo['rank0'])} | "
+                     f"{num(p_hi['median'])}; {num(p_hi['rank0'])} | {ratio(row['growth'])}; "
+                     f"{ratio(row['growth_rank0'])} | {num(a)} + {b:.4g}*N | {num(row['at'][1024])}; "
+                     f"{num(row['at_rank0'][1024])} | {num(row['at'][8192])}; {num(row['at_rank0'][8192])} |")
+    if not grows:
         lines.append("| (none) | | | | | | | |")
-    ns = sorted(by_n)
-    if ns and (4 not in ns or 64 not in ns):
-        lines.append("")
-        lines.append(f"(N=4 and N=64 read as the smallest and largest N measured: {ns[0]} and {ns[-1]})")
+    if (lo, hi) != (4, 64):
+        lines += ["", f"(growth from N={lo} to N={hi}: the sizes measured do not include both 4 and 64)"]
     return lines
 
 
@@ -1057,9 +1053,12 @@ def compare(base: Mapping[int, Counts], new: Mapping[int, Counts], ops: Sequence
     """Markdown: each figure's median per rank (and rank 0) at every N both runs measured, before -> after,
     and each run's growth from 4 to 64; only figures that differ somewhere."""
     ns = sorted(set(base) & set(new))
+    if not ns:
+        return "## Against the baseline\n\n(no size measured in both)\n"
+    lo, hi = (4 if 4 in ns and 4 < ns[-1] else ns[0]), (64 if 64 in ns else ns[-1])
     lines = ["## Against the baseline", "",
-             "| operation | figure | " + " | ".join(f"N={n} (med; r0)" for n in ns)
-             + " | growth 4->64, baseline -> now |", "|" + "---|" * (len(ns) + 3)]
+             "| operation | figure | " + " | ".join(f"N={n} (med; r0), baseline -> now" for n in ns)
+             + f" | growth {lo}->{hi} (median), baseline -> now |", "|" + "---|" * (len(ns) + 3)]
     for op in ops:
         rows_b = {r["figure"]: r for r in analyse({n: base[n] for n in ns}, op)}
         rows_n = {r["figure"]: r for r in analyse({n: new[n] for n in ns}, op)}
