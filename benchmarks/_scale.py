@@ -985,6 +985,10 @@ def report(by_n: Mapping[int, Counts], ops: Sequence[str], details: Mapping[int,
     tierfs call site. ``details``: per N, :func:`aggregate_details` of ``measure``'s ``detail``."""
     ns = sorted(by_n)
     lines = ["## Figures that grow more than 1.2x from 4 to 64 ranks", ""] + summary(by_n, ops) + [""]
+    unparsed = sorted({n for n in ns for c in by_n[n].values() for figs in c.values() if figs.get("store_unparsed")})
+    if unparsed:
+        lines += [f"WARNING: at N={unparsed}, TCPStore requests the proxy could not follow (a torch whose store "
+                  "protocol differs from STORE_COMMANDS): the store figures are too low.", ""]
     for op in ops:
         rows = analyse(by_n, op)
         if not rows:
