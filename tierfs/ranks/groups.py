@@ -4,13 +4,15 @@ Without torch.distributed (or with one process) everything is local. Under torch
 groups of its own, so it never queues behind the training job's NCCL work; each of the store's threads
 gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
 
-Every wait is a point-to-point operation with one rank, collectives included (an all-gather is one
-message to and from every other rank), and the waits of one operation share one deadline, the group's
-``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in time, or whose process is gone
-(noticed as soon as its connections drop), makes the waiting rank raise
-:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
-ranks it waited for in vain. No transfer outlives the call that started it: each one is waited for, to
-its end or its failure, so nothing of tierfs's is left in flight when the interpreter exits.
+The all-reduce and the broadcast are gloo's (:mod:`tierfs.ranks.collectives`), over connections made when
+first used; the all-gather (what every rank needs of every other, O(N) by nature) and bulk transfers are
+point to point. The waits of one operation share one deadline, the group's ``timeout``
+(:mod:`tierfs.ranks.waits`): a rank that does not arrive in time, or whose process is gone (noticed as
+soon as its connections drop), makes the waiting rank raise :class:`~tierfs.errors.RankWaitError` naming
+the stage it was in (:mod:`tierfs._stages`) and exactly the ranks that made it fail (a point-to-point
+wait names its peer, a collective finds them out through :mod:`tierfs.ranks.diagnosis`). No transfer
+outlives the call that started it: each one is waited for, to its end or its failure, so nothing of
+tierfs's is left in flight when the interpreter exits.
 
 A node is a failure domain: the ranks on one machine. Its number comes from ``TIERFS_NODE_RANK``, else
 torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import json
 import os
 import threading
@@ -36,7 +37,7 @@ import numpy as np
 
 from .. import _stages
 from ..errors import ArgumentError
-from . import collectives, waits
+from . import collectives, diagnosis, waits
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -113,8 +114,8 @@ class TorchGroup:
         self.timeout = seconds(timeout)
         self._pg = _new_group(dist, backend, self.timeout)
         self._lanes = [self._pg]
-        self._probe, self._probe_tag = _probe(dist, backend, self.timeout)  # who failed, when a collective did
         self._state: dict[str, str] = {}  # "closed": why this rank's connections on the group were closed
+        self._named()
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
@@ -143,13 +144,20 @@ class TorchGroup:
         before = _tasks() if nice else set()
         twin._lanes = [_new_group(self._dist, twin._backend, twin.timeout) for _ in range(max(1, int(lanes)))]
         twin._pg = twin._lanes[0]
-        twin._probe, twin._probe_tag = _probe(self._dist, twin._backend, twin.timeout)
+        twin._named()
         for tid in (_tasks() - before) if nice else ():
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
             except OSError:
                 pass
         return twin
+
+    def _named(self) -> None:
+        """Number the group's collectives from here on, under a name of the group's own that every rank
+        shares (collective): a failed collective's diagnosis is kept in the job's store under both."""
+        self._calls = [0]
+        self._job = 0
+        self._job = diagnosis.job_id(self)
 
     def with_timeout(self, timeout: float | datetime.timedelta | None) -> "TorchGroup":
         """The same group (the same connections, no collective) whose waits last at most ``timeout``."""
@@ -295,19 +303,6 @@ def _new_group(dist: Any, backend: str, timeout: float) -> Any:
             os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
         else:
             os.environ["TORCH_GLOO_LAZY_INIT"] = before
-
-
-_PROBES: dict[str, Any] = {}  # backend -> the process's group for finding out who failed (made once)
-_TAGS = itertools.count()  # groups are made in the same order on every rank: the same tag everywhere
-
-
-def _probe(dist: Any, backend: str, timeout: float) -> tuple[Any, int]:
-    """The group a failed collective finds out on which ranks failed (one per process, made with the first
-    group, collective then; its connections made only when a collective fails), and a tag of this group's
-    own on it."""
-    if backend not in _PROBES:
-        _PROBES[backend] = _new_group(dist, backend, timeout)
-    return _PROBES[backend], next(_TAGS)
 
 
 def seconds(timeout: float | datetime.timedelta | None) -> float:

@@ -1,10 +1,9 @@
 """Waits on other ranks: one deadline per operation, and exactly which ranks failed.
 
-Every wait of tierfs on another rank is a point-to-point operation with that rank (collectives too are
-built of them, see :mod:`tierfs.ranks.groups`), so a wait that fails names the rank it waited for, and only
-that rank. A rank's process that ends closes its connections, and every operation on them fails at once:
-a dead rank is noticed as soon as its connections drop, by every rank (a collective touches every pair),
-never at the timeout.
+A point-to-point wait of tierfs on another rank (a transfer, an all-gather) names that rank, and only
+that rank, when it fails; a failed collective finds out which ranks made it fail
+(:mod:`tierfs.ranks.diagnosis`). A rank's process that ends closes its connections, and every operation
+on them fails at once: a dead rank is noticed as soon as its connections drop, never at the timeout.
 
 An *operation* (``with bounded(timeout):`` — a collective, a transfer of several rounds, a background
 copy) gives all its waits one deadline, ``timeout`` after it began, so that a sequence of waits never adds
