@@ -53,7 +53,9 @@ def _manifest(**changes) -> bytes:
         for p in parents:
             obj = obj[int(p)] if p.isdigit() else obj[p]
         obj[last] = value
-    return json.dumps(d).encode()
+    d.pop("self_crc32c", None)  # the manifest's own checksum (its last field), made again over the changes
+    body = json.dumps(d, separators=(",", ":")).encode()
+    return body[:-1] + b',"self_crc32c":' + str(crc32c(body)).encode() + b"}"
 
 
 def test_manifest_round_trip():

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Callable, Iterable, Mapping, Sequence
 
 from . import _blocks
-from .errors import FormatError, StepNotFoundError
-from .format import MARKER, Manifest, Marker, listed_in, manifest_filename, manifest_from_marker
+from .errors import ChecksumError, FormatError, StepNotFoundError
+from .format import (MARKER, Manifest, Marker, crc32c, listed_in, manifest_filename, manifest_from_marker,
+                     step_digest)
 from .tiers.base import Tier
 
 #: bytes read at once while copying or checking a step: bounds memory, keeps object transfers concurrent
@@ -64,6 +65,9 @@ def step_manifests(tier: Tier, step: int) -> tuple[bytes, Marker, list[tuple[str
             raise FormatError(f"{name} of step {step} is missing on tier {tier.name!r} (a node-local tier holds "
                               "only its node's ranks: copy from a shared tier)") from None
         out.append((name, mbytes, m))
+    if marker.digest is not None and step_digest({r: crc32c(mb) for r, (_, mb, _) in enumerate(out)}) != marker.digest:
+        raise ChecksumError(f"the manifests of step {step} on tier {tier.name!r} are not the set its commit marker "
+                            "was written for")
     return raw, marker, out
 
 

@@ -37,7 +37,7 @@ import torch
 
 from tierfs import CheckpointManager
 from tierfs.cli.inspect import verify_step
-from tierfs.format import MARKER, parse_step_dirname
+from tierfs.format import MARKER, Marker, parse_step_dirname
 from tierfs.policies import FixedIntervalPolicy, LatestN, RestorePolicy
 from tierfs.testing import assert_states_equal, hooks
 from tierfs.tiers import MemoryTier, ObjectTier
@@ -103,7 +103,7 @@ def junk(root: str, allowed_top: set[str]) -> list[str]:
             found.append(f"{name}/ (empty)" if os.path.isdir(p) and not os.listdir(p) else name)
             continue
         with open(os.path.join(p, MARKER), "rb") as f:
-            manifests = set(json.load(f)["manifests"])
+            manifests = set(Marker.from_bytes(f.read()).manifests)
         files = set(os.listdir(p)) - manifests - {MARKER}
         for m in manifests:
             with open(os.path.join(p, m), "rb") as f:

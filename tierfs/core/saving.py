@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ import numpy as np
 
 from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
-from ..ranks import Group, agree, agreement, check, seconds
+from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
-from ..format import Manifest, Marker, crc32c, manifest_filename
+from ..format import Manifest, Marker, crc32c, manifest_digest, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
 from ..tiers.base import AnyTier, Replicator, Tier
@@ -51,23 +52,29 @@ class Staged:
     metrics: dict[str, Any]
     buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
     tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
+    commit: str | None = None  # the save's id (in its marker and manifest)
 
     def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
         """The manifest (built off the caller's thread), without checksums."""
-        return self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
-                                    self.metrics)
+        m = self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
+                                 self.metrics)
+        m.commit = self.commit
+        return m
 
 
 class _Vote:
     """This rank's part of the agreement before a save, as integers reduced over the ranks in one all-reduce
     (:func:`~tierfs.ranks.check`): rank 0's choice of tiers (``mins``: 1 chosen, 0 not; other ranks 2), the
     tiers holding the step already on any rank and whether any rank knows steps the save may supersede
-    (``maxes``). ``view`` is this rank's :func:`.timeline.view`."""
+    (``maxes``), and rank 0's id of the save (the last of ``mins``). ``view`` is this rank's
+    :func:`.timeline.view`."""
 
     def __init__(self, names: list[str], chosen: list[str], holders: list[str], view: list[list[int]],
                  rank: int) -> None:
         self.view = view
-        self.mins = [int(n in chosen) if rank == 0 else 2 for n in names]
+        # the id of the save (in its marker and every manifest): rank 0's, the others' the largest number
+        nonce = secrets.randbits(62) if rank == 0 else (1 << 63) - 1
+        self.mins = [int(n in chosen) if rank == 0 else 2 for n in names] + [nonce]
         self.maxes = [int(n in holders) for n in names] + [len(view[0]), len(view[1])]
 
 
@@ -138,6 +145,7 @@ class SavePath:
                             maxes=vote.maxes)
         # every rank does what rank 0 decided (clocks and RAM differ); any rank's copies count
         chosen = [t for t, flag in zip(p.tiers, mins) if flag == 1]
+        commit_id = f"{mins[-1]:016x}"
         holders = [t.name for t, flag in zip(p.tiers, maxes) if flag]
         if not chosen:
             return False
@@ -160,12 +168,12 @@ class SavePath:
                     self.retention.delete(p.tier(name), step)
             with stage("staging", step, first.name), _nogc.paused():
                 staged = self._stage(step, layout, values, metadata, metrics)
-            staged.tiers = [t.name for t in chosen]
+            staged.tiers, staged.commit = [t.name for t in chosen], commit_id
         except BaseException as e:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
                     try:
-                        agree(commit_group, None, e, f"commit step {step}", outcome="not committed")
+                        check(commit_group, e, f"commit step {step}", outcome="not committed", maxes=[0])
                     except BaseException:  # noqa: BLE001 - already raised to the caller
                         pass
                 p.work.commits.submit(abort)
@@ -248,7 +256,10 @@ class SavePath:
         p, first = self.ctx, self.ctx.first
         step, rank = staged.step, p.group.rank
         try:
-            with agreement(group, f"commit step {step}", outcome="not committed", gather=True) as vote:
+            # every rank's manifest is written: in one all-reduce (sums in a second), whatever the job's size;
+            # only data-parallel bundles' digests are compared rank by rank (maxes: whether any rank has some)
+            with agreement(group, f"commit step {step}", outcome="not committed") as vote:
+                vote.maxes = [0]  # the same length on every rank, a rank that fails included
                 try:
                     with _nogc.paused():
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)
@@ -266,14 +277,15 @@ class SavePath:
                         check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
                     held = digests([[manifest.entries[i] for i in m] for m in staged.layout.members],
                                    manifest.bundles, manifest.groups) if manifest.bundles else []
-                    vote.mine = [manifest_filename(rank), crc32c(mbytes), manifest.nbytes, held]
+                    vote.maxes = [int(bool(held))]
+                    vote.sums = [manifest.nbytes, *manifest_digest(rank, crc32c(mbytes))]
                 except BaseException:
                     p.staging.discard(step)
                     raise
-            votes = vote.results
-            check_digests(step, [v[3] for v in votes])  # on every rank alike: all raise, or none
-            marker = Marker(step, manifest.world_size, {v[0]: v[1] for v in votes}, nbytes=sum(v[2] for v in votes),
-                            tiers=staged.tiers)
+            if vote.max[0]:  # on every rank alike: all raise, or none
+                check_digests(step, group.all_gather(held))
+            marker = Marker(step, manifest.world_size, nbytes=vote.sums[0], tiers=staged.tiers,
+                            commit=staged.commit, digest=vote.sums[1:])
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)

@@ -54,12 +54,14 @@ def agree(group: Group, mine: Any = None, failure: BaseException | None = None, 
 
 def check(group: Group, failure: BaseException | None = None, what: str = "", *,
           classify: Classify | None = None, outcome: str = "", mins: Sequence[int] = (),
-          maxes: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+          maxes: Sequence[int] = (), sums: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     """Whether every rank got through a step; if any did not, raise on every rank (collective), as
     :func:`agree` does, but in the same few bytes per rank whatever the job's size: one all-reduce of the
     lowest and highest failed rank (and of ``mins`` and ``maxes``, reduced element by element with it), and
-    only when a rank failed, a broadcast of that rank's reason. Returns the reduced ``mins`` and ``maxes``.
-    The error names the lowest rank that failed (and the highest, when more did)."""
+    only when a rank failed, a broadcast of that rank's reason. Returns the reduced ``mins`` and ``maxes``;
+    ``sums`` (a list, the same length on every rank) are summed over the ranks in place, in a second
+    all-reduce, once every rank got through. The error names the lowest rank that failed (and the highest,
+    when more did)."""
     n, me = group.world_size, group.rank
     if n == 1:
         if failure is not None:
@@ -77,6 +79,9 @@ def check(group: Group, failure: BaseException | None = None, what: str = "", *,
         if failure is not None:
             raise failure
         raise ranks_failed(what, {first: (info[0], info[1], info[2])}, outcome, last=last)
+    if sums:
+        with _stages.waiting(what or "agreeing with the other ranks"):
+            sums[:] = group.all_reduce(sums, "sum")  # type: ignore[index]
     k = len(mins)
     return out[2:2 + k], [-v for v in out[2 + k:]]
 
@@ -114,8 +119,9 @@ class agreement:
     On leaving the block every rank learns whether every rank got through it; a rank whose block raised
     raises it again, the others raise as :func:`check` does. The block may set ``vote.mins`` and
     ``vote.maxes`` (integers, the same length on every rank): reduced over the ranks in the same
-    all-reduce, in ``vote.min`` and ``vote.max``. With ``gather=True`` it is :func:`agree` instead, and
-    ``vote.results`` holds every rank's ``vote.mine`` (bytes per rank that grow with the job: only where
+    all-reduce, in ``vote.min`` and ``vote.max`` (set them before anything in the block can fail: a rank
+    that fails takes part with what they are then); and ``vote.sums``, summed once every rank got through.
+    With ``gather=True`` it is :func:`agree` instead, and ``vote.results`` holds every rank's ``vote.mine`` (bytes per rank that grow with the job: only where
     every rank's value is needed).
     """
 
@@ -126,6 +132,7 @@ class agreement:
         self.results: list[Any] = []
         self.mins: Sequence[int] = ()
         self.maxes: Sequence[int] = ()
+        self.sums: list[int] = []
         self.min: list[int] = []
         self.max: list[int] = []
 
@@ -139,7 +146,8 @@ class agreement:
                                      outcome=self.outcome)
             else:
                 self.min, self.max = check(self.group, exc, self.what, classify=self.classify,
-                                           outcome=self.outcome, mins=self.mins, maxes=self.maxes)
+                                           outcome=self.outcome, mins=self.mins, maxes=self.maxes,
+                                           sums=self.sums)
         except BaseException as e:
             if e is exc:
                 return  # the block's own exception goes on as it was
