@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import io
+import json
 import threading
 import os
 import uuid
@@ -21,6 +23,7 @@ from ... import _args
 from ...ranks import seconds
 from ...errors import ArgumentError, FormatError, StateMismatchError, StepNotFoundError, TierfsError
 from ...store import TieredStore
+from .collective import broadcast
 from .metadata import META_KEY, as_tensor, check_kwargs, done, metadata_from_json, parse_step
 
 
@@ -50,21 +53,58 @@ def check_target(metadata: Metadata, tensors: Mapping[str, Any], partial: bool =
 
 _made_lock = threading.Lock()
 _made: "dict[int, tuple[Any, Metadata]]" = {}
+_sent: "dict[int, tuple[Any, bytes]]" = {}  # id(raw) -> (raw, its JSON bytes) on the rank that reads it
+_received: "dict[bytes, Any]" = {}  # digest of received JSON bytes -> the JSON, on the ranks it is sent to
+_KEEP = 8
+
+
+def _kept(cache: "dict[Any, Any]", key: Any, value: Any) -> None:
+    """``cache[key] = value``, the oldest dropped beyond ``_KEEP`` (under ``_made_lock``)."""
+    cache[key] = value
+    while len(cache) > _KEEP:
+        del cache[next(iter(cache))]
 
 
 def _metadata(raw: Any) -> Metadata:
     """DCP's Metadata of a step's stored JSON, made once per parsed manifest (manifests are parsed once,
-    see :func:`tierfs.format.manifest_from_marker`, so a step restored again finds it here)."""
+    see :func:`tierfs.format.manifest_from_marker`, so a step restored again finds it here) or per JSON
+    received (:func:`_decoded`)."""
     with _made_lock:
         got = _made.get(id(raw))
         if got is not None and got[0] is raw:
             return got[1]
     md = metadata_from_json(raw)
     with _made_lock:
-        _made[id(raw)] = (raw, md)
-        while len(_made) > 8:
-            del _made[next(iter(_made))]
+        _kept(_made, id(raw), (raw, md))
     return md
+
+
+def _encoded(raw: Any) -> bytes:
+    """The JSON bytes of metadata this rank read, to send (made once per parsed manifest)."""
+    with _made_lock:
+        got = _sent.get(id(raw))
+        if got is not None and got[0] is raw:
+            return got[1]
+    data = json.dumps(raw).encode()
+    with _made_lock:
+        _kept(_sent, id(raw), (raw, data))
+    return data
+
+
+def _decoded(data: bytes) -> Any:
+    """The JSON of received metadata bytes; the same object for the same bytes (so :func:`_metadata` is
+    not made again when a step is loaded again)."""
+    key = hashlib.blake2b(data, digest_size=16).digest()
+    with _made_lock:
+        got = _received.get(key)
+    if got is None:
+        try:
+            got = json.loads(data)
+        except ValueError as e:
+            raise FormatError(f"DCP metadata received from another rank is damaged ({e})") from None
+        with _made_lock:
+            _kept(_received, key, got)
+    return got
 
 
 class TieredReader(StorageReader):
@@ -158,28 +198,46 @@ class TieredReader(StorageReader):
             raise FormatError("tierfs DCP steps have only global metadata (no rank-local metadata)")
         check_kwargs("TieredReader.read_metadata", args, kwargs)
         step = self._pick_step()
-        raw: Any = None
-        err: BaseException | None = None
-        try:
-            raw = self._read_metadata_json(step)
-        except (TierfsError, OSError) as e:
-            err = e
         g = self.store.group if self.timeout is None else self.store.group.with_timeout(self.timeout)
         if self._collective and g.world_size > 1:
-            # DCP reads the metadata on every rank; a rank whose tiers lack the coordinator's manifest (a
-            # RAM-only store: each node's RAM holds its own ranks' manifests) gets it from a rank that has it
-            have = g.all_gather(raw is not None)
-            if any(have) and not all(have):
-                src = have.index(True)
-                shared = g.all_gather(raw if g.rank == src else None)[src]
-                if raw is None:
-                    raw, err = shared, None
+            raw, err = self._shared_metadata_json(g, step)
+        else:
+            raw, err = self._try_metadata_json(step)
         if raw is None:
             raise err if err is not None else FormatError(f"step {step}: no DCP metadata")
         md = copy.copy(_metadata(raw))  # DCP's objects, shared between loads of the step; the envelope is ours
         md.storage_meta = StorageMeta(checkpoint_id=f"step_{step:012d}", load_id=self.load_id)
         self.metadata, self._resolved_step = md, step
         return md
+
+    def _try_metadata_json(self, step: int) -> tuple[Any, BaseException | None]:
+        """:meth:`_read_metadata_json`, or None and why not."""
+        try:
+            return self._read_metadata_json(step), None
+        except (TierfsError, OSError) as e:
+            return None, e
+
+    def _shared_metadata_json(self, g: Any, step: int) -> tuple[Any, BaseException | None]:
+        """The JSON DCP metadata of ``step`` on every rank (collective), or None and why not.
+
+        DCP reads the metadata on every rank; here rank 0 reads it and broadcasts it (what each rank
+        moves does not grow with the job, and shared tiers are asked once, not by every rank). When rank 0
+        cannot read it (its tiers lack the coordinator's manifest: a RAM-only store whose node 0 lost its
+        RAM), every rank tries its own tiers and the first rank that has it sends it to the others; a rank
+        that has none of it keeps its own reason."""
+        raw, err = self._try_metadata_json(step) if g.rank == 0 else (None, None)
+        got = broadcast(g, None if raw is None else _encoded(raw), 0)
+        if got is not None:
+            return (raw if g.rank == 0 else _decoded(got)), None
+        if g.rank != 0:
+            raw, err = self._try_metadata_json(step)
+        have = g.all_gather(raw is not None)
+        if any(have) and not all(have):
+            src = have.index(True)
+            got = broadcast(g, _encoded(raw) if g.rank == src else None, src)
+            if raw is None and got is not None:
+                raw, err = _decoded(got), None
+        return raw, err
 
     def _read_metadata_json(self, step: int) -> Any:
         """The JSON DCP metadata of ``step`` from the coordinator's manifest (verified against the marker)."""

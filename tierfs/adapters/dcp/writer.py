@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ... import _args, state as st
+from ... import _args, _nogc, state as st
 from ...core.dataparallel import Sharing
 from ...ranks import agree, seconds
 from ...errors import ArgumentError, FormatError, TierfsError
@@ -165,12 +165,14 @@ class TieredWriter(StorageWriter):
                                 "use a process group over the store's ranks (and use_collectives=True)")
         self._deltas = list(plans)
         if all(p.usable for p in plans):  # else deltas of a caching planner: write_data derives it
-            self._derive(self._deltas)  # fails now, before anything is written, if it cannot be stored
-            # each rank's replicated items, by owner (a caching planner keeps this in its final plans)
-            ranks = [p.storage_data["tierfs_rank"] for p in plans]
-            shares = plan_sharing(plans, ranks, self.save_id)
-            plans = [dataclasses.replace(p, storage_data={"tierfs_rank": r, SHARED: sh})
-                     for p, r, sh in zip(plans, ranks, shares)]
+            # objects per item of every rank: at thousands of ranks, collections would walk them again and again
+            with _nogc.paused():
+                self._derive(self._deltas)  # fails now, before anything is written, if it cannot be stored
+                # each rank's replicated items, by owner (a caching planner keeps this in its final plans)
+                ranks = [p.storage_data["tierfs_rank"] for p in plans]
+                shares = plan_sharing(plans, ranks, self.save_id)
+                plans = [dataclasses.replace(p, storage_data={"tierfs_rank": r, SHARED: sh})
+                         for p, r, sh in zip(plans, ranks, shares)]
         return plans
 
     def _derive(self, plans: list[SavePlan]) -> None:
