@@ -20,7 +20,7 @@ from ..ranks import seconds
 from ..errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError,
                       TierfsError)
 from ..format import DCP_SHARD_KEY
-from . import _torchstate as ts
+from . import _torchstate as ts, loaderstate
 from ._preemption import DEFAULT_SIGTERM_GRACE, Preemption
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
@@ -160,7 +160,7 @@ class CheckpointManager:
         return bool(self.store.should_save(step, preempted=self._preemption.pending()))
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
-             force: bool = False) -> bool:
+             force: bool = False, *, loader: Any = None) -> bool:
         """Save ``state`` at ``step`` to the tiers whose policies take it; returns whether it saved.
 
         Returns after the state is copied into the RAM tier's buffers; the rest runs in the background
@@ -169,12 +169,17 @@ class CheckpointManager:
         earlier step replaces the steps it is redoing). Torch state goes through DCP (see ``use_dcp``);
         every rank of a job must call ``save`` with the same step. The arguments are checked first, each a
         one-line :class:`~tierfs.errors.ArgumentError` (a bad leaf of ``state`` too, on every rank).
+        ``loader``: a data loader (``StatefulDataLoader``, or any object with ``state_dict()`` and
+        ``load_state_dict()``), or ``{name: loader}``, whose state is saved in this rank's shard, without
+        pickle (:mod:`tierfs.adapters.loaderstate`); ``restore(..., loader=...)`` gives it back.
         """
         step, force = _args.step(step), _args.flag(force, "force")
         metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
         _args.mapping(state, "state")
         preempted = self._preemption.pending()
-        if self._through_dcp(state):
+        through_dcp = self._through_dcp(state)
+        state = loaderstate.attach(state, loader, trusted=not through_dcp)
+        if through_dcp:
             from .dcp import managed
 
             saved = managed.save(self, step, state, metrics, force, preempted)
@@ -218,7 +223,8 @@ class CheckpointManager:
                 else "an earlier run (this one restored none)")
 
     # -- restoring ----------------------------------------------------------------------------------
-    def restore(self, state: Mapping[str, Any] | None = None, step: int | None = None) -> Any:
+    def restore(self, state: Mapping[str, Any] | None = None, step: int | None = None, *,
+                loader: Any = None) -> Any:
         """Restore the newest step (or ``step``).
 
         With ``state``: loads in place and returns the step, or None when nothing was ever saved (no rank
@@ -232,11 +238,13 @@ class CheckpointManager:
         of the newest step, older steps are tried (not when ``step`` is given). A target that does not fit
         the checkpoint (a key it lacks, an array or tensor of another shape) is a
         :class:`~tierfs.errors.StateMismatchError` naming the key, raised before anything is loaded; on the
-        DCP path a tensor of another dtype is converted, as ``dcp.load`` does.
+        DCP path a tensor of another dtype is converted, as ``dcp.load`` does. ``loader`` (as for
+        :meth:`save`) gets the state saved with the step, this rank's own.
         """
         step = _args.optional_step(step)
         if state is not None:
             _args.mapping(state, "state")
+        loaderstate.objects(loader)
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
         rep = self.store.replicator
@@ -281,6 +289,7 @@ class CheckpointManager:
             self.last_restore_info = info
             self._restored = info.step
             self.store.resume_from(info.step)  # DCP's reader restored it, not the store
+            loaderstate.restored(self.store, s, tiers, state if state is not None else out, loader)
             return out
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
         raise RestoreError(f"no tier holds a verified copy ({reasons})")

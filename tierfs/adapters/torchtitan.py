@@ -29,6 +29,11 @@ What changes against torchtitan's ``CheckpointManager``
 * Retention is the tiers' ``keep`` policies; ``keep_latest_k`` is not used (no purge of ``folder``).
 * HF exports (``last_save_in_hf``) and HF/initial loads stay torchtitan's: plain files under ``folder``
   or ``initial_load_path``.
+* The data loader's state (``states["dataloader"]``) is kept out of DCP, which would store the bytes
+  torchtitan's ``ParallelAwareDataloader`` pickles (and ``torch.load(weights_only=False)`` them back): each
+  rank's ``StatefulDataLoader`` state goes into its own shard as JSON and arrays
+  (:mod:`tierfs.adapters.loaderstate`) and is given back by ``load()``. Steps whose loader state DCP holds
+  (saved before) load as before.
 """
 
 from __future__ import annotations
@@ -42,13 +47,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager  # lazy: this module only
+from torchtitan.components.checkpoint import (DATALOADER, MODEL, AsyncMode,  # lazy: this module only
+                                              CheckpointManager)
 from torchtitan.tools.utils import GarbageCollection
 
-from ..errors import ArgumentError, StepNotFoundError
+from ..errors import ArgumentError, StateMismatchError, StepNotFoundError
 from ..store import TieredStore
 from ..tiers.base import AnyTier
+from . import loaderstate
 from .dcp import TieredReader, TieredWriter
+from .dcp.metadata import META_KEY
 
 log = logging.getLogger("tierfs")
 
@@ -146,7 +154,11 @@ class TieredCheckpointManager(CheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         store = self.store
         blocking = async_mode != AsyncMode.ASYNC
-        writer = TieredWriter(store, step, force=self.force, overwrite=True, blocking=blocking)
+        extra = None
+        if state_dict.get(DATALOADER) is not None:  # this rank's loader state: JSON and arrays, not DCP's pickle
+            extra = loaderstate.dcp_extra({DATALOADER: _Unpickled(state_dict[DATALOADER])})
+            state_dict = {k: v for k, v in state_dict.items() if k != DATALOADER}
+        writer = TieredWriter(store, step, force=self.force, overwrite=True, blocking=blocking, extra=extra)
         dcp.save(state_dict, storage_writer=writer)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
@@ -190,13 +202,30 @@ class TieredCheckpointManager(CheckpointManager):
         step = None if from_hf else self._tiered_step(checkpoint_id)
         if step is None or self.store is None:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        loader = state_dict.get(DATALOADER)
+        if loader is not None and not self._loader_in_dcp(step):
+            state_dict = {k: v for k, v in state_dict.items() if k != DATALOADER}
+        else:
+            loader = None  # not saved, or saved inside DCP (before tierfs kept it out): DCP loads it
         reader = TieredReader(self.store, step)
         dcp.load(state_dict, storage_reader=reader)
+        if loader is not None:
+            saved = loaderstate.read_dcp(self.store, step)
+            if saved is None:
+                log.warning("tierfs: torchtitan step %d holds no data loader state; the loader starts afresh", step)
+            else:
+                loaderstate.load({DATALOADER: _Unpickled(loader)}, saved, step)
         self.last_reader = reader
         log.info("tierfs: loaded torchtitan step %d from %s", step, reader.sources)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
         return None
+
+    def _loader_in_dcp(self, step: int) -> bool:
+        """Whether ``step`` holds the data loader's state as DCP items (saved before tierfs kept it out)."""
+        assert self.store is not None
+        meta = self.store.read_manifest(step, 0)[0].metadata.get(META_KEY) or {}
+        return any(str(k).startswith(DATALOADER + ".") for k in meta.get("state_dict_metadata", {}))
 
     # -- end -------------------------------------------------------------------------------------------
     def _close(self) -> None:
@@ -213,3 +242,35 @@ class TieredCheckpointManager(CheckpointManager):
             if self.store is not None and self._own_store:
                 self.store.close()
             self.store = None
+
+
+class _Unpickled:
+    """A torchtitan data loader's state without its pickle: ``ParallelAwareDataloader.state_dict()`` pickles
+    the ``StatefulDataLoader`` state (``{"dp_rank_<r>": pickle bytes, "world_size": n}``); this takes that
+    state from ``StatefulDataLoader`` itself, with the data-parallel world size it was saved with, and gives
+    it back the same way (a loader of another kind: its own ``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def _plain(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        is_titan = hasattr(self.loader, "dp_world_size") and hasattr(self.loader, "_rank_id")
+        return StatefulDataLoader if is_titan and isinstance(self.loader, StatefulDataLoader) else None
+
+    def state_dict(self) -> Any:
+        base = self._plain()
+        if base is None:
+            return self.loader.state_dict()
+        return {"world_size": self.loader.dp_world_size, "state": base.state_dict(self.loader)}
+
+    def load_state_dict(self, sd: Any) -> None:
+        base = self._plain()
+        if base is None:
+            self.loader.load_state_dict(sd)
+            return
+        if sd.get("world_size") != self.loader.dp_world_size:
+            raise StateMismatchError(f"the data loader was saved with {sd.get('world_size')} data-parallel ranks, this "
+                                f"job has {self.loader.dp_world_size}: torchtitan cannot reshard a loader's state")
+        base.load_state_dict(self.loader, sd["state"])

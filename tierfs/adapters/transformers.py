@@ -42,6 +42,17 @@ first tier no longer holds, so the Trainer's working copies in RAM follow the fi
 Trainer's own rotation (by step, or by mtime) also deletes directories, which is harmless to tierfs (the
 step's bytes are already in the store) but ``resume_path`` will write back a removed directory it needs.
 
+Data-loader state
+-----------------
+The Trainer resumes its own training data mid-epoch by itself: it skips the batches of the epoch that the
+restored ``global_step`` already trained (``ignore_data_skip=False``, the default), with the order
+``data_seed``/``seed`` gives, so nothing else is needed for it. Objects of your own with
+``state_dict()``/``load_state_dict()`` (a ``torchdata`` ``StatefulDataLoader`` you draw from in a callback,
+a stateful streaming dataset, a curriculum) are saved with each step in the rank's own shard, without
+pickle, when given as ``TieredTrainerCallback(tiers, stateful={"name": obj})``; ``resume_path`` gives
+them back their state. When such an object is the Trainer's training data itself, set
+``ignore_data_skip=True``: otherwise the Trainer skips the trained batches once more.
+
 Versions
 --------
 transformers 4.57 to 5.x (tested with 5.x): only the public ``TrainerCallback`` events and
@@ -59,11 +70,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .. import state as st
 from .._fileio import atomic_write
-from ..errors import ArgumentError
+from ..errors import ArgumentError, StateMismatchError
 from ..format import crc32c
 from ..store import TieredStore
 from ..tiers.base import AnyTier
+from . import loaderstate
 
 try:
     import transformers
@@ -142,6 +155,11 @@ def _safe_rel(rel: str) -> str:
     return rel
 
 
+def _stateful(name: str) -> bool:
+    """Whether an entry holds the state of the callback's ``stateful`` objects (not a file)."""
+    return name.startswith(loaderstate.KEY + st.SEP)
+
+
 def materialize(store: TieredStore, output_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
     """Write the checkpoint of ``step`` (default: the newest committed step every rank can get) into
     ``output_dir/checkpoint-{step}/`` and return that path; None when no tier holds a step.
@@ -159,7 +177,7 @@ def materialize(store: TieredStore, output_dir: str | os.PathLike[str], step: in
     fetched: dict[str, str] = {}
     for rank in range(world):
         manifest, _ = store.read_manifest(step, rank)
-        missing = [e.name for e in manifest.entries if e.kind == "array"
+        missing = [e.name for e in manifest.entries if e.kind == "array" and not _stateful(e.name)
                    and not _matches(target / _safe_rel(e.name), e.length, e.crc32c, manifest.block_size)]
         if not missing:
             continue
@@ -198,6 +216,11 @@ class TieredTrainerCallback(TrainerCallback):
     ----------
     tiers:
         The tiers, fastest first (a ``MemoryTier`` first), as for :class:`~tierfs.TieredStore`.
+    stateful:
+        Objects with ``state_dict()`` and ``load_state_dict()`` (e.g. a ``StatefulDataLoader``), by name (or
+        one, named ``"loader"``): each step stores their states in the rank's own shard, without pickle;
+        :meth:`resume_path` gives them back. The Trainer's own training data needs none of this (it skips
+        the trained batches itself).
     prune_output_dir:
         Remove ``output_dir/checkpoint-{N}`` directories older than the newest save that the first tier no
         longer holds (the first tier's keep policy also bounds the Trainer's copies). Default True.
@@ -210,8 +233,10 @@ class TieredTrainerCallback(TrainerCallback):
     set up torch.distributed, so its default group is the job's. :attr:`store` gives it.
     """
 
-    def __init__(self, tiers: Sequence[AnyTier], *, prune_output_dir: bool = True, **store_options: Any) -> None:
+    def __init__(self, tiers: Sequence[AnyTier], *, stateful: Any = None, prune_output_dir: bool = True,
+                 **store_options: Any) -> None:
         super().__init__()
+        self.stateful = loaderstate.objects(stateful, "stateful")
         self._tiers = list(tiers)
         self._options = dict(store_options)
         self._store: TieredStore | None = None
@@ -240,11 +265,19 @@ class TieredTrainerCallback(TrainerCallback):
         Call it on every rank (collective), before ``trainer.train``. ``output_dir`` defaults to the
         Trainer's ``args.output_dir`` (known once the Trainer is built with this callback). A file the
         local directory lacks, or holds with other bytes, is written from the fastest tier holding a
-        verified copy."""
+        verified copy. The ``stateful`` objects get the state this rank saved with the step."""
         out = output_dir if output_dir is not None else self.output_dir
         if out is None:
             raise ArgumentError("resume_path() needs output_dir before the Trainer is built with this callback")
-        return materialize(self.store, out, step)
+        path = materialize(self.store, out, step)
+        if path is not None and self.stateful:
+            got = int(Path(path).name[len(_PREFIX):])
+            saved = loaderstate.read(self.store, got)
+            if saved is None:
+                raise StateMismatchError(f"step {got} holds no state of the stateful objects (saved without "
+                                         "stateful=)")
+            loaderstate.load(self.stateful, saved, got)
+        return path
 
     # -- events -------------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -260,8 +293,10 @@ class TieredTrainerCallback(TrainerCallback):
         store.group.barrier()  # the Trainer's on_save has no barrier: every rank's files are written now
         directory = Path(args.output_dir) / checkpoint_dirname(step)
         rank = store.group.rank
-        files = {rel: _read(directory / rel) for rel in _files(directory) if _owner(rel) == rank} \
+        files: dict[str, Any] = {rel: _read(directory / rel) for rel in _files(directory) if _owner(rel) == rank} \
             if directory.is_dir() else {}
+        if self.stateful:  # this rank's objects, taken now: what the Trainer has used up to this step
+            files[loaderstate.KEY] = loaderstate.tree(self.stateful, st.Trusted)
         meta = {_META_KEY: {"checkpoint": checkpoint_dirname(step), "version": transformers.__version__}}
         try:
             saved = store.save(step, files, meta, overwrite=True)

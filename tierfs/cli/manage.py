@@ -1,4 +1,5 @@
-"""``tierfs cp``, ``tierfs gc`` and ``tierfs export``: copy a step, clean up, write a plain DCP checkpoint.
+"""``tierfs cp``, ``tierfs gc`` and ``tierfs export``: copy a step, clean up, write a plain DCP checkpoint
+or a safetensors folder.
 
 ``cp`` copies tier to tier (:func:`tierfs.cli.steps.copy_step`: verified, marker last). ``gc`` and ``export``
 open a ``TieredStore`` with ``cleanup=False`` so that its rules apply (retention never deletes the only
@@ -184,9 +185,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # -- export -----------------------------------------------------------------------------------------
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``tierfs export --dcp``: a step saved through ``TieredWriter`` as a plain DCP directory."""
-    if not args.dcp:
-        raise UsageError("choose the export format: --dcp (a plain PyTorch DCP checkpoint directory)")
+    """``tierfs export --dcp``: a step saved through ``TieredWriter`` as a plain DCP directory;
+    ``--safetensors``: a step's tensors as a Hugging Face safetensors folder."""
+    if args.dcp == args.safetensors:
+        raise UsageError("choose one export format: --dcp (a plain PyTorch DCP checkpoint directory) or "
+                         "--safetensors (a Hugging Face safetensors folder)")
+    if args.safetensors:
+        return _export_safetensors(args)
+    if args.prefix is not None or args.dtype is not None or args.max_shard_size is not None or args.config:
+        raise UsageError("--prefix, --dtype, --max-shard-size and --config go with --safetensors")
     try:
         from ..adapters.dcp.export import check_directory
         from ..adapters.dcp import export_dcp
@@ -223,6 +230,49 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {args.directory}: {len(files)} .distcp file(s), {size(nbytes)} in {duration(dt)} "
           f"({rate(nbytes, dt)}); load it with dcp.load(state, "
           f"storage_reader=FileSystemReader({args.directory!r}))")
+    return 0
+
+
+def _export_safetensors(args: argparse.Namespace) -> int:
+    """``tierfs export --safetensors``: the step's tensors as ``*.safetensors`` shards and their index."""
+    try:
+        from ..adapters.safetensors import export_safetensors, parse_size
+    except ImportError as e:
+        raise TierfsError(f"export --safetensors needs torch ({e}); pip install 'tierfs[torch]'") from None
+    from ..adapters.safetensors import Destination, parse_dtype
+    from ..store import TieredStore
+
+    limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size is not None else "5GB"
+    parse_dtype(args.dtype)
+    dst_opts = _dst_options(args, {}) if (args.dst_storage_options or args.dst_option) else None
+    Destination(args.directory, "DIR", dst_opts)  # never a system directory, before any tier is read
+    tiers = tiers_from_target(args.target, storage_options_from_args(args))
+    if args.tier is not None:
+        select(tiers, args.tier)
+    chosen = [args.tier] if args.tier else None
+    try:
+        for t in tiers:
+            t.check_readable()
+        with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
+            t0 = time.perf_counter()
+            held = store.common_steps(chosen)
+            step = args.step if args.step is not None else (held[-1] if held else None)
+            total = store.read_marker(step, tiers=chosen).nbytes if step is not None and step in held else 0
+            bar: Any = progress_bar(total, f"export step {step}", args)
+            try:
+                out = export_safetensors(store, args.directory, step, tiers=chosen, prefix=args.prefix,
+                                         dtype=args.dtype, max_shard_size=limit, config=args.config,
+                                         overwrite=args.overwrite, storage_options=dst_opts,
+                                         progress=bar.update if bar else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+    finally:
+        close_all(tiers)
+    dt = time.perf_counter() - t0
+    print(f"exported step {out.step} to {out.directory}: {len(out.weight_map)} tensors in "
+          f"{len(out.files) - (len(out.files) > 1)} .safetensors file(s), {size(out.total_size)} in {duration(dt)} "
+          f"({rate(out.total_size, dt)}); load it with safetensors.torch.load_file or from_pretrained")
     return 0
 
 
@@ -269,15 +319,28 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("export", help="write a step as a plain DCP checkpoint", description=(
-        "Write a step saved through tierfs's DCP layer (TieredWriter) as a plain PyTorch DCP checkpoint "
+    p = sub.add_parser("export", help="write a step as a plain DCP checkpoint or a safetensors folder",
+                       description=(
+        "--dcp: write a step saved through tierfs's DCP layer (TieredWriter) as a plain PyTorch DCP checkpoint "
         "directory: __<rank>_0.distcp files and .metadata (written last), loadable with "
-        "dcp.load(state, storage_reader=FileSystemReader(DIR)) without tierfs. Every byte is read through "
-        "the verified path (fastest tier whose checksums check out)."))
+        "dcp.load(state, storage_reader=FileSystemReader(DIR)) without tierfs. --safetensors: write the step's "
+        "tensors (sharded ones assembled whole) as a Hugging Face folder: model.safetensors, or "
+        "model-0000K-of-0000N.safetensors and model.safetensors.index.json (written last); DIR may be an "
+        "fsspec URL. Every byte is read through the verified path (fastest tier whose checksums check out)."))
     add_target_args(p)
-    p.add_argument("directory", metavar="DIR", help="the output directory")
-    p.add_argument("--dcp", action="store_true", help="the format: a PyTorch DCP directory (required)")
+    p.add_argument("directory", metavar="DIR", help="the output directory (--safetensors: or an fsspec URL)")
+    p.add_argument("--dcp", action="store_true", help="the format: a PyTorch DCP directory")
+    p.add_argument("--safetensors", action="store_true", help="the format: a Hugging Face safetensors folder")
     p.add_argument("--step", type=int, metavar="N", help="the step (default: the newest)")
-    p.add_argument("--overwrite", action="store_true", help="replace a DCP checkpoint already in DIR")
+    p.add_argument("--prefix", metavar="PREFIX", help="--safetensors: keep only the tensors named PREFIX... and "
+                                                      "strip it, e.g. model.")
+    p.add_argument("--dtype", metavar="DTYPE", help="--safetensors: cast floating tensors, e.g. bfloat16")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="--safetensors: the most bytes per file (default "
+                                                            "5GB; 500MB, 2GiB)")
+    p.add_argument("--config", metavar="FILE", help="--safetensors: a config.json to write beside the tensors")
+    p.add_argument("--dst-storage-options", metavar="JSON", help="--safetensors: storage options for a URL DIR")
+    p.add_argument("-O", dest="dst_option", action="append", metavar="KEY=VALUE",
+                   help="--safetensors: one storage option for a URL DIR (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace an export already in DIR")
     add_no_progress(p)
     p.set_defaults(func=cmd_export)
