@@ -74,7 +74,7 @@ def step_manifests(tier: Tier, step: int) -> tuple[bytes, Marker, list[tuple[str
 def check_complete(tier: Tier, step: int, expected: Mapping[str, int | None]) -> None:
     """Before a marker is written: every expected file of ``step`` is on ``tier``, at its length (None:
     any length)."""
-    have = tier.file_sizes(step)
+    have = tier.sizes_of(step, expected)
     bad = [n for n, size in expected.items() if n not in have or (size is not None and have[n] != size)]
     if bad:
         raise FormatError(f"tier {tier.name!r} step {step}: {len(bad)} file(s) missing or wrong size before "

@@ -25,6 +25,7 @@ from .core.restore.sinks import InPlace, NewArrays
 from .core.retention import Retention
 from .core.saving import SavePath
 from .ranks import Group, default_group, seconds
+from .ranks.agree import views as rank_views
 from .errors import ArgumentError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE
 from .protocol import common_steps
@@ -176,7 +177,7 @@ class TieredStore(ShardReads):
         self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
-        views = g.all_gather(mine) if g.world_size > 1 else [mine]
+        views = rank_views(g, mine)
         common = sorted(common_steps(views))
         lost = lost_steps([set(v) for v in views], sorted(names or self._ctx.names)) if raise_lost else None
         if lost is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from .. import _args
 from .._rootdir import check_local_url
 from ..ranks import seconds
+from ..ranks.agree import any_rank
 from ..errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError,
                       TierfsError)
 from ..format import DCP_SHARD_KEY
@@ -329,8 +330,7 @@ class CheckpointManager:
         """True once the job was told to stop (SIGTERM, on any rank): the loop saves (once more, to the
         preemption tiers) and stops. Collective on several ranks."""
         flag = self._preemption.signalled
-        if self.store.group.world_size > 1:
-            flag = any(self.store.group.all_gather(flag))
+        flag = any_rank(self.store.group, flag)
         if flag:
             self._preemption.heard()
         return flag
@@ -377,5 +377,4 @@ def is_dcp_step(store: TieredStore, step: int, tiers: list[str]) -> bool:
         mine: bool | None = DCP_SHARD_KEY in store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
     except (TierfsError, OSError, ValueError, KeyError):
         mine = None  # e.g. a rank beyond the saving job's world size
-    views = g.all_gather(mine) if g.world_size > 1 else [mine]
-    return any(v is True for v in views)
+    return any_rank(g, mine is True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import TierfsError
 from ..policies import StepInfo
+from ..ranks.agree import views as rank_views
 from .context import Context
 from .saving import SavePath
 
@@ -44,7 +45,7 @@ def catch_up(ctx: Context, saving: SavePath) -> list[tuple[int, str]]:
     """Hand on, in the background, the copies a process ended before making (collective: every rank opens
     the store); returns the ``(step, tier)`` pairs handed on."""
     mine: list[Any] = [list(x) for x in missing_copies(ctx)]
-    views = ctx.group.all_gather(mine) if ctx.group.world_size > 1 else [mine]
+    views = rank_views(ctx.group, mine)
     agreed = set.intersection(*({(int(s), str(n)) for s, n in v} for v in views))
     first = ctx.first
     for s, name in sorted(agreed, key=lambda x: (-x[0], ctx.names.index(x[1]))):

@@ -40,4 +40,6 @@ class Ownership:
         every rank's on a shared one."""
         if tier.is_local:
             return {manifest_filename(r): None for r in self.sharing(tier)}
+        if marker.commit is not None:  # each rank confirmed its own files before the ranks agreed
+            return {}
         return {n: None for n in marker.manifests}

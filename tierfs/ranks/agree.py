@@ -7,12 +7,34 @@ in the collective that the healthy ranks were going to do anyway.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, Sequence
 
 from .. import _stages, errors as _errors
 from .groups import Group
 
 Classify = Callable[[BaseException], "type[_errors.TierfsError]"]
+
+
+def views(group: Group, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (JSON), in rank order (collective): in one all-reduce of two numbers when every
+    rank's is the same (the usual case: the same steps, nothing to catch up, nothing shared), so what a rank
+    moves does not grow with the job; else an all-gather. The list holds ``mine`` itself on every rank when
+    all are the same: read it, do not change it."""
+    if group.world_size == 1:
+        return [mine]
+    h = int.from_bytes(hashlib.blake2b(json.dumps(mine, sort_keys=True).encode(), digest_size=8).digest(),
+                       "little") >> 2
+    lo, neg_hi = group.all_reduce([h, -h], "min")
+    if lo == -neg_hi:
+        return [mine] * group.world_size
+    return group.all_gather(mine)
+
+
+def any_rank(group: Group, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (collective: an all-reduce of one number)."""
+    return bool(group.all_reduce([int(bool(flag))], "max")[0]) if group.world_size > 1 else bool(flag)
 
 
 def outcomes(group: Group, mine: Any = None, failure: BaseException | None = None, *,
@@ -121,8 +143,8 @@ class agreement:
     ``vote.maxes`` (integers, the same length on every rank): reduced over the ranks in the same
     all-reduce, in ``vote.min`` and ``vote.max`` (set them before anything in the block can fail: a rank
     that fails takes part with what they are then); and ``vote.sums``, summed once every rank got through.
-    With ``gather=True`` it is :func:`agree` instead, and ``vote.results`` holds every rank's ``vote.mine`` (bytes per rank that grow with the job: only where
-    every rank's value is needed).
+    With ``gather=True`` it is :func:`agree` instead, and ``vote.results`` holds every rank's
+    ``vote.mine`` (bytes per rank that grow with the job: only where every rank's value is needed).
     """
 
     def __init__(self, group: Group, what: str, *, outcome: str = "", classify: Classify | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
@@ -116,6 +116,12 @@ class Tier(ABC):
     @abstractmethod
     def file_sizes(self, step: int) -> dict[str, int]:
         """Name → length of every file of a step (marker included if present)."""
+
+    def sizes_of(self, step: int, names: Iterable[str]) -> dict[str, int]:
+        """Name → length of those of ``names`` that ``step`` holds. A shared tier asks for each file, so
+        that a rank confirming its own files never lists the other ranks' (the default lists the step)."""
+        wanted = set(names)
+        return {n: size for n, size in self.file_sizes(step).items() if n in wanted} if wanted else {}
 
     @abstractmethod
     def write_file(self, step: int, name: str, data: Bytes) -> None: ...

@@ -21,10 +21,11 @@ pass ``storage_options={"config_kwargs": {"read_timeout": 5, "retries": {"max_at
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import fsspec
 import numpy as np
@@ -212,6 +213,20 @@ class ObjectTier(Tier):
         names = {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
                  for i in infos if i.get("type") == "file" and not _is_dir_entry(i["name"], d)}
         return {n: size for n, size in names.items() if not is_tmp_name(n)}
+
+    def sizes_of(self, step: int, names: Iterable[str]) -> dict[str, int]:
+        out = {}
+        for n in names:  # a request per file: what one rank wrote, whatever the job's size
+            path = self._path(step, n)
+            self.fs.invalidate_cache(path)
+            try:
+                info: dict[str, Any] = self._retry(functools.partial(self.fs.info, path),
+                                                   self._what(step, "check", n))
+            except FileNotFoundError:
+                continue
+            if info.get("type") == "file":
+                out[n] = int(info.get("size") or 0)
+        return out
 
     def last_written(self, step: int) -> float | None:
         path = self._path(step)

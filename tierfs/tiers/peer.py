@@ -32,6 +32,7 @@ from .._worker import BACKGROUND_NICE
 from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
+from ..ranks.agree import any_rank
 from . import _wire
 from ._wire import Wire
 from .base import Capacity, FailedCopy, Fetched, Pace, ReceiveInto, Replicator, Tier
@@ -282,6 +283,8 @@ class PeerTier(Replicator):
     def _agree_pairs(g: Any, errors: Mapping[int, str | None]) -> list[FailedCopy]:
         """Every rank's failed incoming copies, ``(source, receiver, reason)``, the same on every rank."""
         mine = [(s, g.rank, why) for s, why in errors.items() if why]
+        if not any_rank(g, bool(mine)):  # the usual case: one number per rank
+            return []
         return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
 
     def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, Ty
 from ... import _blocks, _readable
 from ..._stages import stage
 from ...ranks import Group
+from ...ranks.agree import views
 from ...errors import ArgumentError, StateMismatchError, TierfsError
 from ...format import MARKER, Marker
 from ...protocol import checked_manifest
@@ -238,7 +239,7 @@ class Peers:
         """``needs``: the ranks fetching (the same on every rank; default: each says whether it is open).
         Holders that fail are dropped and the next one tried."""
         g, rep, s = a.group, self.rep, a.step
-        needs = list(needs) if needs is not None else g.all_gather(a.open)
+        needs = list(needs) if needs is not None else list(views(g, a.open))
         while True:
             options = {r: [h for h in a.plan.holders.get((s, r), []) if (r, h) not in a.tried]
                        for r, need in enumerate(needs) if need}
@@ -311,7 +312,7 @@ class Bundles:
         """``serve``: a rank still reading its own copy sends from it as it is (:meth:`TierSource.unverified`)."""
         shard = a.got[1] if a.got is not None else serve
         status = holds(shard.manifest, shard.files) if shard is not None else NONE
-        every = a.group.all_gather(status) if a.group.world_size > 1 else [status]
+        every = views(a.group, status)
         if not any(x in (UNIQUE, OWNED) for x in every):
             return
         t0 = time.perf_counter()
