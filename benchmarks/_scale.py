@@ -82,6 +82,8 @@ FIGURES = (
     ("store_connects", "new TCPStore clients (a clone per lazily connected group)"),
     ("socket_fds", "socket descriptors held after"),
     ("tcp_established", "TCP connections held after"),
+    ("tierfs_socket_fds", "socket descriptors held after, less the job's own (its default group, the TCPStore)"),
+    ("tierfs_tcp_established", "TCP connections held after, less the job's own"),
     ("tcp_listening", "listening TCP sockets after"),
     ("tcp_to_store", "connections to the TCPStore after"),
     ("tcp_to_object_store", "connections to the object store after"),
@@ -97,7 +99,7 @@ FIGURES = (
     ("seconds", "wall seconds (this machine, 2 cores shared: indicative only)"),
 )
 #: figures that are levels held after the operation (not counts of what it did)
-LEVELS = {"socket_fds", "tcp_established", "tcp_listening", "tcp_to_store", "tcp_to_object_store",
+LEVELS = {"socket_fds", "tcp_established", "tierfs_socket_fds", "tierfs_tcp_established", "tcp_listening", "tcp_to_store", "tcp_to_object_store",
           "threads"}
 S3_KINDS = ("LIST", "keys_listed", "PUT", "HEAD", "GET", "DELETE", "keys_deleted", "OTHER")
 

@@ -226,6 +226,8 @@ class Meter:
         self.store_port = store_port
         self.s3_port = int(self.endpoint.rsplit(":", 1)[1])
         self.ops: dict[str, dict[str, float]] = {}
+        self.barrier()  # the job's own group connected: what it holds is not tierfs's
+        self.own = sockets(store_port, self.s3_port)
         self.calls: dict[str, dict[str, int]] = {}
         self.sites: dict[str, dict[str, int]] = {}
 
@@ -261,6 +263,8 @@ class Meter:
         for k in ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", "groups_created"):
             figures.setdefault(k, 0)
         figures.update(socks)
+        figures["tierfs_socket_fds"] = socks["socket_fds"] - self.own["socket_fds"]
+        figures["tierfs_tcp_established"] = socks["tcp_established"] - self.own["tcp_established"]
         proxied = {k: o1.get(k, 0) - o0.get(k, 0) for k in set(o0) | set(o1)}
         figures.update({k if k.startswith("store_") else f"s3_{k}": v for k, v in proxied.items()
                         if not k.startswith("store:")})

@@ -1,5 +1,5 @@
-"""Collectives whose cost per rank does not grow with the job: an all-reduce of a few integers, a broadcast
-of a small JSON value. Each rank talks to a fixed few others (gloo's ring and tree, over connections made
+"""Collectives over connections that do not grow with the job: an all-reduce of a few integers, a broadcast
+of a small JSON value (their bytes per rank do not grow either), and an all-gather of fixed-size rows. Each rank talks to a fixed few others (gloo's ring and tree, over connections made
 when first used), so what one rank sends, receives and holds open is the same at 4 ranks and at 8,192.
 
 A collective fails on every rank when one rank's connection drops (each rank that sees it closes its own
@@ -42,6 +42,30 @@ def broadcast(g: "TorchGroup", obj: Any, src: int) -> Any:
     body = torch.from_numpy(buf)
     _run(g, lambda: g._dist.broadcast(body, src=src, group=g._pg, async_op=True))
     return json.loads(buf.tobytes())
+
+
+def all_gather(g: "TorchGroup", row: np.ndarray) -> np.ndarray:
+    """Every rank's uint8 ``row`` (the same length on every rank), as the rows of an array in rank order:
+    an all-reduce (a sum) of an array holding this rank's row in its place and zeros elsewhere, so that a
+    gather too only ever talks to the ring's neighbours (its bytes grow with the job, its connections do
+    not)."""
+    import torch
+
+    rows = torch.zeros((g.world_size, row.size), dtype=torch.uint8)
+    rows[g.rank] = torch.from_numpy(np.ascontiguousarray(row, dtype=np.uint8))
+    _run(g, lambda: g._dist.all_reduce(rows, op=g._dist.ReduceOp.SUM, group=g._pg, async_op=True))
+    return rows.numpy()
+
+
+def all_gather_ints(g: "TorchGroup", values: Sequence[int]) -> np.ndarray:
+    """Every rank's int64 ``values`` (the same count on every rank), as the rows of an array in rank order:
+    8 bytes per value and rank (:func:`all_gather`'s way)."""
+    import torch
+
+    rows = torch.zeros((g.world_size, len(values)), dtype=torch.int64)
+    rows[g.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    _run(g, lambda: g._dist.all_reduce(rows, op=g._dist.ReduceOp.SUM, group=g._pg, async_op=True))
+    return rows.numpy()
 
 
 def _run(g: "TorchGroup", start: Any) -> None:

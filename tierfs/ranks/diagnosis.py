@@ -62,7 +62,7 @@ def diagnose(g: "TorchGroup", oper: waits.Operation, why: str, call: int) -> Ran
     try:
         store.append(f"{key}/ranks", f"{g.rank}{_KINDS[waits.kind_of(why)]},")
         if store.add(f"{key}/n", 1) == 1:  # the first to report
-            verdict = _settle(store, key, g.world_size, oper)
+            verdict = _settle(store, key, g.world_size, oper, waits.kind_of(why) == waits.LATE)
             store.set(f"{key}/verdict", json.dumps(verdict).encode())
         else:
             verdict = _verdict(store, key, oper)
@@ -80,13 +80,17 @@ def diagnose(g: "TorchGroup", oper: waits.Operation, why: str, call: int) -> Ran
     return err
 
 
-def _settle(store: Any, key: str, world: int, oper: waits.Operation) -> dict[str, Any]:
+def _settle(store: Any, key: str, world: int, oper: waits.Operation, late: bool) -> dict[str, Any]:
     """On the first rank to report: wait until every rank reported or none did for :data:`SETTLE` seconds
-    (at most the operation's time left and the settling), then the verdict: ``{"missing": [ranks that did
+    (at most the operation's time left and the settling); when this rank's wait timed out (``late``), until
+    every rank's wait of the operation timed out too (its deadline, the grace and half the settling), then the verdict: ``{"missing": [ranks that did
     not report], "late": whether a rank that did saw its wait time out}``."""
     end = time.monotonic() + oper.allowed() + SETTLE
     seen, since = store.add(f"{key}/n", 0), time.monotonic()
-    while seen < world and time.monotonic() - since < SETTLE and time.monotonic() < end:
+    # while ranks time out, the others' waits end by the operation's deadline and its grace: wait that out
+    patient = oper.deadline + waits.GRACE + SETTLE / 2
+    while seen < world and time.monotonic() < end and \
+            (time.monotonic() < patient if late else time.monotonic() - since < SETTLE):
         time.sleep(_POLL)
         n = store.add(f"{key}/n", 0)
         if n != seen:

@@ -4,15 +4,15 @@ Without torch.distributed (or with one process) everything is local. Under torch
 groups of its own, so it never queues behind the training job's NCCL work; each of the store's threads
 gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
 
-The all-reduce and the broadcast are gloo's (:mod:`tierfs.ranks.collectives`), over connections made when
-first used; the all-gather (what every rank needs of every other, O(N) by nature) and bulk transfers are
-point to point. The waits of one operation share one deadline, the group's ``timeout``
-(:mod:`tierfs.ranks.waits`): a rank that does not arrive in time, or whose process is gone (noticed as
-soon as its connections drop), makes the waiting rank raise :class:`~tierfs.errors.RankWaitError` naming
-the stage it was in (:mod:`tierfs._stages`) and exactly the ranks that made it fail (a point-to-point
-wait names its peer, a collective finds them out through :mod:`tierfs.ranks.diagnosis`). No transfer
-outlives the call that started it: each one is waited for, to its end or its failure, so nothing of
-tierfs's is left in flight when the interpreter exits.
+The collectives are gloo's all-reduce and broadcast (:mod:`tierfs.ranks.collectives`), over connections
+made when first used: each rank talks to its ring's neighbours, so the sockets it holds do not grow with
+the job; bulk transfers are point to point, between the ranks that exchange. The waits of one operation
+share one deadline, the group's ``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in
+time, or whose process is gone (noticed as soon as its connections drop), makes the waiting rank raise
+:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
+ranks that made it fail (a point-to-point wait names its peer, a collective finds them out through
+:mod:`tierfs.ranks.diagnosis`). No transfer outlives the call that started it: each one is waited for,
+to its end or its failure, so nothing of tierfs's is left in flight when the interpreter exits.
 
 A node is a failure domain: the ranks on one machine. Its number comes from ``TIERFS_NODE_RANK``, else
 torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
@@ -46,8 +46,6 @@ DEFAULT_TIMEOUT = 600.0
 
 #: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) round
 GATHER_WIDTH = 1024 - 8
-#: the tag of an all-gather's messages (a transfer's have their own)
-GATHER_TAG = 1 << 20
 
 
 def framed(data: bytes, width: int) -> np.ndarray:
@@ -120,7 +118,8 @@ class TorchGroup:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
         #: node number of every rank
-        self.nodes: tuple[int, ...] = tuple(int(n) for n in self.all_gather(self.node_rank))
+        every = collectives.all_gather_ints(self, [self.node_rank])
+        self.nodes: tuple[int, ...] = tuple(int(n) for n in every[:, 0])
         self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
 
@@ -248,27 +247,22 @@ class TorchGroup:
         return failed
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (JSON), in rank order: one round of messages with every other rank when
-        every rank's JSON fits in ``GATHER_WIDTH`` bytes (the store's agreements usually do); else a second
-        one, of the longer ones' rest, follows. Every rank exchanges with every other, so a rank whose
-        connection dropped fails the gather at once, on every rank, naming it."""
+        """Every rank's ``obj`` (JSON), in rank order: one gather of ``GATHER_WIDTH`` bytes per rank when
+        every rank's JSON fits (the store's agreements usually do); else a second one, of the longest rest,
+        follows (:func:`~tierfs.ranks.collectives.all_gather`). What a rank receives grows with the job:
+        only for what every rank needs of every other, or when the ranks' views differ."""
         data = json.dumps(obj).encode()
-        width = 8 + GATHER_WIDTH
-        first = framed(data, width)
-        others = [r for r in range(self.world_size) if r != self.rank]
         with self.bounded():
-            got = {r: np.empty(width, dtype=np.uint8) for r in others}
-            self.exchange([(r, first) for r in others], list(got.items()), tag=GATHER_TAG)
-            got[self.rank] = first
-            sizes = [int(got[r][:8].view(np.int64)[0]) for r in range(self.world_size)]
-            rest: dict[int, np.ndarray] = {}
+            rows = collectives.all_gather(self, framed(data, 8 + GATHER_WIDTH))
+            sizes = [int(n) for n in rows[:, :8].copy().view(np.int64)[:, 0]]
+            rest = None
             if max(sizes) > GATHER_WIDTH:  # every rank saw the same sizes: all take this round
-                rest = {r: np.empty(n - GATHER_WIDTH, dtype=np.uint8) for r, n in enumerate(sizes)
-                        if n > GATHER_WIDTH and r != self.rank}
-                mine = np.frombuffer(data, dtype=np.uint8)[GATHER_WIDTH:]
-                self.exchange([(r, mine) for r in others] if mine.size else [], list(rest.items()), tag=GATHER_TAG)
-        return [json.loads(data if r == self.rank else
-                           got[r][8:8 + min(n, GATHER_WIDTH)].tobytes() + (rest[r].tobytes() if r in rest else b""))
+                mine = np.zeros(max(sizes) - GATHER_WIDTH, dtype=np.uint8)
+                tail = np.frombuffer(data, dtype=np.uint8)[GATHER_WIDTH:]
+                mine[:tail.size] = tail
+                rest = collectives.all_gather(self, mine)
+        return [json.loads(rows[r, 8:8 + min(n, GATHER_WIDTH)].tobytes()
+                           + (rest[r, :n - GATHER_WIDTH].tobytes() if rest is not None and n > GATHER_WIDTH else b""))
                 for r, n in enumerate(sizes)]
 
     def barrier(self) -> None:

@@ -32,7 +32,7 @@ from .._worker import BACKGROUND_NICE
 from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
-from ..ranks.agree import any_rank
+from ..ranks.agree import any_rank, views as rank_views
 from . import _wire
 from ._wire import Wire
 from .base import Capacity, FailedCopy, Fetched, Pace, ReceiveInto, Replicator, Tier
@@ -130,7 +130,7 @@ class PeerTier(Replicator):
                               "torch.distributed initialised); this process is alone")
         nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
         # each connection is a group every rank must create; the first message's size must match
-        views = group.all_gather([self.connections, self.wire.first])
+        views = rank_views(group, [self.connections, self.wire.first])
         for k, what in enumerate(("connections", "wire first message size")):
             if len({v[k] for v in views}) > 1:
                 raise TierfsError(f"ranks disagree on PeerTier {what}: {[v[k] for v in views]}; give every "

@@ -1,0 +1,42 @@
+"""What one rank pays to coordinate a steady save does not grow with the job.
+
+The same job at 3 and at 6 processes (each its own node: a RAM tier, ``PeerTier(replicas=1)`` and an S3
+object tier on a local server behind a request-counting proxy; benchmarks/_scale.py, whose ranks are
+tests/children/scale_child.py): a rank other than rank 0 makes the same calls into torch.distributed,
+moves the same bytes through them, asks the object store the same requests in a steady save, and holds
+the same sockets after opening the store. 3 rather than 2: with 2 ranks a ring's two neighbours are one
+rank, so a rank holds fewer connections than in any larger job. ``benchmarks/bench_scale.py`` measures
+the same from 2 to 64 processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _scale import Harness, measure  # noqa: E402
+
+#: what a steady save costs a rank, each the same at every job size
+STEADY = ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", "groups_created", "store_writes",
+          "store_reads", "s3_LIST", "s3_keys_listed", "s3_PUT", "s3_HEAD", "s3_GET", "s3_DELETE",
+          "s3_keys_deleted")
+
+
+def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
+    with Harness(6) as h:
+        small = measure(3, ("open", "steady_save"), harness=h)
+        large = measure(6, ("open", "steady_save"), harness=h)
+    for rank in (1, 2):  # ranks holding the same state in both jobs (sizes differ by rank), not the owner
+        a, b = small[rank]["steady_save"], large[rank]["steady_save"]
+        assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, rank
+        assert a["calls"] > 0 and a["s3_PUT"] > 0  # the save did coordinate and upload
+        assert small[rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
+    # every rank, rank 0 and the ranks only the larger job has included, makes the same calls
+    assert {r["steady_save"]["calls"] for r in (*small.values(), *large.values())} == {small[1]["steady_save"]["calls"]}
