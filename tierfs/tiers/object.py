@@ -190,21 +190,16 @@ class ObjectTier(Tier):
     def list_steps(self) -> dict[int, bool]:
         self.fs.invalidate_cache(self.root)
         try:
-            # One flat listing (S3 and GCS: one request per 1000 objects), never find(maxdepth=...): that
-            # walks directory by directory and fsspec's walk drops a directory whose listing failed, so
-            # a listing that failed (a 500 after the client's retries) looked like a tier without steps.
-            # Directories too: a step emptied by a deletion cut short is partial, and cleaned up.
-            paths = self._retry(lambda: self.fs.find(self.root, withdirs=True), "list the steps")
+            # The root's entries alone (S3 and GCS: a delimited listing, the step prefixes, not their
+            # objects), then each step's marker: requests grow with the steps kept, never with the ranks
+            # or their files. ls raises when a listing fails, so a failed listing never reads as no steps.
+            # A step emptied by a deletion cut short has no objects, hence no prefix.
+            entries = self._retry(lambda: self.fs.ls(self.root, detail=True), "list the steps")
         except FileNotFoundError:
             return {}
-        out: dict[int, bool] = {}
-        n = len(self.root) + 1 if self.root else 0
-        for p in paths:
-            parts = p.rstrip("/")[n:].split("/") if p.startswith(self.root) else []
-            s = parse_step_dirname(parts[0]) if parts else None
-            if s is not None:
-                out[s] = out.get(s, False) or (len(parts) == 2 and parts[1] == MARKER)
-        return out
+        steps = sorted({s for s in (parse_step_dirname(e["name"].rstrip("/").rsplit("/", 1)[-1])
+                                    for e in entries if e.get("type") == "directory") if s is not None})
+        return {s: bool(self.sizes_of(s, [MARKER])) for s in steps}
 
     def file_sizes(self, step: int) -> dict[str, int]:
         d = self._path(step)
