@@ -4,7 +4,8 @@ The same job at 3 and at 6 processes (each its own node: a RAM tier, ``PeerTier(
 object tier on a local server behind a request-counting proxy; benchmarks/_scale.py, whose ranks are
 tests/children/scale_child.py): a rank other than rank 0 makes the same calls into torch.distributed,
 moves the same bytes through them, asks the object store the same requests in a steady save, and holds
-the same sockets after opening the store. 3 rather than 2: with 2 ranks a ring's two neighbours are one
+the same sockets after opening the store; a restart agrees in the same collectives, whose bytes grow only
+by what ``RestoreInfo.ranks`` reports of every rank. 3 rather than 2: with 2 ranks a ring's two neighbours are one
 rank, so a rank holds fewer connections than in any larger job. ``benchmarks/bench_scale.py`` measures
 the same from 2 to 64 processes.
 """
@@ -31,8 +32,8 @@ STEADY = ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", 
 
 def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
     with Harness(6) as h:
-        small = measure(3, ("open", "steady_save"), harness=h)
-        large = measure(6, ("open", "steady_save"), harness=h)
+        small = measure(3, ("open", "steady_save", "restore"), harness=h)
+        large = measure(6, ("open", "steady_save", "restore"), harness=h)
     for rank in (1, 2):  # ranks holding the same state in both jobs (sizes differ by rank), not the owner
         a, b = small[rank]["steady_save"], large[rank]["steady_save"]
         assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, rank
@@ -40,3 +41,8 @@ def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
         assert small[rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
     # every rank, rank 0 and the ranks only the larger job has included, makes the same calls
     assert {r["steady_save"]["calls"] for r in (*small.values(), *large.values())} == {small[1]["steady_save"]["calls"]}
+    # a restart agrees in the same collectives; what grows is RestoreInfo.ranks alone, 32 bytes per rank
+    for rank in (0, 1, 2):
+        a, b = small[rank]["restore"], large[rank]["restore"]
+        assert a["calls"] == b["calls"] and a["groups_created"] == b["groups_created"] == 0, rank
+        assert b["bytes_sent"] - a["bytes_sent"] == 32 * (6 - 3), rank

@@ -20,7 +20,8 @@ from .core.catchup import catch_up
 from .core.context import check_tiers
 from ._storereads import ShardReads
 from .core.reads import Reader
-from .core.restore.pipeline import Restore, RestoreInfo, lost_steps
+from .core.restore.pipeline import Restore, RestoreInfo
+from .core.restore.plan import lost_steps
 from .core.restore.sinks import InPlace, NewArrays
 from .core.retention import Retention
 from .core.saving import SavePath

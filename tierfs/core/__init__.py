@@ -5,7 +5,7 @@
   are and what they share) and ``background`` (the workers and their failures)
 - ``saving``: stage, commit, hand on to the slower tiers; ``catchup``: the copies a crash left undone
 - ``timeline``: which steps a save supersedes
-- ``restore``: the restore pipeline (``pipeline``: plan, attempts, agreement; ``sources``; ``sinks``)
+- ``restore``: the restore pipeline (``pipeline``: attempts, agreement; ``plan``; ``sources``; ``sinks``)
 - ``reads``: reads of any rank's shard without collectives
 - ``retention``: which steps each tier deletes
 """

@@ -75,6 +75,9 @@ class SingleProcess:
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        return [[int(v) for v in values]]
+
     def barrier(self) -> None:
         pass
 
@@ -264,6 +267,11 @@ class TorchGroup:
         return [json.loads(rows[r, 8:8 + min(n, GATHER_WIDTH)].tobytes()
                            + (rest[r, :n - GATHER_WIDTH].tobytes() if rest is not None and n > GATHER_WIDTH else b""))
                 for r, n in enumerate(sizes)]
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (int64, the same count on every rank), in rank order: 8 bytes per value
+        and rank (:func:`~tierfs.ranks.collectives.all_gather_ints`)."""
+        return [[int(v) for v in row] for row in collectives.all_gather_ints(self, values)]
 
     def barrier(self) -> None:
         """Wait until every rank got here (an all-reduce of one number)."""

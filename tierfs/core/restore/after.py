@@ -22,7 +22,7 @@ from .sinks import Shard
 from .sources import RestoreInfo
 
 if TYPE_CHECKING:
-    from .pipeline import RestorePlan
+    from .plan import RestorePlan
 
 log = logging.getLogger("tierfs")
 

@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..._stages import operation, stage
+from ..._stages import operation
 from ..._worker import Detached
-from ...ranks import Group, agree
-from ...errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StateMismatchError,
-                       StepNotFoundError, TierfsError)
-from ...protocol import common_steps
+from ...ranks import agreement
+from ...errors import RestoreError, RestoreIncompleteError
 from ...tiers.base import AnyTier
 from ..context import Context
 from .after import localize, reseed
 from .bundles import WHOLE, holds
 from .sinks import Landing, Shard, Sink
+from .plan import RestorePlan, error_kind, gather_plan
 from .sources import Attempt, Bundles, Peers, RestoreInfo, Skipped, TierSource
 
 __all__ = ["Restore", "RestoreInfo", "RestorePlan", "gather_plan", "lost_steps"]
@@ -142,11 +140,16 @@ class Restore:
         """Whether every rank has the step (collective); a mismatch anywhere is raised on every rank, and so
         is a rank's failure once ranks have returned the step (``left``: this one did)."""
         s = a.step
-        votes = agree(a.group, [a.got is not None, left], a.mismatch, f"restore step {s}", classify=error_kind)
-        if all(has for has, _ in votes):
+        with agreement(a.group, f"restore step {s}", classify=error_kind) as vote:
+            vote.mins, vote.maxes = [int(a.got is not None)], [int(left)]  # every rank has it; a rank left
+            if a.mismatch is not None:
+                raise a.mismatch
+        if vote.min[0]:
             return True
-        gone = sum(1 for _, went in votes if went)
-        if gone:
+        if vote.max[0]:  # rare: who lacks it, and how many had gone
+            mine = [a.got is not None, left]
+            votes = a.group.all_gather(mine) if a.group.world_size > 1 else [mine]
+            gone = sum(1 for _, went in votes if went)
             lacking = [r for r, (has, _) in enumerate(votes) if not has]
             why = "; ".join(f"{t}: {w}" for t, x, w in self.skipped if x == s) if a.got is None else ""
             raise RestoreIncompleteError(
@@ -195,117 +198,15 @@ class Restore:
         assert a.got is not None
         info, shard = a.got
         g = a.group
-        if g.world_size > 1:
-            info.ranks = g.all_gather({"rank": g.rank, "tier": info.tier, "peer": info.peer,
-                                       "nbytes": info.nbytes, "seconds": info.seconds})
+        if g.world_size > 1:  # 32 bytes per rank: the tier by its place among the store's
+            names = list(self.ctx.names)
+            rows = g.all_gather_ints([names.index(info.tier), -1 if info.peer is None else info.peer, info.nbytes,
+                                      round(info.seconds * 1e9)])
+            info.ranks = [{"rank": r, "tier": names[t], "peer": None if p < 0 else p, "nbytes": n, "seconds": ns / 1e9}
+                          for r, (t, p, n, ns) in enumerate(rows)]
         log.info("restored %s", info)
         if adopt:
             localize(self.ctx, g, a.step, info, shard)
         if self.replicator is not None:
             reseed(self.ctx, self.replicator, a.step, a.plan, shard)
         return info
-
-
-# -- the plan ----------------------------------------------------------------------------------------
-@dataclass
-class RestorePlan:
-    """What one gather told every rank (the same on every rank).
-
-    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
-    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
-    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
-    """
-
-    own: list[set[int]]
-    holders: dict[tuple[int, int], list[int]]
-    local: dict[str, set[int]]
-    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
-
-    @property
-    def every(self) -> set[int]:
-        """Every step some rank can read or some replica holds."""
-        return set().union(*self.own, (s for s, _ in self.holders))
-
-    def gettable(self, rank: int) -> set[int]:
-        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
-        return self.own[rank] | {s for s, r in self.holders if r == rank}
-
-    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
-        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get.
-        Raises :class:`~tierfs.errors.CheckpointLostError` when ranks hold steps but none every rank can get."""
-        gettable = [self.gettable(r) for r in range(len(self.own))]
-        common = common_steps(gettable)
-        if step is not None:
-            if step not in common:
-                lacking = [r for r, g in enumerate(gettable) if step not in g]
-                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank (rank(s) "
-                                        f"{lacking[:8]} lack it); available: {sorted(common)[-10:]}")
-            return [step]
-        if not common:
-            lost = lost_steps(gettable, tiers)
-            if lost is not None:
-                raise lost
-            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
-        return sorted(common, reverse=True)
-
-    def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
-        """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
-        gettable = [self.gettable(r) for r in range(len(self.own))]
-        newer = sorted({x for g in gettable for x in g if x > step} - common_steps(gettable), reverse=True)
-        return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
-
-    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
-        return [(r, t) for r in range(len(self.own)) for t in targets[r]
-                if t not in self.holders.get((step, r), [])]
-
-
-def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLostError | None:
-    """The error of a job whose ranks hold steps (``held[r]``: what rank ``r`` can get) none of which every
-    rank can get, naming the newest of them and the ranks lacking each; None when no rank holds any or
-    some step is held by every rank."""
-    every = set().union(*held)
-    if not every or common_steps(held):
-        return None
-    newest = sorted(every, reverse=True)[:4]
-    lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
-    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
-    return CheckpointLostError(
-        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)} and no "
-        f"step by every rank (lacking {said}): those ranks' shards and every copy of them are gone (e.g. nodes "
-        "replaced before a peer or a slower tier had a copy). Restore from another tier, or start afresh by "
-        "removing the tiers' directories", steps=sorted(every), lacking=lacking)
-
-
-def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], None] = lambda: None,
-                group: Group | None = None) -> RestorePlan:
-    """Every rank's view, in one collective: the steps it can read itself, the shards it keeps for others.
-    ``check()`` runs first (the store raises background failures there); a rank that fails makes every
-    rank raise."""
-    view, failure, local = None, None, {}
-    try:
-        with stage("planning"):
-            check()
-            ctx.refresh()
-            before, rep, after = ctx.roles(usable)
-            local = {t.name: ctx.ledger.holding(t.name) for t in before + after}
-            held = rep.holdings() if rep is not None else {}
-            view = [sorted(set().union(*local.values())), [[s, r] for s, rs in held.items() for r in rs],
-                    sorted(set().union(*(local[t.name] for t in before)))]
-    except BaseException as e:  # noqa: BLE001 - raised on every rank by agree
-        failure = e
-    views = agree(group or ctx.group, view, failure, "restore", outcome="nothing restored", classify=error_kind)
-    holders: dict[tuple[int, int], list[int]] = {}
-    for h, (_, kept, _) in enumerate(views):
-        for s, r in kept:
-            holders.setdefault((s, r), []).append(h)
-    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
-
-
-def error_kind(e: BaseException) -> type[TierfsError]:
-    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
-    argument an ArgumentError."""
-    for cls in (StateMismatchError, ArgumentError):
-        if isinstance(e, cls):
-            return cls
-    return TierfsError

@@ -38,7 +38,7 @@ from .bundles import NONE, OWNED, UNIQUE, WHOLE, complete, holds
 from .sinks import Landing, Shard, Sink, fill
 
 if TYPE_CHECKING:
-    from .pipeline import RestorePlan
+    from .plan import RestorePlan
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")

@@ -1,0 +1,127 @@
+"""The restore's plan: which steps each rank can get, from its own tiers or from a replica, agreed by
+every rank in one collective step (:func:`gather_plan`), and the choice of steps it allows.
+
+In a normal restart every rank holds the same steps and keeps the same replicas relative to itself (a
+ring's neighbour's): the ranks then agree in two all-reduces of a few integers and each builds the whole
+plan itself; only when the ranks' views differ (a node lost its RAM, a replica is missing) is every
+rank's view gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..._stages import stage
+from ...errors import (ArgumentError, CheckpointLostError, StateMismatchError, StepNotFoundError, TierfsError)
+from ...protocol import common_steps
+from ...ranks import Group, agreement
+from ...ranks.agree import views as rank_views
+from ...tiers.base import AnyTier
+from ..context import Context
+
+
+@dataclass
+class RestorePlan:
+    """What one gather told every rank (the same on every rank).
+
+    ``own[r]`` are the steps rank ``r`` can read from its own tiers (``fast[r]``: from those before the
+    replicator, its RAM); ``holders[(step, r)]`` the ranks that keep a replica of rank ``r``'s shard of
+    ``step``; ``local`` (this rank's alone) the steps each of its file tiers holds.
+    """
+
+    own: list[set[int]]
+    holders: dict[tuple[int, int], list[int]]
+    local: dict[str, set[int]]
+    fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
+
+    @property
+    def every(self) -> set[int]:
+        """Every step some rank can read or some replica holds."""
+        return set().union(*self.own, (s for s, _ in self.holders))
+
+    def gettable(self, rank: int) -> set[int]:
+        """The steps rank ``rank`` can get: from its own tiers or from a replica."""
+        return self.own[rank] | {s for s, r in self.holders if r == rank}
+
+    def steps(self, step: int | None, tiers: Sequence[str]) -> list[int]:
+        """The steps to try, newest first: ``step`` alone if given, else every step each rank can get.
+        Raises :class:`~tierfs.errors.CheckpointLostError` when ranks hold steps but none every rank can get."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        common = common_steps(gettable)
+        if step is not None:
+            if step not in common:
+                lacking = [r for r, g in enumerate(gettable) if step not in g]
+                raise StepNotFoundError(f"step {step} is not committed on {list(tiers)} for every rank (rank(s) "
+                                        f"{lacking[:8]} lack it); available: {sorted(common)[-10:]}")
+            return [step]
+        if not common:
+            lost = lost_steps(gettable, tiers)
+            if lost is not None:
+                raise lost
+            raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
+        return sorted(common, reverse=True)
+
+    def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
+        """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
+        gettable = [self.gettable(r) for r in range(len(self.own))]
+        newer = sorted({x for g in gettable for x in g if x > step} - common_steps(gettable), reverse=True)
+        return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
+
+    def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""
+        return [(r, t) for r in range(len(self.own)) for t in targets[r]
+                if t not in self.holders.get((step, r), [])]
+
+
+def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLostError | None:
+    """The error of a job whose ranks hold steps (``held[r]``: what rank ``r`` can get) none of which every
+    rank can get, naming the newest of them and the ranks lacking each; None when no rank holds any or
+    some step is held by every rank."""
+    every = set().union(*held)
+    if not every or common_steps(held):
+        return None
+    newest = sorted(every, reverse=True)[:4]
+    lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
+    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
+    return CheckpointLostError(
+        f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)} and no "
+        f"step by every rank (lacking {said}): those ranks' shards and every copy of them are gone (e.g. nodes "
+        "replaced before a peer or a slower tier had a copy). Restore from another tier, or start afresh by "
+        "removing the tiers' directories", steps=sorted(every), lacking=lacking)
+
+
+def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], None] = lambda: None,
+                group: Group | None = None) -> RestorePlan:
+    """Every rank's view (collective): the steps it can read itself, the shards it keeps for others, each
+    as an offset from the keeper's rank (so that ranks keeping their neighbours' shards have the same view
+    and the ranks agree in a few integers, see the module docstring). ``check()`` runs first (the store
+    raises background failures there); a rank that fails makes every rank raise."""
+    g = group or ctx.group
+    n = g.world_size
+    view: list[list[Any]] = []
+    local: dict[str, set[int]] = {}
+    with agreement(g, "restore", outcome="nothing restored", classify=error_kind):
+        with stage("planning"):
+            check()
+            ctx.refresh()
+            before, rep, after = ctx.roles(usable)
+            local = {t.name: ctx.ledger.holding(t.name) for t in before + after}
+            held = rep.holdings() if rep is not None else {}
+            kept = sorted([s, (g.rank - r) % n] for s, rs in held.items() for r in rs)
+            view = [sorted(set().union(*local.values())), kept, sorted(set().union(*(local[t.name] for t in before)))]
+    views = rank_views(g, view)
+    holders: dict[tuple[int, int], list[int]] = {}
+    for h, (_, kept, _) in enumerate(views):
+        for s, off in kept:
+            holders.setdefault((s, (h - off) % n), []).append(h)
+    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
+
+
+def error_kind(e: BaseException) -> type[TierfsError]:
+    """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
+    argument an ArgumentError."""
+    for cls in (StateMismatchError, ArgumentError):
+        if isinstance(e, cls):
+            return cls
+    return TierfsError
