@@ -6,11 +6,13 @@ intervals ``plan`` chooses, for one cluster or several sizes; it takes ``plan``'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from .. import planning as pl
+from ..planning import coordination
 from .._readable import duration, rate, size
 from .plan import add_model_args, inputs_from_args, usage_errors
 from .numbers import int_at_least, parse_count, parse_duration
@@ -59,7 +61,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write = max((t.bandwidth_total for t in best.tiers if t.name == "object"), default=0.0)
         stores.append((n, p.hosts, p.checkpoint, p.checkpoint * p.data_parallel, write))
     if args.json:
-        store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write}
+        store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write,
+                        "coordination_per_save": dataclasses.asdict(coordination.per_save(n))}
                     for n, _, once, _, write in stores}
         print(json.dumps([{"accelerators": n, "plan_goodput": g, **store_of[n], **r.as_dict()} for n, r, g in rows],
                          indent=2))
@@ -76,6 +79,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         + (f" ({size(whole)} if every copy were stored)" if dp > 1 else "")
                         + f", {rate(write)} for the job" for n, hosts, once, whole, write in stores))
         print()
+        print(_coordination([n for n, *_ in stores]))
+        print()
         print(sim.LEGEND)
     if args.plot:
         try:
@@ -86,6 +91,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _coordination(sizes: list[int]) -> str:
+    """What coordinating one save costs at each size, one rank per accelerator
+    (:mod:`tierfs.planning.coordination`)."""
+    m = coordination.MEASURED
+    lines = [f"coordination per save (one rank per accelerator; per rank, the same at any size: {m.collectives} "
+             f"all-reduces of a few integers, {m.sockets} sockets, {m.object_requests} object-store requests, "
+             f"{m.store_requests} TCPStore requests; measured by benchmarks/bench_scale.py)"]
+    for n in sizes:
+        c = coordination.per_save(n)
+        lines.append(f"  {n} accelerators: {c.object_requests:,} object-store requests, {c.sockets:,} sockets held "
+                     f"in the job; rank 0 lists and deletes {c.owner_keys:,} keys of the step retention lets go")
+    return "\n".join(lines)
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ second; printed as GB = 1e9 bytes and GB/s = 1e9 bytes/s.
 - :mod:`~tierfs.planning.report`: the plan as text (``tierfs plan``) and as JSON.
 - :mod:`~tierfs.planning.simulate`: a Monte-Carlo run of the same model (``tierfs simulate``), which
   checks the goodput figures.
+- :mod:`~tierfs.planning.coordination`: what coordinating a save costs a job of a given size.
 
 Imports point one way: report -> optimise -> formulas, inputs, model; simulate -> model.
 """
