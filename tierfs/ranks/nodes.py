@@ -13,40 +13,53 @@ raises the same one-line error naming the ranks and the directory.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, Sequence
 
 from ..errors import TierfsError
-from .agree import agree
+from .agree import agreement, views as rank_views
 from .groups import Group
 
 
-class NodeMap:
-    """The ranks sharing each node-local tier's storage, and every rank's identities (for checks)."""
+def _key(identity: Any) -> int:
+    """A storage identity as a 62-bit number (equal identities, equal numbers)."""
+    data = json.dumps(identity, sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
-    def __init__(self, rank: int, views: Sequence[dict[str, list[Any]]]) -> None:
+
+class NodeMap:
+    """The ranks sharing each node-local tier's storage: every rank's identity of each tier's storage, as a
+    number (8 bytes per tier and rank cross the job, whatever the paths), and this rank's locations."""
+
+    def __init__(self, rank: int, tiers: Sequence[str], keys: Sequence[Sequence[int]],
+                 locations: dict[str, str], group: Group | None = None) -> None:
         self.rank = rank
-        self.views = list(views)  # per rank: {tier: [identity, location]}
+        self.tiers = list(tiers)
+        self.keys = [list(k) for k in keys]  # per rank: the identity's number of each of ``tiers`` (0: none)
+        self.locations = dict(locations)  # this rank's
+        self._group = group
 
     def sharing(self, tier: str) -> tuple[int, ...]:
         """The ranks whose ``tier`` is the same storage as this rank's (this rank included)."""
-        mine = self.views[self.rank].get(tier, [None])[0]
-        if mine is None:
+        if tier not in self.tiers:
             return (self.rank,)
-        return tuple(r for r, v in enumerate(self.views) if v.get(tier, [None])[0] == mine)
+        k = self.tiers.index(tier)
+        mine = self.keys[self.rank][k]
+        return tuple(r for r, v in enumerate(self.keys) if v[k] == mine)
 
     def check(self, nodes: Sequence[int], source: str) -> None:
-        """Raise on every rank (the same error: every rank holds the same views) when two ranks share a
-        tier's storage but ``nodes`` (from ``source``) puts them on different nodes."""
-        for tier in sorted({t for v in self.views for t in v}):
-            seen: dict[str, int] = {}
-            for r, v in enumerate(self.views):
-                ident = v.get(tier, [None])[0]
-                if ident is None:
-                    continue
-                key = repr(ident)
-                first = seen.setdefault(key, r)
+        """Raise on every rank (the same error: every rank holds the same identities) when two ranks share a
+        tier's storage but ``nodes`` (from ``source``) puts them on different nodes. Collective when it raises:
+        the first of those ranks tells the others where the directory is."""
+        for k, tier in sorted(enumerate(self.tiers), key=lambda x: x[1]):
+            seen: dict[int, int] = {}
+            for r, v in enumerate(self.keys):
+                first = seen.setdefault(v[k], r)
                 if nodes[first] != nodes[r]:
-                    where = v[tier][1]
+                    where = self.locations.get(tier, "") if self.rank == first else ""
+                    if self._group is not None and self._group.world_size > 1:
+                        where = self._group.broadcast(where, first)
                     raise TierfsError(
                         f"ranks {first} and {r} share the directory {where} of tier {tier!r} but {source} puts them "
                         f"on nodes {nodes[first]} and {nodes[r]}: a directory lives on one node; give ranks that "
@@ -54,13 +67,15 @@ class NodeMap:
 
 
 def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> NodeMap:
-    """Every rank's identities of its node-local tiers' storage, ``{tier: [identity, location]}`` as
-    ``identities()`` gives them (collective; a rank that cannot read its own raises, and the others raise
-    naming it)."""
+    """Every rank's identities of its node-local tiers' storage (``identities()`` gives this rank's,
+    ``{tier: [identity, location]}``), collective: a rank that cannot read its own raises, and the others
+    raise naming it. The ranks' tiers are the store's, the same names on every rank."""
     mine: dict[str, list[Any]] = {}
-    failure: BaseException | None = None
-    try:
+    with agreement(group, "open the store: which ranks share a directory"):
         mine = identities()
-    except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
-        failure = e
-    return NodeMap(group.rank, agree(group, mine, failure, "open the store: which ranks share a directory"))
+    tiers = sorted(mine)
+    if rank_views(group, tiers) != [tiers] * group.world_size:
+        raise TierfsError(f"ranks have different node-local tiers (this rank: {tiers}); give every rank the same tiers")
+    row = [_key(mine[t][0]) for t in tiers]
+    keys = group.all_gather_ints(row) if tiers and group.world_size > 1 else [row] * group.world_size
+    return NodeMap(group.rank, tiers, keys, {t: str(mine[t][1]) for t in tiers}, group)
