@@ -10,6 +10,7 @@ without a traceback, as a command-line tool ends on Ctrl-C.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 
@@ -19,6 +20,9 @@ from tierfs import TieredStore
 from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier, ObjectTier
 
+# Ctrl-C as at a terminal, also when the tests run as a background job (whose processes start with
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 ram, url, mode = sys.argv[1:4]
 go = threading.Event()
 
