@@ -14,7 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import _args
 from .._rootdir import check_local_url
@@ -199,9 +199,23 @@ def cmd_export(args: argparse.Namespace) -> int:
         from ..adapters.dcp import export_dcp
     except ImportError as e:
         raise TierfsError(f"export --dcp needs torch ({e}); pip install 'tierfs[torch]'") from None
-    from ..store import TieredStore
 
     check_directory(args.directory, "DIR")  # never a system directory, before any tier is read
+
+    md, dt = _export(args, lambda store, step, chosen, progress: export_dcp(
+        store, args.directory, step, tiers=chosen, overwrite=args.overwrite, progress=progress))
+    files = sorted({getattr(v, "relative_path", "") for v in md.storage_data.values()})
+    nbytes = sum(os.path.getsize(os.path.join(args.directory, f)) for f in files if f)
+    print(f"exported {args.directory}: {len(files)} .distcp file(s), {size(nbytes)} in {duration(dt)} "
+          f"({rate(nbytes, dt)}); load it with dcp.load(state, "
+          f"storage_reader=FileSystemReader({args.directory!r}))")
+    return 0
+
+
+def _export(args: argparse.Namespace, write: Callable[[Any, Any, Any, Any], Any]) -> tuple[Any, float]:
+    """Open TARGET's tiers (``--tier``: that one), pick ``--step`` (default: the newest every rank holds)
+    and ``write(store, step, tiers, progress)`` it with a progress bar; its result and the seconds taken."""
+    from ..store import TieredStore
 
     tiers = tiers_from_target(args.target, storage_options_from_args(args))
     if args.tier is not None:
@@ -217,20 +231,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             total = store.read_marker(step, tiers=chosen).nbytes if step is not None and step in held else 0
             bar: Any = progress_bar(total, f"export step {step}", args)
             try:
-                md = export_dcp(store, args.directory, step, tiers=chosen, overwrite=args.overwrite,
-                                progress=bar.update if bar else None)
+                out = write(store, step, chosen, bar.update if bar else None)
             finally:
                 if bar is not None:
                     bar.close()
     finally:
         close_all(tiers)
-    files = sorted({getattr(v, "relative_path", "") for v in md.storage_data.values()})
-    nbytes = sum(os.path.getsize(os.path.join(args.directory, f)) for f in files if f)
-    dt = time.perf_counter() - t0
-    print(f"exported {args.directory}: {len(files)} .distcp file(s), {size(nbytes)} in {duration(dt)} "
-          f"({rate(nbytes, dt)}); load it with dcp.load(state, "
-          f"storage_reader=FileSystemReader({args.directory!r}))")
-    return 0
+    return out, time.perf_counter() - t0
 
 
 def _export_safetensors(args: argparse.Namespace) -> int:
@@ -240,36 +247,14 @@ def _export_safetensors(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise TierfsError(f"export --safetensors needs torch ({e}); pip install 'tierfs[torch]'") from None
     from ..adapters.safetensors import Destination, parse_dtype
-    from ..store import TieredStore
 
     limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size is not None else "5GB"
     parse_dtype(args.dtype)
     dst_opts = _dst_options(args, {}) if (args.dst_storage_options or args.dst_option) else None
     Destination(args.directory, "DIR", dst_opts)  # never a system directory, before any tier is read
-    tiers = tiers_from_target(args.target, storage_options_from_args(args))
-    if args.tier is not None:
-        select(tiers, args.tier)
-    chosen = [args.tier] if args.tier else None
-    try:
-        for t in tiers:
-            t.check_readable()
-        with TieredStore(tiers, cleanup=False, background_bandwidth=None) as store:
-            t0 = time.perf_counter()
-            held = store.common_steps(chosen)
-            step = args.step if args.step is not None else (held[-1] if held else None)
-            total = store.read_marker(step, tiers=chosen).nbytes if step is not None and step in held else 0
-            bar: Any = progress_bar(total, f"export step {step}", args)
-            try:
-                out = export_safetensors(store, args.directory, step, tiers=chosen, prefix=args.prefix,
-                                         dtype=args.dtype, max_shard_size=limit, config=args.config,
-                                         overwrite=args.overwrite, storage_options=dst_opts,
-                                         progress=bar.update if bar else None)
-            finally:
-                if bar is not None:
-                    bar.close()
-    finally:
-        close_all(tiers)
-    dt = time.perf_counter() - t0
+    out, dt = _export(args, lambda store, step, chosen, progress: export_safetensors(
+        store, args.directory, step, tiers=chosen, prefix=args.prefix, dtype=args.dtype, max_shard_size=limit,
+        config=args.config, overwrite=args.overwrite, storage_options=dst_opts, progress=progress))
     print(f"exported step {out.step} to {out.directory}: {len(out.weight_map)} tensors in "
           f"{len(out.files) - (len(out.files) > 1)} .safetensors file(s), {size(out.total_size)} in {duration(dt)} "
           f"({rate(out.total_size, dt)}); load it with safetensors.torch.load_file or from_pretrained")
