@@ -121,8 +121,7 @@ class TorchGroup:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
         #: node number of every rank
-        every = collectives.all_gather_ints(self, [self.node_rank])
-        self.nodes: tuple[int, ...] = tuple(int(n) for n in every[:, 0])
+        self.nodes: tuple[int, ...] = tuple(row[0] for row in self.all_gather_ints([self.node_rank]))
         self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
 
