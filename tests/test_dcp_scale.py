@@ -6,11 +6,13 @@ that carry groups of ranks; the binomial tree and the broadcast ``TieredReader``
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import queue
 import random
+import sys
 import threading
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,37 +23,12 @@ from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, Te
                                                   WriteItemType)
 
 from tierfs.adapters.dcp import collective
-from tierfs.adapters.dcp.metadata import entry_name
 from tierfs.adapters.dcp.sharing import HELD, decode_ranks, encode_ranks, held, plan_sharing, sharing_of
 from tierfs.errors import RankWaitError
 
-
-def old_plan_sharing(plans: Sequence[Any], ranks: Sequence[int], sid: str) -> list[dict[str, Any] | None]:
-    """``plan_sharing`` before it was made linear (O(items x N^2)), verbatim: the reference."""
-    names = [p.storage_data.get(HELD) if isinstance(p.storage_data, dict) else None for p in plans]
-    if any(n is None for n in names):
-        return [None] * len(plans)
-    owner = {entry_name(i.index, i.type == WriteItemType.BYTE_IO): ranks[k] for k, p in enumerate(plans)
-             for i in p.items}
-    holders: dict[str, list[int]] = {}
-    for k, ns in enumerate(names):
-        for n in ns or ():
-            holders.setdefault(n, []).append(ranks[k])
-    out: list[dict[str, Any]] = [{"sid": sid, "groups": [], "owners": {}} for _ in plans]
-    index: list[dict[tuple[int, ...], int]] = [{} for _ in plans]
-    at = {r: k for k, r in enumerate(ranks)}
-    for n, hs in holders.items():
-        if len(hs) < 2 or n not in owner:
-            continue
-        group = tuple(sorted(hs))
-        for r in group:
-            k = at[r]
-            gi = index[k].get(group)
-            if gi is None:
-                gi = index[k][group] = len(out[k]["groups"])
-                out[k]["groups"].append(list(group))
-            out[k]["owners"][n] = [owner[n], gi]
-    return list(out)
+# the code before the planning was made linear, kept verbatim by the benchmark that compares the two
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_dcp_plan import old_plan_sharing  # noqa: E402
 
 
 # -- synthesized plans ---------------------------------------------------------------------------------
