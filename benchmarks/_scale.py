@@ -561,6 +561,15 @@ class Harness:
         self.proxy = CountingProxy(self.endpoint, ranks)
         self._zygotes: dict[str | None, Zygote] = {}
 
+    def keys(self, url: str) -> list[str]:
+        """Every object under ``url`` (an ``s3://`` URL in :data:`BUCKET`), relative to it, sorted."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=self.endpoint, key="testing",
+                               secret="testing")
+        root = url.removeprefix("s3://").rstrip("/") + "/"
+        return sorted(k[len(root):] for k in fs.find(root))
+
     def zygote(self, tierfs_root: str | None) -> "Zygote":
         """The zygote that forks ranks importing tierfs from ``tierfs_root`` (started on first use)."""
         if tierfs_root not in self._zygotes:
@@ -783,7 +792,7 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
     ranks' stderr. ``harness``: a running :class:`Harness` (else one is started and stopped here).
     ``timeout``: seconds each job may take (default grows with ``n``). ``timings`` gets each job's
     seconds; ``detail`` gets, per operation, every rank's calls by function and by tierfs call site, and
-    each rank's ``info``. ``tierfs_root``: the directory the ranks import tierfs from (default: this
+    each rank's ``info``; and under ``"keys"``, per job, the object tier's keys after it. ``tierfs_root``: the directory the ranks import tierfs from (default: this
     checkout; see :func:`export_tierfs`). ``fork``: ranks are forked from a zygote that imported
     everything once (:class:`Zygote`; fast, and light on memory), else each is started as a process of its own.
     """
@@ -807,6 +816,8 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
             res = run_job(n, job, ramroot, url, h, timeout, os.path.join(workdir, f"logs-{run}"), tierfs_root, fork)
             if timings is not None:
                 timings[job] = time.perf_counter() - t0
+            if detail is not None:
+                detail.setdefault("keys", {})[job] = h.keys(url)
             for r, rr in enumerate(res):
                 for op, figs in rr["ops"].items():
                     if op in ops:

@@ -33,7 +33,8 @@ STEADY = ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", 
 def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
     with Harness(6) as h:
         small = measure(3, ("open", "steady_save", "restore"), harness=h)
-        large = measure(6, ("open", "steady_save", "restore"), harness=h)
+        detail: dict = {}
+        large = measure(6, ("open", "steady_save", "restore"), harness=h, detail=detail)
     for rank in (1, 2):  # ranks holding the same state in both jobs (sizes differ by rank), not the owner
         a, b = small[rank]["steady_save"], large[rank]["steady_save"]
         assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, rank
@@ -46,3 +47,23 @@ def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
         a, b = small[rank]["restore"], large[rank]["restore"]
         assert a["calls"] == b["calls"] and a["groups_created"] == b["groups_created"] == 0, rank
         assert b["bytes_sent"] - a["bytes_sent"] == 32 * (6 - 3), rank
+
+    # retention (LatestN(2) of steps 1-5) deleted the marker of step 3 and rank 0's files, and each rank
+    # takes back its own at the next save's retention: step 3's files of ranks 1-5 are left, marker-less
+    # (never a committed step with files missing), and the next store's open removes them
+    saved = by_step(detail["keys"]["save"])
+    assert sorted(saved) == ["step_000000000003", "step_000000000004", "step_000000000005"], sorted(saved)
+    for s in ("step_000000000004", "step_000000000005"):
+        assert "COMMITTED" in saved[s] and {f"rank_{r:05d}.manifest.json" for r in range(6)} <= saved[s], s
+    left = saved["step_000000000003"]
+    assert {n.split(".")[0] for n in left} == {f"rank_{r:05d}" for r in range(1, 6)}, left
+    assert {f"rank_{r:05d}.manifest.json" for r in range(1, 6)} <= left
+    assert sorted(by_step(detail["keys"]["restore"])) == ["step_000000000004", "step_000000000005"]
+
+
+def by_step(keys: list[str]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for k in keys:
+        step, _, name = k.partition("/")
+        out.setdefault(step, set()).add(name)
+    return out

@@ -16,7 +16,7 @@ import pytest
 from _disktier import DiskTier
 from tierfs import TieredStore
 from tierfs.config import tiers_from_config
-from tierfs.testing import (LocalFilesTests, SharedDirectoryTests, StagingTests, TierTests, ZeroCopyTests,
+from tierfs.testing import (FileDeletesTests, LocalFilesTests, SharedDirectoryTests, StagingTests, TierTests, ZeroCopyTests,
                             assert_states_equal)
 from tierfs.tiers import MemoryTier, ObjectTier
 
@@ -27,7 +27,7 @@ class TestMemoryTier(StagingTests, SharedDirectoryTests, LocalFilesTests, ZeroCo
         return lambda **kw: MemoryTier(shm_dir, **kw)
 
 
-class TestObjectTierOnMemory(TierTests):
+class TestObjectTierOnMemory(FileDeletesTests):
     @pytest.fixture
     def make_tier(self):
         root = f"memory://tierfs-test/{uuid.uuid4().hex}"
@@ -37,14 +37,14 @@ class TestObjectTierOnMemory(TierTests):
             mfs.rm(root.removeprefix("memory://"), recursive=True)
 
 
-class TestObjectTierOnFile(LocalFilesTests):
+class TestObjectTierOnFile(LocalFilesTests, FileDeletesTests):
     @pytest.fixture
     def make_tier(self, tmp_path):
         return lambda **kw: ObjectTier(f"file://{tmp_path}/objects", **kw)
 
 
 @pytest.mark.s3
-class TestObjectTierOnS3(TierTests):
+class TestObjectTierOnS3(FileDeletesTests):
     @pytest.fixture
     def make_tier(self, s3_url):
         url, opts = s3_url
@@ -52,7 +52,7 @@ class TestObjectTierOnS3(TierTests):
 
 
 @pytest.mark.s3
-class TestObjectTierOnSeaweedFS(TierTests):
+class TestObjectTierOnSeaweedFS(FileDeletesTests):
     @pytest.fixture
     def make_tier(self, seaweed_url):
         url, opts = seaweed_url
@@ -60,7 +60,7 @@ class TestObjectTierOnSeaweedFS(TierTests):
 
 
 @pytest.mark.gcs
-class TestObjectTierOnGCS(TierTests):
+class TestObjectTierOnGCS(FileDeletesTests):
     @pytest.fixture
     def make_tier(self, gcs_url):
         url, opts = gcs_url

@@ -2,7 +2,7 @@
 
     scale_child.py JOB RAMROOT URL ENDPOINT TIMEOUT
     scale_child.py --zygote        (forks ranks on request: see zygote())
-JOB: ``save`` (open, first save, a second save, steady save, the training thread's part of a blocking=False
+JOB: ``save`` (open, first save, two more saves, steady save (its retention deletes as every later one does), the training thread's part of a blocking=False
 save, close), ``restore`` (open, restore the newest step, close: a plain restart) or ``node_loss`` (the
 same, after the parent removed the last rank's RAM directory). RAMROOT/node<N> is the rank's RAM
 directory; URL the object tier's (shared by every rank); ENDPOINT the rank's own port on the
@@ -298,8 +298,9 @@ def same(a, b) -> bool:
     return a == b
 
 
-#: steps the save job saves: the first, one more, the steady one, the one saved with blocking=False
-FIRST, STEADY, NONBLOCKING = 1, 3, 4
+#: steps the save job saves: the first, two more (the second's retention deletes the first's marker, the
+#: ranks take back its files at the next save's), the steady one, the one saved with blocking=False
+FIRST, STEADY, NONBLOCKING = 1, 4, 5
 
 
 def main() -> None:
@@ -334,8 +335,9 @@ def main() -> None:
     if job == "save":
         meter.run("first_save", lambda: store.save(FIRST, state_for(rank, FIRST)), after=store.wait_until_finished)
         meter.barrier()
-        store.save(2, state_for(rank, 2))
-        store.wait_until_finished()
+        for s in range(FIRST + 1, STEADY):
+            store.save(s, state_for(rank, s))
+            store.wait_until_finished()
         meter.run("steady_save", lambda: store.save(STEADY, state_for(rank, STEADY), blocking=True),
                   after=store.wait_until_finished)
         meter.run("save_nonblocking", lambda: store.save(NONBLOCKING, state_for(rank, NONBLOCKING), blocking=False),

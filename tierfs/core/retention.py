@@ -4,18 +4,28 @@ A step is kept when its tier's keep policy keeps it, when it is being read or co
 is transient (staged in the first tier only to be copied on), or when it is the only copy of the newest
 step any tier holds. The rules are :func:`doomed`, a pure function of a ledger snapshot; the store runs
 them after every save on the tiers it touched, and ``tierfs gc`` on every tier at once.
+
+After a save, a step of a shared tier that takes deletions file by file (the object tier,
+:class:`~tierfs.tiers.capabilities.FileDeletes`) is deleted by every rank, not by the owner alone: the
+owner deletes the marker (the step is no longer committed), and each rank deletes its own files once it
+sees the marker gone, at the retention of a later save (:class:`Spread`). What a rank asks of the object
+store per save is then a few requests about its own files, whatever the job's size; a rank whose files
+outlive it (the job ended first) leaves a step without a marker, which the next job's store removes
+when it opens.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Mapping
 
 from .._stages import stage
 from ..errors import TierfsError
+from ..format import MARKER, Manifest, manifest_filename
 from ..policies import StepInfo
 from ..tiers.base import AnyTier, Tier
-from ..tiers.capabilities import SharedDirectory
+from ..tiers.capabilities import FileDeletes, SharedDirectory
 from .ledger import Snapshot
 from .context import Context
 from .reads import Reader
@@ -42,13 +52,15 @@ class Retention:
 
     def __init__(self, ctx: Context, reader: Reader) -> None:
         self.ctx, self.reader = ctx, reader
+        self.spread = Spread(ctx)
 
     def apply(self, tier: AnyTier, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Delete what ``tier``'s keep policy lets go now; a failure is raised, or handed to ``on_error``."""
         try:
             for s in doomed(tier, self.ctx.ledger.snapshot()):
                 log.debug("tier %s: retention deletes step %d", tier.name, s)
-                self.delete(tier, s)
+                self.delete(tier, s, spread=True)
+            self.spread.sweep(tier)
         except Exception as e:
             if on_error is None:
                 raise
@@ -85,14 +97,19 @@ class Retention:
             held[tier.name] -= set(out[tier.name])
         return out
 
-    def delete(self, tier: AnyTier, step: int) -> None:
+    def delete(self, tier: AnyTier, step: int, *, spread: bool = False) -> None:
         """Delete ``step`` from ``tier``, as this rank's part: ranks sharing a node's directory each take
-        back their own files and the owner drops the marker; elsewhere the owner deletes the step."""
+        back their own files and the owner drops the marker; with ``spread`` (every rank deletes the step:
+        the retention after a save) on a shared tier that takes deletions file by file, the same, each
+        rank's files once the marker is gone (:class:`Spread`); elsewhere the owner deletes the step."""
         p = self.ctx
         if not p.ledger.claim(tier.name, step):
             return
         with stage("retention", step, tier.name):
-            self._delete(tier, step)
+            if spread and self.spread.applies(tier):
+                self.spread.start(tier, step)
+            else:
+                self._delete(tier, step)
 
     def _delete(self, tier: AnyTier, step: int) -> None:
         p = self.ctx
@@ -104,3 +121,79 @@ class Retention:
             tier.release(step, p.group.rank, marker=p.ranks.owns(tier))
         elif p.ranks.owns(tier):
             tier.delete_step(step)
+
+
+class Spread:
+    """The deletions retention spreads over the ranks of a shared tier: the owner deletes a doomed step's
+    marker at once; each rank keeps the step as pending and deletes its own files (those its manifest
+    names, then the manifest) at a later save's retention, once the marker is gone (one HEAD request),
+    so no rank's files go while the step still reads as committed. A step saved again before then is
+    dropped from the pending steps, never deleted."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        #: tier -> {step: whether the marker is known gone (else: checked at a later sweep)}
+        self._pending: dict[str, dict[int, bool]] = {}
+        self._fresh: dict[str, set[int]] = {}  # pending since this retention: checked from the next one
+
+    def applies(self, tier: AnyTier) -> bool:
+        return (tier is not self.ctx.replicator and isinstance(tier, Tier) and isinstance(tier, FileDeletes)
+                and not tier.is_local and len(self.ctx.ranks.sharing(tier)) > 1)
+
+    def start(self, tier: AnyTier, step: int) -> None:
+        """This rank's first part of deleting ``step`` (claimed): the owner deletes the marker."""
+        assert isinstance(tier, FileDeletes)
+        owner = self.ctx.ranks.owns(tier)
+        if owner:
+            tier.delete_files(step, [MARKER])
+        with self._lock:
+            self._pending.setdefault(tier.name, {})[step] = owner
+            if not owner:
+                self._fresh.setdefault(tier.name, set()).add(step)
+
+    def sweep(self, tier: AnyTier) -> None:
+        """Delete this rank's files of the pending steps whose marker is gone."""
+        if not self.applies(tier):
+            return
+        assert isinstance(tier, Tier) and isinstance(tier, FileDeletes)
+        with self._lock:
+            pending = dict(self._pending.get(tier.name, {}))
+            fresh, self._fresh[tier.name] = self._fresh.get(tier.name, set()), set()
+        snap = self.ctx.ledger.snapshot()
+        for s, gone in sorted(pending.items()):
+            if s in snap.held[tier.name] or self.ctx.ledger.busy(s):
+                self._done(tier, s)  # saved again since: its files are the new save's
+                continue
+            if s in fresh or s in snap.pinned[tier.name]:
+                continue
+            if not gone and tier.sizes_of(s, [MARKER]):
+                continue  # the owner has not deleted the marker yet
+            with stage("retention", s, tier.name):
+                self._take_back(tier, s)
+            self._done(tier, s)
+
+    def _done(self, tier: AnyTier, step: int) -> None:
+        with self._lock:
+            self._pending.get(tier.name, {}).pop(step, None)
+
+    def _take_back(self, tier: Tier, step: int) -> None:
+        """Delete this rank's files of ``step``: those its manifest names, the manifest last."""
+        assert isinstance(tier, FileDeletes)
+        name = manifest_filename(self.ctx.group.rank)
+        try:
+            held = Manifest.from_bytes(bytes(tier.read_file(step, name))).held_files(tier.is_local)
+            own = name.split(".", 1)[0] + "."  # "rank_00003.": never another rank's file, whatever it names
+            files = sorted(n for n in held if n.startswith(own) and n != name)
+        except FileNotFoundError:
+            files = []  # nothing of this rank's is left (or it never uploaded this step)
+        except (TierfsError, ValueError) as e:  # an unreadable manifest: the next store's open removes the step
+            log.warning("tier %s step %d: this rank's manifest is unreadable (%s); its files stay until the "
+                        "next store opens", tier.name, step, e)
+            return
+        tier.delete_files(step, files)
+        tier.delete_files(step, [name])
+        try:
+            tier.remove_if_empty(step)
+        except (TierfsError, OSError) as e:  # only an empty directory is left behind
+            log.debug("tier %s step %d: directory not removed (%s)", tier.name, step, e)

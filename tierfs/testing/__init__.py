@@ -3,7 +3,8 @@
 :class:`TierTests` (:mod:`tierfs.testing.tiers`)
     The conformance suite every :class:`~tierfs.tiers.Tier` passes: subclass it with a ``make_tier``
     fixture for your backend.
-:class:`StagingTests`, :class:`SharedDirectoryTests`, :class:`LocalFilesTests`, :class:`ZeroCopyTests` (:mod:`tierfs.testing.capabilities`)
+:class:`StagingTests`, :class:`SharedDirectoryTests`, :class:`LocalFilesTests`, :class:`ZeroCopyTests`,
+:class:`FileDeletesTests` (:mod:`tierfs.testing.capabilities`)
     One suite per capability (:mod:`tierfs.tiers.capabilities`), each a :class:`TierTests` too: a tier
     with a capability adds its suite to its test class.
 :class:`ReplicatorTests` (:mod:`tierfs.testing.replicators`)
@@ -27,14 +28,14 @@ from . import hooks
 from .states import assert_states_equal
 
 if TYPE_CHECKING:
-    from .capabilities import LocalFilesTests, SharedDirectoryTests, StagingTests, ZeroCopyTests
+    from .capabilities import FileDeletesTests, LocalFilesTests, SharedDirectoryTests, StagingTests, ZeroCopyTests
     from .replicators import ReplicatorTests
     from .tiers import TierTests
 
-__all__ = ["LocalFilesTests", "ReplicatorTests", "SharedDirectoryTests", "StagingTests", "TierTests",
+__all__ = ["FileDeletesTests", "LocalFilesTests", "ReplicatorTests", "SharedDirectoryTests", "StagingTests", "TierTests",
            "ZeroCopyTests", "assert_states_equal", "hooks"]
 
-_CAPABILITY_SUITES = ("LocalFilesTests", "SharedDirectoryTests", "StagingTests", "ZeroCopyTests")
+_CAPABILITY_SUITES = ("FileDeletesTests", "LocalFilesTests", "SharedDirectoryTests", "StagingTests", "ZeroCopyTests")
 
 
 def __getattr__(name: str) -> Any:

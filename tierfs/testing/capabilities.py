@@ -20,10 +20,10 @@ import pytest
 
 from ..format import MARKER
 from ..tiers import Tier
-from ..tiers.capabilities import LocalFiles, SharedDirectory, Staging, ZeroCopy
+from ..tiers.capabilities import FileDeletes, LocalFiles, SharedDirectory, Staging, ZeroCopy
 from .tiers import MakeTier, TierTests, _fill
 
-__all__ = ["LocalFilesTests", "SharedDirectoryTests", "StagingTests", "ZeroCopyTests"]
+__all__ = ["FileDeletesTests", "LocalFilesTests", "SharedDirectoryTests", "StagingTests", "ZeroCopyTests"]
 
 _BIN = "rank_00000.0000.bin"
 
@@ -81,6 +81,26 @@ class SharedDirectoryTests(TierTests):
         assert set(tier.file_sizes(3)) == {"rank_00001.0000.bin"} and not tier.committed_steps()
         tier.release(3, 1, marker=False)  # the last one out: the step is gone
         assert tier.list_steps() == {}
+
+
+class FileDeletesTests(TierTests):
+    """A :class:`~tierfs.tiers.capabilities.FileDeletes` tier: the named files go, the others stay, and the
+    step's directory goes with its last file."""
+
+    def test_each_rank_deletes_its_own_files_after_the_marker(self, tier: Tier) -> None:
+        assert isinstance(tier, FileDeletes)
+        _fill(tier, 3, {"rank_00000.0000.bin": b"a" * 10, "rank_00001.0000.bin": b"b" * 10})
+        tier.write_marker(3, b"m")
+        tier.delete_files(3, [MARKER])  # the owner: the step is no longer committed
+        assert tier.list_steps() == {3: False}
+        tier.delete_files(3, ["rank_00000.0000.bin", "rank_00000.0001.bin"])  # one missing: no error
+        tier.remove_if_empty(3)  # a file is left: the step stays
+        assert tier.file_sizes(3) == {"rank_00001.0000.bin": 10}
+        tier.delete_files(3, ["rank_00001.0000.bin"])
+        tier.remove_if_empty(3)  # the last one out
+        assert tier.list_steps() == {}
+        tier.remove_if_empty(3)  # nothing left to remove: no error
+        tier.delete_files(3, [])
 
 
 class LocalFilesTests(TierTests):

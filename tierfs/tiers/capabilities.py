@@ -10,6 +10,9 @@ the tier's class.
 - :class:`LocalFiles`: the tier keeps files in directories of this machine (the RAM tier, the peer tier's
   replicas, a ``file://`` object tier): what it creates when it opens, and who else is using them.
 - :class:`ZeroCopy`: reads are views of the stored bytes; ``export`` hands one to the user, read-only.
+- :class:`FileDeletes`: a shared tier (the object tier) on which retention spreads a step's deletion over
+  the ranks: the owner deletes the marker, then each rank its own files, so what one rank asks of the
+  storage does not grow with the job.
 
 ``tierfs.testing`` has a conformance suite per capability, beside ``TierTests``.
 """
@@ -17,7 +20,7 @@ the tier's class.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -68,6 +71,19 @@ class SharedDirectory(Protocol):
     def release(self, step: int, rank: int, marker: bool) -> None:
         """Delete ``rank``'s files of ``step`` (and the marker if ``marker``): each rank of a node takes back
         its own files; the last one out removes the step."""
+
+
+@runtime_checkable
+class FileDeletes(Protocol):
+    """A shared tier whose files of a step can be deleted a few at a time, by the ranks that wrote them."""
+
+    def delete_files(self, step: int, names: Iterable[str]) -> None:
+        """Delete these files of ``step`` (one missing is no error), in as few requests as the storage
+        allows (one batch on S3 and GCS)."""
+
+    def remove_if_empty(self, step: int) -> None:
+        """Remove ``step``'s directory if no file is left in it (stores that keep emptied directories);
+        nothing otherwise, and no error."""
 
 
 @runtime_checkable

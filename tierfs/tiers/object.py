@@ -318,6 +318,32 @@ class ObjectTier(Tier):
                 pass
         self.fs.invalidate_cache(self.root)
 
+    def delete_files(self, step: int, names: Iterable[str]) -> None:
+        paths = [self._path(step, validate_filename(n)) for n in names]
+        if not paths:
+            return
+        if self.protocol in (*_LOCAL, "memory"):
+            for path in paths:
+                try:
+                    self._retry(functools.partial(self.fs.rm_file, path), self._what(step, "delete"))
+                except FileNotFoundError:
+                    pass
+        else:  # one batch request (S3 DeleteObjects, GCS batch): a missing key is no error there
+            self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
+        self.fs.invalidate_cache(self._path(step))
+
+    def remove_if_empty(self, step: int) -> None:
+        d = self._path(step)
+        try:
+            if self.protocol in (*_LOCAL, "memory"):
+                self.fs.rmdir(d)  # refused while a file is left
+            else:  # the directory's own key, which stores with real directories keep (see delete_step):
+                # deleting it leaves the files still there in place
+                self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
+        except OSError:  # not empty, or already gone
+            pass
+        self.fs.invalidate_cache(self.root)
+
     def __repr__(self) -> str:
         return f"ObjectTier({self.url!r})"
 
