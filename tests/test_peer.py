@@ -100,9 +100,16 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     assert sources == [("ram", None), ("peer", 2), ("ram", None), ("ram", None)]  # object tier untouched
     assert all(o["ranks"] == outs[0]["ranks"] for o in outs)  # every rank reports every rank's source
     assert outs[1]["held"] == {"3": [0]}  # the replaced node keeps rank 0's copy again
-    # gloo groups: store + commit and, made by this restore when it needed a peer, the peer tier's restore
-    # groups (2 connections) at full priority; the copy groups of the object tier (1) and peers (2) at nice 10
+    # gloo groups, all made when the store opened, none by the restores: store + commit and the peer tier's
+    # restore groups (2 connections) at full priority; the copy groups of the object tier (1) and peers (2)
+    # at nice 10
     assert all(o["loops"] == [0] * 4 + [BACKGROUND_NICE] * 3 for o in outs), [o["loops"] for o in outs]
+    assert [o["groups_restoring"] for o in outs] == [0] * 4
+    # closed and opened again in the same processes: the second store takes the groups the first gave back
+    # (no new group, no new thread), and its restore over them gets the replaced node's shard from its peer
+    assert [o["groups_reopening"] for o in outs] == [0] * 4
+    assert all(o["loops_reopened"] == o["loops"] for o in outs), [o["loops_reopened"] for o in outs]
+    assert [o["reopened_tier"] for o in outs] == ["ram", "peer", "ram", "ram"] and all(o["reopened_exact"] for o in outs)
     assert (shm / "node1" / "peers" / "rank_00001" / step_dirname(3) / "rank_00000.manifest.json").exists()
     # into new arrays: the replaced node's shard again from its peer, its large entry received in place
     assert [o["again_tier"] for o in outs] == ["ram", "peer", "ram", "ram"] and all(o["again_exact"] for o in outs)
@@ -254,9 +261,9 @@ def test_replication_gives_way_to_training(tmp_path):
     for o in outs:
         assert o["steps"]["1"] == ["ram", "peer"]
         loops = sorted(nice for name, nice in o["threads"] if name == "gloo_tcp_loop")
-        # store + commit group: full priority; the peer tier's copy group (2 connections): nice 10. Its
-        # restore groups come only when a restore fetches from or re-seeds peers (each idle group costs CPU)
-        assert loops == [0, 0, BACKGROUND_NICE, BACKGROUND_NICE], o["threads"]
+        # store + commit group and the peer tier's restore groups (2 connections, made at open so that no
+        # restore makes groups): full priority; the peer tier's copy groups (2 connections): nice 10
+        assert loops == [0, 0, 0, 0, BACKGROUND_NICE, BACKGROUND_NICE], o["threads"]
         workers = [nice for name, nice in o["threads"] if not name.startswith(("gloo", "pt_"))]
         assert BACKGROUND_NICE in workers and set(workers) <= {0, BACKGROUND_NICE}  # the replicating worker
 

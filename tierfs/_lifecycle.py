@@ -13,10 +13,11 @@ copies, then it closes the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import _readable
 from ._retry import short
@@ -30,6 +31,7 @@ from .core.context import Context
 from .ranks import Group, agreement
 from .ranks.groups import env_node_source
 from .ranks.nodes import observe
+from .ranks.pool import POOL, Lease
 from .tiers.base import AnyTier, Replicator, Tier
 from .tiers.capabilities import LocalFiles, SharedDirectory
 
@@ -60,13 +62,29 @@ def remove_uncommitted(ctx: Context) -> None:
 
 
 class Opening:
-    """A store's constructor's tiers and directories, undone by :meth:`undo` when it fails."""
+    """A store's constructor's tiers and directories, undone by :meth:`undo` when it fails, and the
+    process groups it took (:mod:`tierfs.ranks.pool`), given back when the store closes."""
 
     def __init__(self, writes: bool = True) -> None:
         self.made: list[Path] = []  # directories that did not exist before a tier opened
         self.opened: list[AnyTier] = []
         self.ctx: Context | None = None
         self.writes = writes  # a store that saves: its RAM tiers are this job's (locked when they open)
+        self.groups: Lease | None = None
+
+    @contextlib.contextmanager
+    def taking_groups(self, timeout: float) -> Iterator[None]:
+        """Every group made in the block (the store's, its workers', the peer tier's) is taken from the
+        process's pool (collective): given back by an earlier store, else made now."""
+        with POOL.opening(timeout) as self.groups:
+            yield
+
+    def give_back_groups(self, usable: bool = True) -> None:
+        """Give the groups back for the next store of the process (``usable=False``: threads may still use
+        them, so they are only forgotten); once."""
+        lease, self.groups = self.groups, None
+        if lease is not None:
+            lease.give_back(usable)
 
     def open(self, tier: AnyTier) -> None:
         """Open ``tier``, noting the directories it is about to create."""
@@ -90,7 +108,8 @@ class Opening:
         nodes = observe(group, lambda: {t.name: [t.identity(), t.location] for t in files
                                          if isinstance(t, SharedDirectory)})
         nodes.check(group.nodes, env_node_source())
-        # one group per thread role, so collectives of different threads never interleave
+        # one group per thread role, so collectives of different threads never interleave (from the
+        # process's pool, while the store opens: see taking_groups)
         commit_group = group.fork()  # a blocking save waits for the commit: full priority
         copy_groups = {t.name: group.fork(nice=BACKGROUND_NICE) for t in files[1:]}
         for r in reps:
@@ -123,6 +142,7 @@ class Opening:
                 log.warning("tier %s: closing after a failed open failed (%s)", t.name, short(e, with_type=True))
         self.opened.clear()
         remove_new_dirs(self.made)
+        self.give_back_groups()
 
 
 # -- at exit ----------------------------------------------------------------------------------------

@@ -112,12 +112,13 @@ class TieredStore(ShardReads):
         throttle = Throttle(background_bandwidth)
         self.timeout = seconds(timeout)
         self.exit_timeout = _exit.exit_seconds(exit_timeout)
-        self.group = (group.with_timeout(self.timeout) if group is not None else default_group(self.timeout))
         self._closed = True  # until it is open
         self._opening = _lifecycle.Opening(writes=cleanup)
         try:
-            self._ctx = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
-                                              self.block_size, clock)
+            with self._opening.taking_groups(self.timeout):  # every group the store uses is taken now
+                self.group = group.with_timeout(self.timeout) if group is not None else default_group(self.timeout)
+                self._ctx = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
+                                                  self.block_size, clock)
             self._reader = Reader(self._ctx)
             self._retention = Retention(self._ctx, self._reader)
             self._saving = SavePath(self._ctx, self._retention)
@@ -380,10 +381,12 @@ class TieredStore(ShardReads):
             self.wait_until_finished()
         finally:
             self._closed = True
-            if _lifecycle.StoreWork(self).pending() is None:  # else Ctrl-C left copies running: not joined
+            done = _lifecycle.StoreWork(self).pending() is None  # else Ctrl-C left copies running: not joined
+            if done:
                 self._ctx.work.close()
                 for t in self.tiers:
                     t.close()
+            self._opening.give_back_groups(usable=done)  # for the next store (not while copies use them)
 
     def _discard(self) -> None:
         """Undo the store for a constructor that failed after making it (``CheckpointManager``'s): close

@@ -3,7 +3,8 @@
     peer_child.py SHM OBJ MODE REPLICAS[:CONNECTIONS[:FIRST]] [STEPS]   (FIRST: bytes of a transfer's first message)
 MODE: save (steps 1..STEPS, async), tight (save, but rank 1's RAM budget has no room for a replica),
 restore, restore-early (restore; a rank receiving its shard from a peer waits, inside the receive, until
-every other rank has returned from restore_into), restore-split (restore where a rank may fail to get its
+every other rank has returned from restore_into; then the store is closed and opened again, and restores
+once more), restore-split (restore where a rank may fail to get its
 shard after the others returned: the errors each rank sees), localize, die-replicating (rank 1 is SIGKILLed while step 2 is being
 replicated), priorities (the CPU priority of the store's threads), mismatch (save, but rank 1 takes
 headers of at most 64 bytes, as if its limit differed). Prints one JSON line with what it saw.
@@ -50,6 +51,17 @@ def loops(before: set[str]) -> list[int]:
     return sorted(nice for name, nice in threads(before) if name == "gloo_tcp_loop")
 
 
+def count_new_groups() -> list[int]:
+    """Count the process groups made from now on (``[n]``, updated as they are made)."""
+    made, new_group = [0], dist.new_group
+
+    def counted(*args, **kwargs):
+        made[0] += 1
+        return new_group(*args, **kwargs)
+    dist.new_group = counted
+    return made
+
+
 def main() -> None:
     shm, obj, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     replicas, _, rest = sys.argv[4].partition(":")  # replicas[:connections[:first message bytes]]
@@ -60,7 +72,9 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    made = count_new_groups()
     side = None
+    reopen = mode == "restore-early"  # then: close the store and open it again, in these processes
     if mode == "restore-early":
         mode, side = "restore", dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
         dist.barrier(group=side)  # its connections (and I/O thread) now, not among the store's
@@ -72,13 +86,17 @@ def main() -> None:
                 dist.barrier(group=g)
         hooks.add("stage", wait_for_the_others)
     budget = 2_200_000 if mode == "tight" and rank == 1 else None  # step 1 (small) fits twice, step 2 once
-    ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
     if mode == "mismatch" and rank == 1:
         wire["max_header"] = 64  # headers of rank 0 (and its own) are out of range
-    peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
-    tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
+
+    def open_store() -> tuple[TieredStore, PeerTier]:
+        ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
+        peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
+        tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
+        return TieredStore(tiers, file_size=1 << 20, block_size=256 << 10), peer
+
     before = set(os.listdir("/proc/self/task"))
-    store = TieredStore(tiers, file_size=1 << 20, block_size=256 << 10)
+    store, peer = open_store()
     out = {"rank": rank, "targets": peer.targets[rank], "warnings": []}
     handler = logging.Handler()
     handler.emit = lambda r: out["warnings"].append(r.getMessage()) if r.levelno >= logging.WARNING else None
@@ -131,6 +149,7 @@ def main() -> None:
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
     else:
         target = target_for(rank)
+        opened = made[0]
         info = store.restore_into(target)
         want = state_for(rank, info.step)  # compared as it returns: in place then
         out.update(step=info.step, tier=info.tier, peer=info.peer, skipped=[list(x) for x in info.skipped],
@@ -147,6 +166,16 @@ def main() -> None:
         # again into new arrays: a replaced node's shard still comes from its peer (restore_into left RAM as is)
         again, info = store.restore()
         out.update(again_tier=info.tier, again_exact=all(again[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
+        out["groups_restoring"] = made[0] - opened  # groups made by the restores (every group: at open)
+        if reopen:  # the same store again in these processes: it takes the groups the first gave back
+            store.close()
+            opened = made[0]
+            store, peer = open_store()
+            out["groups_reopening"] = made[0] - opened
+            again, info = store.restore()  # over the groups taken back, the replaced node's shard still from its peer
+            out.update(reopened_tier=info.tier, reopened_exact=all(again[k].tobytes() == want[k].tobytes()
+                                                                   for k in ("w", "b")))
+            out["loops_reopened"] = loops(before)
     store.close()
     finish(out)
 

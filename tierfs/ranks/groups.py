@@ -3,6 +3,8 @@
 Without torch.distributed (or with one process) everything is local. Under torchrun the store uses gloo
 groups of its own, so it never queues behind the training job's NCCL work; each of the store's threads
 gets its own group (``fork``), so collectives from different threads never interleave. Only JSON crosses.
+While a store opens, its groups come from the process's pool (:mod:`tierfs.ranks.pool`): made by the
+first store, reused by the later ones; a group on which a wait failed is not reused.
 
 The collectives are gloo's all-reduce and broadcast (:mod:`tierfs.ranks.collectives`), over connections
 made when first used: each rank talks to its ring's neighbours, so the sockets it holds do not grow with
@@ -31,13 +33,13 @@ import json
 import os
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import numpy as np
 
 from .. import _stages
 from ..errors import ArgumentError
-from . import collectives, diagnosis, waits
+from . import collectives, diagnosis, pool, waits
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -113,9 +115,10 @@ class TorchGroup:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.timeout = seconds(timeout)
-        self._pg = _new_group(dist, backend, self.timeout)
+        # "closed": why this rank's connections on the group were closed; "failed": a wait on it failed
+        self._state: dict[str, str] = {}
+        self._pg = pool.POOL.take(dist, backend, self.timeout, 0, self._state)
         self._lanes = [self._pg]
-        self._state: dict[str, str] = {}  # "closed": why this rank's connections on the group were closed
         self._named()
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
@@ -127,8 +130,9 @@ class TorchGroup:
 
     def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1,
              timeout: float | datetime.timedelta | None = None) -> "TorchGroup":
-        """The same ranks over a new group, for use by another thread (collective); ``timeout`` (default:
-        this group's) bounds its waits.
+        """The same ranks over a new group, for use by another thread (collective; while a store opens, one
+        given back by an earlier store, see :mod:`tierfs.ranks.pool`); ``timeout`` (default: this group's)
+        bounds its waits.
 
         With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
         kernel copies of every transfer) run at that lower CPU priority, like tierfs's background workers,
@@ -142,15 +146,10 @@ class TorchGroup:
         twin._backend = backend or self._backend
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
         twin._state = {}
-        before = _tasks() if nice else set()
-        twin._lanes = [_new_group(self._dist, twin._backend, twin.timeout) for _ in range(max(1, int(lanes)))]
+        twin._lanes = [pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state)
+                       for _ in range(max(1, int(lanes)))]
         twin._pg = twin._lanes[0]
         twin._named()
-        for tid in (_tasks() - before) if nice else ():
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except OSError:
-                pass
         return twin
 
     def _named(self) -> None:
@@ -158,7 +157,19 @@ class TorchGroup:
         shares (collective): a failed collective's diagnosis is kept in the job's store under both."""
         self._calls = [0]
         self._job = 0
-        self._job = diagnosis.job_id(self)
+        with self._failing():
+            self._job = diagnosis.job_id(self)
+        pool.POOL.named(self._job)
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Note on the group any failure of the block (a wait on it that failed or was cut short): its
+        ranks may no longer be in step on it, so it is not reused (:mod:`tierfs.ranks.pool`)."""
+        try:
+            yield
+        except BaseException as e:
+            self._state.setdefault("failed", f"{type(e).__name__}: {e}")
+            raise
 
     def with_timeout(self, timeout: float | datetime.timedelta | None) -> "TorchGroup":
         """The same group (the same connections, no collective) whose waits last at most ``timeout``."""
@@ -202,7 +213,7 @@ class TorchGroup:
 
         failures: list[BaseException] = []  # this rank's own (on_received, pace)
         where = _stages.current()  # the receiving thread reports the caller's stage
-        with self.bounded() as op:
+        with self._failing(), self.bounded() as op:
             io = waits.Round(op, bulk=pace is not None or on_received is not None)  # data: moves on as it lands
 
             def receive() -> None:
@@ -240,6 +251,8 @@ class TorchGroup:
                     for dst, w in sent:
                         io.wait(w, dst)
             failed = io.end()
+            if failed:  # a pair of ranks may no longer be in step on the group
+                self._state.setdefault("failed", f"transfers with ranks {sorted(failed)} failed")
             if any(waits.kind_of(why) == waits.LATE for why in failed.values()):  # gloo closed the group's
                 self._state.setdefault("closed", str(op.error(where)))  # connections: later waits fail at once
             if failed and not tolerate:
@@ -254,7 +267,7 @@ class TorchGroup:
         follows (:func:`~tierfs.ranks.collectives.all_gather`). What a rank receives grows with the job:
         only for what every rank needs of every other, or when the ranks' views differ."""
         data = json.dumps(obj).encode()
-        with self.bounded():
+        with self.bounded(), self._failing():
             rows = collectives.all_gather(self, framed(data, 8 + GATHER_WIDTH))
             sizes = [int(n) for n in rows[:, :8].copy().view(np.int64)[:, 0]]
             rest = None
@@ -270,7 +283,9 @@ class TorchGroup:
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (int64, the same count on every rank), in rank order: 8 bytes per value
         and rank (:func:`~tierfs.ranks.collectives.all_gather_ints`)."""
-        return [[int(v) for v in row] for row in collectives.all_gather_ints(self, values)]
+        with self._failing():
+            rows = collectives.all_gather_ints(self, values)
+        return [[int(v) for v in row] for row in rows]
 
     def barrier(self) -> None:
         """Wait until every rank got here (an all-reduce of one number)."""
@@ -279,31 +294,18 @@ class TorchGroup:
     def all_reduce(self, values: Sequence[int], op: str = "min") -> list[int]:
         """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), the
         same few bytes per rank whatever the job's size (:func:`~tierfs.ranks.collectives.all_reduce`)."""
-        return collectives.all_reduce(self, values, op)
+        with self._failing():
+            return collectives.all_reduce(self, values, op)
 
     def broadcast(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s ``obj`` (JSON) on every rank (:func:`~tierfs.ranks.collectives.broadcast`)."""
-        return collectives.broadcast(self, obj, src)
+        with self._failing():
+            return collectives.broadcast(self, obj, src)
 
     @property
     def process_group(self) -> Any:
         """The torch.distributed process group of tierfs's collectives (e.g. for ``dcp.save``)."""
         return self._pg
-
-
-def _new_group(dist: Any, backend: str, timeout: float) -> Any:
-    """A new group of every rank (collective), its connections made when first used (gloo's lazy
-    initialisation): a collective over it connects each rank to its two neighbours of a ring, a transfer
-    the two ranks that exchange, so the sockets a rank holds do not grow with the job."""
-    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
-        return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = before
 
 
 def seconds(timeout: float | datetime.timedelta | None) -> float:
@@ -314,13 +316,6 @@ def seconds(timeout: float | datetime.timedelta | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ArgumentError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     return float(value)
-
-
-def _tasks() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux: priorities stay as they are
-        return set()
 
 
 def env_node_rank(rank: int) -> int:

@@ -142,20 +142,22 @@ class PeerTier(Replicator):
         if self._follow_ram:
             self.save_policy = first.save_policy
         self._local = _Replicas(first.path / "peers" / f"rank_{group.rank:05d}", first, self.name)
-        # replication runs in a background worker: its transfer threads give way to training too
-        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections)}
-        self._bound = group
+        # one set of groups per thread role, made (or taken from the process's pool) now, never on a save's
+        # or a restore's path. "copy": replication runs in a background worker, its transfer threads give
+        # way to training too; "main": restores (a node's loss, re-seeding peers). An idle group costs its
+        # gloo threads (under 1 ms of CPU a second) and a listening socket, whether or not a restore ever
+        # needs it; its connections come when first used
+        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
+                        "main": group.fork(self.backend, lanes=self.connections)}
 
     def _group(self, role: str) -> Any:
-        """The groups of a thread role: "copy" (the replicating worker) or "main" (restores). A restore's
-        are made when one first fetches from or re-seeds peers: every idle gloo group's I/O threads cost
-        about 1.5 ms of CPU per second, and most jobs never need them. Making them is collective, like the
-        restore (on every rank, on the thread that restores; only that thread ever makes them)."""
+        """The groups of a thread role: "copy" (the replicating worker) or "main" (restores)."""
         if role not in ("copy", "main"):
             raise ValueError(f"unknown role {role!r}: 'copy' or 'main'")
-        if role not in self._groups:
-            self._groups[role] = self._bound.fork(self.backend, lanes=self.connections)
-        return self._groups[role]
+        groups = getattr(self, "_groups", None)
+        if groups is None:
+            raise TierfsError("PeerTier is used only through a TieredStore, which binds it to the job's ranks")
+        return groups[role]
 
     def transfer_group(self) -> Any:
         """The restore's groups (``connections`` of them): a restore's bulk transfers use them too."""
