@@ -1,13 +1,13 @@
 """What one rank pays to coordinate a steady save does not grow with the job.
 
-The same job at 3 and at 6 processes (each its own node: a RAM tier, ``PeerTier(replicas=1)`` and an S3
+The same job at 2, 3 and 6 processes (each its own node: a RAM tier, ``PeerTier(replicas=1)`` and an S3
 object tier on a local server behind a request-counting proxy; benchmarks/_scale.py, whose ranks are
-tests/children/scale_child.py): a rank other than rank 0 makes the same calls into torch.distributed,
-moves the same bytes through them, asks the object store the same requests in a steady save, and holds
-the same sockets after opening the store; a restart agrees in the same collectives, whose bytes grow only
-by what ``RestoreInfo.ranks`` reports of every rank. 3 rather than 2: with 2 ranks a ring's two neighbours are one
-rank, so a rank holds fewer connections than in any larger job. ``benchmarks/bench_scale.py`` measures
-the same from 2 to 64 processes.
+tests/children/scale_child.py): each rank, rank 0 included, makes the same calls into torch.distributed,
+moves the same bytes through them and asks the object store the same requests in a steady save (its
+retention's deletions included), and holds the same sockets after opening the store (from 3 ranks on:
+with 2, a ring's two neighbours are one rank); a restart agrees in the same collectives, whose bytes grow
+only by what ``RestoreInfo.ranks`` reports of every rank, and only rank 0 lists the object tier.
+``benchmarks/bench_scale.py`` measures the same from 2 to 64 processes.
 """
 
 from __future__ import annotations
@@ -30,23 +30,28 @@ STEADY = ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", 
           "s3_keys_deleted")
 
 
-def test_a_steady_save_costs_a_rank_the_same_at_3_and_at_6_ranks():
+def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
     with Harness(6) as h:
-        small = measure(3, ("open", "steady_save", "restore"), harness=h)
         detail: dict = {}
-        large = measure(6, ("open", "steady_save", "restore"), harness=h, detail=detail)
-    for rank in (1, 2):  # ranks holding the same state in both jobs (sizes differ by rank), not the owner
-        a, b = small[rank]["steady_save"], large[rank]["steady_save"]
-        assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, rank
-        assert a["calls"] > 0 and a["s3_PUT"] > 0  # the save did coordinate and upload
-        assert small[rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
+        jobs = {n: measure(n, ("open", "steady_save", "restore"), harness=h, detail=detail if n == 6 else None)
+                for n in (2, 3, 6)}
+    large = jobs[6]
+    for n in (2, 3):
+        for rank in range(n):  # ranks holding the same state in every job (sizes differ by rank)
+            a, b = jobs[n][rank]["steady_save"], large[rank]["steady_save"]
+            assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, (n, rank)
+            assert a["calls"] > 0 and a["s3_PUT"] > 0 and a["s3_DELETE"] > 0  # it coordinated, uploaded, deleted
+            # a restart: the same collectives, the object tier listed by rank 0 alone; what grows is
+            # RestoreInfo.ranks alone, 32 bytes per rank
+            a, b = jobs[n][rank]["restore"], large[rank]["restore"]
+            assert a["calls"] == b["calls"] and a["groups_created"] == b["groups_created"] == 0, (n, rank)
+            assert b["bytes_sent"] - a["bytes_sent"] == 32 * (6 - n), (n, rank)
+            assert a["s3_LIST"] == b["s3_LIST"] == (1 if rank == 0 else 0), (n, rank)
+    # sockets after open: the same from 3 ranks on (with 2, a ring's two neighbours are one rank)
+    for rank in range(3):
+        assert jobs[3][rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
     # every rank, rank 0 and the ranks only the larger job has included, makes the same calls
-    assert {r["steady_save"]["calls"] for r in (*small.values(), *large.values())} == {small[1]["steady_save"]["calls"]}
-    # a restart agrees in the same collectives; what grows is RestoreInfo.ranks alone, 32 bytes per rank
-    for rank in (0, 1, 2):
-        a, b = small[rank]["restore"], large[rank]["restore"]
-        assert a["calls"] == b["calls"] and a["groups_created"] == b["groups_created"] == 0, rank
-        assert b["bytes_sent"] - a["bytes_sent"] == 32 * (6 - 3), rank
+    assert len({r["steady_save"]["calls"] for job in jobs.values() for r in job.values()}) == 1
 
     # retention (LatestN(2) of steps 1-5) deleted the marker of step 3 and rank 0's files, and each rank
     # takes back its own at the next save's retention: step 3's files of ranks 1-5 are left, marker-less

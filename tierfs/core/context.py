@@ -100,12 +100,41 @@ class Context:
         """The named tiers in the order given (default: all, fastest first)."""
         return list(self.tiers) if names is None else [self.tier(n) for n in dict.fromkeys(names)]
 
-    def refresh(self) -> None:
-        """Re-list every tier (steps written by other processes become visible)."""
+    def refresh(self, shared: "Group | None" = None) -> None:
+        """Re-list every tier (steps written by other processes become visible).
+
+        With ``shared``, a group of every rank (collective): a tier all ranks share (the object tier) is
+        listed by rank 0 alone and its steps reach the others in two all-reduces of a few integers
+        (:func:`shared_listing`), so a job lists it once, not once per rank.
+        """
+        once = [t for t in self.tiers if isinstance(t, Tier) and not t.is_local]
+        listed = shared_listing(shared, once, _listing) if shared is not None and shared.world_size > 1 and once else {}
         for t in self.tiers:
-            try:
-                steps: set[int] | None = set(t.committed_steps())
-            except Exception as e:  # noqa: BLE001 - an unreachable tier: keep what we knew, say so
-                log.warning("tier %s cannot be listed (%s); using the steps known to this process", t.name, e)
-                steps = None
-            self.ledger.listed(t.name, steps)
+            self.ledger.listed(t.name, listed[t.name] if t.name in listed else _listing(t))
+
+
+def _listing(t: AnyTier) -> set[int] | None:
+    """``t``'s committed steps, or None (said in the log) when it cannot be listed: keep what was known."""
+    try:
+        return set(t.committed_steps())
+    except Exception as e:  # noqa: BLE001 - an unreachable tier: keep what we knew, say so
+        log.warning("tier %s cannot be listed (%s); using the steps known to this process", t.name, e)
+        return None
+
+
+def shared_listing(group: "Group", tiers: Sequence[Tier], listing: Callable[[Tier], set[int] | None]
+                   ) -> dict[str, set[int] | None]:
+    """Rank 0's ``listing`` of each of ``tiers`` on every rank (collective): the counts in one all-reduce
+    (a max, the other ranks giving -1; -1 from rank 0 too when it could not list the tier), then the steps
+    in another, as many integers as there are steps."""
+    mine = [listing(t) for t in tiers] if group.rank == 0 else [None] * len(tiers)
+    counts = group.all_reduce([-1 if s is None else len(s) for s in mine], "max")
+    flat = [x for s in mine if s is not None for x in sorted(s)] if group.rank == 0 else []
+    total = sum(max(n, 0) for n in counts)
+    values = group.all_reduce(flat or [-1] * total, "max") if total else []
+    out: dict[str, set[int] | None] = {}
+    at = 0
+    for t, n in zip(tiers, counts):
+        out[t.name] = None if n < 0 else set(values[at:at + n])
+        at += max(n, 0)
+    return out

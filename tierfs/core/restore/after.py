@@ -13,6 +13,7 @@ import numpy as np
 from ... import _blocks, _readable
 from ..._stages import stage
 from ...ranks import Group
+from ...ranks.agree import any_rank
 from ...errors import TierfsError
 from ...format import Marker, manifest_filename
 from ...protocol import commit
@@ -46,15 +47,18 @@ def localize(ctx: Context, group: Group, s: int, info: RestoreInfo, shard: Shard
         except Exception as e:  # noqa: BLE001 - only speed is lost: the other ranks must not wait
             ctx.staging.discard(s)
             log.warning("step %d: could not copy this rank's shard into tier %s (%s)", s, first.name, e)
-    wrote_by = group.all_gather(wrote)
-    if ctx.ranks.owns(first) and any(wrote_by[r] for r in ctx.ranks.sharing(first)):
+    # one number per rank, whatever the job's size: a node's owner commits the step when some rank wrote
+    # and its own tier does not hold it committed yet (a node none of whose ranks could write fails the
+    # commit's check of the manifests: said in the log)
+    wrote_any = any_rank(group, wrote)
+    if ctx.ranks.owns(first) and wrote_any and s not in ctx.ledger.holding(first.name):
         marker = Marker.from_bytes(shard.marker)
         try:
             commit(first, s, shard.marker, ctx.ranks.expected_manifests(first, marker))
         except (TierfsError, OSError) as e:
             log.warning("step %d: not committed in tier %s (%s)", s, first.name, e)
     group.barrier()
-    ctx.refresh()
+    ctx.refresh(shared=group)
 
 
 def reseed(ctx: Context, rep: Replicator, s: int, plan: RestorePlan, shard: Shard) -> None:

@@ -101,10 +101,10 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
     n = g.world_size
     view: list[list[Any]] = []
     local: dict[str, set[int]] = {}
+    ctx.refresh(shared=g)  # collective, so before the agreement a rank may leave early: every rank takes part
     with agreement(g, "restore", outcome="nothing restored", classify=error_kind):
         with stage("planning"):
             check()
-            ctx.refresh()
             before, rep, after = ctx.roles(usable)
             local = {t.name: ctx.ledger.holding(t.name) for t in before + after}
             held = rep.holdings() if rep is not None else {}
