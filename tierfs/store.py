@@ -124,7 +124,7 @@ class TieredStore(ShardReads):
             self._saving = SavePath(self._ctx, self._retention)
             if cleanup:
                 _lifecycle.remove_uncommitted(self._ctx)
-            self.refresh()
+            self._ctx.refresh(shared=self.group)  # a shared tier listed by rank 0 alone (collective)
             if cleanup:  # a store that saves: the copies a process ended before making
                 catch_up(self._ctx, self._saving)
         except BaseException:
@@ -155,6 +155,9 @@ class TieredStore(ShardReads):
     def steps(self) -> dict[int, list[str]]:
         """``{step: [names of tiers holding a committed copy]}``, newest last."""
         self.refresh()
+        return self._holdings()
+
+    def _holdings(self) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
         for t in self.tiers:
             for s in sorted(self._ctx.ledger.holding(t.name)):
@@ -177,8 +180,9 @@ class TieredStore(ShardReads):
         names = set(_args.names(tiers, "tiers", self._ctx.names) or ()) if tiers is not None else None
         _args.flag(raise_lost, "raise_lost")
         self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
-        mine = sorted(s for s, ts in self.steps().items() if names is None or names & set(ts))
         g = self.group if timeout is None else self.group.with_timeout(timeout)
+        self._ctx.refresh(shared=g)  # a shared tier listed by rank 0 alone
+        mine = sorted(s for s, ts in self._holdings().items() if names is None or names & set(ts))
         views = rank_views(g, mine)
         common = sorted(common_steps(views))
         lost = lost_steps([set(v) for v in views], sorted(names or self._ctx.names)) if raise_lost else None
