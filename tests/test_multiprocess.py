@@ -74,3 +74,16 @@ def test_exchange_sends_everything_and_raises_after_a_failed_check():
     assert all(o["paced"] == [1000, 0, 300_000, 7, 65_536] for o in outs)
     want = [[[0], "é" * GATHER_WIDTH], [{"r": 0}, {"r": 1}], ["", "x"]]
     assert all(o["gathered"] == want for o in outs)
+
+
+def test_views_reach_every_rank_whether_all_few_or_many_differ():
+    """``agree.views`` in a job of 5: every rank gets every rank's view when all are the same (one all-reduce),
+    when a few differ (sent on their own, the common one by the first rank holding it; a differing rank 0
+    too), when all differ (gathered), with no clear majority, and when more differ than it sends alone."""
+    import views_child
+
+    outs = gloo_job.run_job(5, CHILDREN / "views_child.py")
+    want = [views_child.case_views(r, 5) for r in range(5)]
+    for case in ("same", "last_differs", "two_differ", "all_differ", "split_evenly"):
+        assert all(o[case] == [w[case] for w in want] for o in outs), case
+    assert all(o["few_is_one"] == [w["two_differ"] for w in want] for o in outs)

@@ -17,19 +17,60 @@ from .groups import Group
 Classify = Callable[[BaseException], "type[_errors.TierfsError]"]
 
 
-def views(group: Group, mine: Any) -> list[Any]:
-    """Every rank's ``mine`` (JSON), in rank order (collective): in one all-reduce of two numbers when every
-    rank's is the same (the usual case: the same steps, nothing to catch up, nothing shared), so what a rank
-    moves does not grow with the job; else an all-gather. The list holds ``mine`` itself on every rank when
-    all are the same: read it, do not change it."""
+#: at most this many ranks whose view differs from the most common one are sent on their own (the ranks of
+#: a lost node or two); more, and every rank's view is gathered
+FEW = 64
+
+
+def views(group: Group, mine: Any, few: int = FEW) -> list[Any]:
+    """Every rank's ``mine`` (JSON), in rank order (collective).
+
+    In one all-reduce of two numbers when every rank's is the same (the usual case: the same steps,
+    nothing to catch up, nothing shared). When only a few ranks' differ from the most common one (up to
+    :data:`FEW`: the ranks of a lost node), those and the common one are sent, after a bitmap of the ranks
+    that differ (one bit per rank): five all-reduces, whose bytes grow with the ranks that differ, not
+    with the job. Else (more than ``few`` differ) an all-gather. The list holds the same object for every rank of one view (``mine``
+    itself when all are the same): read it, do not change it."""
     if group.world_size == 1:
         return [mine]
-    h = int.from_bytes(hashlib.blake2b(json.dumps(mine, sort_keys=True).encode(), digest_size=8).digest(),
-                       "little") >> 2
+    data = json.dumps(mine, sort_keys=True).encode()
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
     lo, neg_hi = group.all_reduce([h, -h], "min")
     if lo == -neg_hi:
         return [mine] * group.world_size
-    return group.all_gather(mine)
+    n = group.world_size
+    at_lo, at_hi = group.all_reduce([int(h == lo), int(h == -neg_hi)], "sum")
+    common = lo if at_lo >= at_hi else -neg_hi
+    if n - max(at_lo, at_hi) > few:
+        return group.all_gather(mine)
+    # which ranks differ (bit r % 62 of word r // 62, set by rank r alone: the sum is the union)
+    words = [0] * ((n + 61) // 62)
+    if h != common:
+        words[group.rank // 62] = 1 << (group.rank % 62)
+    words = group.all_reduce(words, "sum")
+    odd = [r for r in range(n) if words[r // 62] >> (r % 62) & 1]
+    differ = set(odd)
+    writers = [next(r for r in range(n) if r not in differ)] + odd  # the common view's first, then theirs
+    slot = writers.index(group.rank) if group.rank in writers else -1
+    sizes = [0] * len(writers)
+    if slot >= 0:
+        sizes[slot] = len(data)
+    sizes = group.all_reduce(sizes, "sum")
+    chunks = [-(-size // 7) for size in sizes]  # 7 bytes per int64: never negative
+    packed = [0] * sum(chunks)
+    if slot >= 0:
+        start = sum(chunks[:slot])
+        for i in range(chunks[slot]):
+            packed[start + i] = int.from_bytes(data[7 * i:7 * i + 7], "little")
+    packed = group.all_reduce(packed, "sum")
+    got: list[Any] = []
+    start = 0
+    for size, c in zip(sizes, chunks):
+        raw = b"".join(v.to_bytes(7, "little") for v in packed[start:start + c])[:size]
+        got.append(json.loads(raw))
+        start += c
+    by_rank = dict(zip(odd, got[1:]))
+    return [by_rank.get(r, got[0]) for r in range(n)]
 
 
 def any_rank(group: Group, flag: bool) -> bool:
