@@ -126,7 +126,7 @@ class Retention:
 class Spread:
     """The deletions retention spreads over the ranks of a shared tier: the owner deletes a doomed step's
     marker at once; each rank keeps the step as pending and deletes its own files (those its manifest
-    names, then the manifest) at a later save's retention, once the marker is gone (one HEAD request),
+    names, and the manifest) at a later save's retention, once the marker is gone (one HEAD request),
     so no rank's files go while the step still reads as committed. A step saved again before then is
     dropped from the pending steps, never deleted."""
 
@@ -178,7 +178,7 @@ class Spread:
             self._pending.get(tier.name, {}).pop(step, None)
 
     def _take_back(self, tier: Tier, step: int) -> None:
-        """Delete this rank's files of ``step``: those its manifest names, the manifest last."""
+        """Delete this rank's files of ``step``: those its manifest names, and the manifest."""
         assert isinstance(tier, FileDeletes)
         name = manifest_filename(self.ctx.group.rank)
         try:
@@ -191,8 +191,7 @@ class Spread:
             log.warning("tier %s step %d: this rank's manifest is unreadable (%s); its files stay until the "
                         "next store opens", tier.name, step, e)
             return
-        tier.delete_files(step, files)
-        tier.delete_files(step, [name])
+        tier.delete_files(step, [*files, name])  # one batch: what a failure leaves, marker-less, the next open removes
         try:
             tier.remove_if_empty(step)
         except (TierfsError, OSError) as e:  # only an empty directory is left behind
