@@ -785,7 +785,8 @@ def jobs_for(ops: Iterable[str]) -> list[str]:
 
 def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, harness: Harness | None = None,
             timeout: float | None = None, timings: dict | None = None, detail: dict | None = None,
-            tierfs_root: str | None = None, fork: bool = True) -> dict[int, dict[str, dict[str, float]]]:
+            tierfs_root: str | None = None, fork: bool = True,
+            replicated: bool = False) -> dict[int, dict[str, dict[str, float]]]:
     """Per rank, per operation in ``ops``, the figures (:data:`FIGURES`) of a job of ``n`` processes.
 
     ``workdir`` holds the RAM directories (a fresh one under /dev/shm by default, removed after) and the
@@ -795,6 +796,8 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
     each rank's ``info``; and under ``"keys"``, per job, the object tier's keys after it. ``tierfs_root``: the directory the ranks import tierfs from (default: this
     checkout; see :func:`export_tierfs`). ``fork``: ranks are forked from a zygote that imported
     everything once (:class:`Zygote`; fast, and light on memory), else each is started as a process of its own.
+    ``replicated``: the state has an array every rank holds alike, declared ``replicated`` (data parallelism:
+    stored once, and checked along each group's ranks at every commit).
     """
     if n < 2:
         raise ValueError("a job of at least 2 ranks (the peer tier needs another node)")
@@ -813,7 +816,8 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
             if job == "node_loss":
                 shutil.rmtree(os.path.join(ramroot, f"node{n - 1}"), ignore_errors=True)
             t0 = time.perf_counter()
-            res = run_job(n, job, ramroot, url, h, timeout, os.path.join(workdir, f"logs-{run}"), tierfs_root, fork)
+            res = run_job(n, f"{job}:replicated" if replicated else job, ramroot, url, h, timeout,
+                          os.path.join(workdir, f"logs-{run}"), tierfs_root, fork)
             if timings is not None:
                 timings[job] = time.perf_counter() - t0
             if detail is not None:

@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--out-dir", default=RESULTS, help="where the results go")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--note", default="", help="a line of text for the results")
+    ap.add_argument("--replicated", action="store_true",
+                    help="add an array every rank holds alike, declared replicated (data parallelism)")
     args = ap.parse_args()
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     base = load(args.compare) if args.compare else None
@@ -148,7 +150,9 @@ def main() -> int:
             lines.append(f"- note: {args.note}")
         lines += ["- every process its own node; tiers: RAM (LatestN(2)) + PeerTier(replicas=1) + S3 ObjectTier "
                   "(moto behind a counting proxy, LatestN(2)); state per rank: 3 small numpy arrays, a dict of 2 "
-                  "and a number (about 18 KB); the TCPStore hosted by the parent (as torchrun's agent does)",
+                  "and a number (about 18 KB)" + ("; and an 8 KB array every rank holds alike, declared replicated "
+                                                "(data parallelism)" if args.replicated else "") +
+                  "; the TCPStore hosted by the parent (as torchrun's agent does)",
                   "- cells: the figure per rank, the median over ranks; rank 0 (node_loss adds the rank whose RAM "
                   "was removed: lost). Counts are of what the operation did; socket, connection and thread figures "
                   "are what the process holds after it. Bytes are tensor bytes through torch.distributed (a "
@@ -178,7 +182,7 @@ def main() -> int:
                 det: dict = {}
                 try:
                     by_n[n] = measure(n, ops, scratch, harness=h, timeout=args.timeout, timings=tm, detail=det,
-                                      tierfs_root=root, fork=not args.spawn)
+                                      tierfs_root=root, fork=not args.spawn, replicated=args.replicated)
                     details[n] = aggregate_details(det)
                 except JobError as e:
                     failures[n] = f"failed: {str(e).splitlines()[0]}"

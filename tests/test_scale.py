@@ -72,3 +72,20 @@ def by_step(keys: list[str]) -> dict[str, set[str]]:
         step, _, name = k.partition("/")
         out.setdefault(step, set()).add(name)
     return out
+
+
+def test_a_data_parallel_save_costs_a_rank_the_same_at_2_and_6_ranks():
+    """An array every rank holds alike, declared replicated: stored once, and the ranks check at each commit
+    that they hold the same values, each against its neighbours in the group, so a rank's steady save costs
+    the same at any size: the group's first rank (it stores the array) and last rank as at 2 ranks, the
+    ranks between the same as one another (one more receive: from both neighbours)."""
+    with Harness(6) as h:
+        small = measure(2, ("steady_save",), harness=h, replicated=True)
+        large = measure(6, ("steady_save",), harness=h, replicated=True)
+
+    def figures(job, rank):
+        return {f: job[rank]["steady_save"].get(f, 0) for f in STEADY if f not in ("bytes_sent", "bytes_recv")}
+    assert figures(small, 0) == figures(large, 0) and figures(small, 1) == figures(large, 5)
+    assert small[0]["steady_save"]["s3_PUT"] > small[1]["steady_save"]["s3_PUT"]  # the array: stored once
+    middle = [figures(large, r) for r in range(1, 5)]
+    assert all(m == middle[0] for m in middle) and middle[0]["calls"] == figures(large, 5)["calls"] + 1

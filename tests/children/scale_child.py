@@ -1,6 +1,6 @@
 """One rank of the coordination-scale measurement (benchmarks/_scale.py runs it, one process per rank).
 
-    scale_child.py JOB RAMROOT URL ENDPOINT TIMEOUT
+    scale_child.py JOB[:replicated] RAMROOT URL ENDPOINT TIMEOUT
     scale_child.py --zygote        (forks ranks on request: see zygote())
 JOB: ``save`` (open, first save, two more saves, steady save (its retention deletes as every later one does), the training thread's part of a blocking=False
 save, close), ``restore`` (open, restore the newest step, close: a plain restart) or ``node_loss`` (the
@@ -277,15 +277,19 @@ class Meter:
 
 
 # -- the rank's work -------------------------------------------------------------------------------------
-def state_for(rank: int, step: int) -> dict:
-    """A tiny state: a few small arrays (sizes differ by rank) and a number."""
+def state_for(rank: int, step: int, replicated: object = None) -> dict:
+    """A tiny state: a few small arrays (sizes differ by rank) and a number; with ``replicated``, also an
+    array every rank holds alike ("shared")."""
     import numpy as np
 
     rng = np.random.default_rng(1000 * rank + step)
-    return {"w": rng.standard_normal(4096 + rank).astype(np.float32),
-            "b": rng.integers(0, 255, 1000 + rank, dtype=np.uint8),
-            "m": {"mean": rng.standard_normal(256).astype(np.float32), "count": np.arange(8, dtype=np.int64)},
-            "step": step}
+    state = {"w": rng.standard_normal(4096 + rank).astype(np.float32),
+             "b": rng.integers(0, 255, 1000 + rank, dtype=np.uint8),
+             "m": {"mean": rng.standard_normal(256).astype(np.float32), "count": np.arange(8, dtype=np.int64)},
+             "step": step}
+    if replicated:
+        state["shared"] = np.random.default_rng(step).standard_normal(2048).astype(np.float32)
+    return state
 
 
 def same(a, b) -> bool:
@@ -305,6 +309,8 @@ FIRST, STEADY, NONBLOCKING = 1, 4, 5
 
 def main() -> None:
     job, ramroot, url, endpoint, timeout = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    job, _, variant = job.partition(":")  # "save:replicated": an array every rank holds alike, declared so
+    replicated = ["shared"] if variant == "replicated" else None
     install()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"])  # this rank's own port to the TCPStore, which the parent hosts
@@ -333,21 +339,24 @@ def main() -> None:
     info: dict = {"tierfs": os.path.dirname(os.path.dirname(os.path.abspath(tierfs.__file__)))}
     store = meter.run("open", open_store)
     if job == "save":
-        meter.run("first_save", lambda: store.save(FIRST, state_for(rank, FIRST)), after=store.wait_until_finished)
+        meter.run("first_save", lambda: store.save(FIRST, state_for(rank, FIRST, replicated), replicated=replicated),
+                  after=store.wait_until_finished)
         meter.barrier()
         for s in range(FIRST + 1, STEADY):
-            store.save(s, state_for(rank, s))
+            store.save(s, state_for(rank, s, replicated), replicated=replicated)
             store.wait_until_finished()
-        meter.run("steady_save", lambda: store.save(STEADY, state_for(rank, STEADY), blocking=True),
+        meter.run("steady_save", lambda: store.save(STEADY, state_for(rank, STEADY, replicated), blocking=True,
+                                                    replicated=replicated),
                   after=store.wait_until_finished)
-        meter.run("save_nonblocking", lambda: store.save(NONBLOCKING, state_for(rank, NONBLOCKING), blocking=False),
+        meter.run("save_nonblocking", lambda: store.save(NONBLOCKING, state_for(rank, NONBLOCKING, replicated),
+                                                         blocking=False, replicated=replicated),
                   scope="main")
         store.wait_until_finished()
         info["steps"] = {str(k): v for k, v in store.steps().items()}
     elif job in ("restore", "node_loss"):
         state, got = meter.run(job, lambda: store.restore(), after=store.wait_until_finished)
         info.update({"step": got.step, "tier": got.tier, "peer": got.peer})
-        if not same(state, state_for(rank, got.step)):
+        if not same(state, state_for(rank, got.step, replicated)):
             raise AssertionError(f"rank {rank}: the restored state differs from step {got.step}'s")
     else:
         raise SystemExit(f"unknown job {job!r}")

@@ -15,7 +15,8 @@ every rank of its group (sorted by name, packed from an aligned start), so a bun
 as a few contiguous ranges (:mod:`tierfs.core.restore.bundles`).
 
 :func:`digests` and :func:`check_digests` catch ranks that hold different values of what they declared
-identical, at the commit (one number per group and rank rides on the commit's vote).
+identical, at the commit: each rank compares its digest of a group with the group's previous rank's,
+point to point, so the check costs a rank the same at any job size.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .. import _args
 from ..errors import ArgumentError, TierfsError
 from ..format import Entry, align, crc32c, shard_filename
+from ..ranks.groups import SingleProcess as _SingleProcess
+
+if TYPE_CHECKING:
+    from ..ranks import Group
 
 
 @dataclass(frozen=True)
@@ -214,14 +219,37 @@ def group_key(group: Sequence[int]) -> int:
     return crc32c(json.dumps(list(group)).encode())
 
 
-def check_digests(step: int, views: Sequence[Sequence[Sequence[int]]]) -> None:
-    """Raise on every rank (``views``: each rank's :func:`digests`, the same on every rank) when two ranks
-    of a group hold different values of entries they share."""
-    first: dict[int, tuple[int, int]] = {}
-    for r, view in enumerate(views):
-        for key, d in view:
-            seen = first.setdefault(key, (r, d))
-            if seen[1] != d:
-                raise TierfsError(f"step {step}: ranks {seen[0]} and {r} hold different values of entries declared "
-                                  "identical on both (data-parallel replicas that diverged, or a wrong replicated= "
-                                  "declaration); not committed")
+def check_digests(group: "Group", step: int, held: Sequence[Sequence[int]], groups: Sequence[Sequence[int]]
+                  ) -> None:
+    """Raise on every rank when two ranks of a group hold different values of entries they share (collective;
+    ``held``: this rank's :func:`digests`, ``groups``: its manifest's).
+
+    Each rank sends its digest of each of its groups to the group's next rank and compares the one the
+    group's previous rank sent, so a group's ranks agree pair by pair along a chain: what a rank sends and
+    the ranks it talks to are a few per group it is in, whatever the job's size. One all-reduce then
+    names the first pair that differs, on every rank."""
+    import numpy as np
+
+    mine = {key: d for key, d in held}
+    sends: list[tuple[int, np.ndarray]] = []
+    recvs: list[tuple[int, np.ndarray, int, int]] = []  # (from rank, buffer, group key, this rank's digest)
+    for g in groups:
+        members, key = sorted(g), group_key(g)
+        if group.rank not in members or key not in mine:
+            continue
+        i = members.index(group.rank)
+        if i + 1 < len(members):
+            sends.append((members[i + 1], np.array([mine[key]], dtype=np.int64).view(np.uint8)))
+        if i > 0:
+            recvs.append((members[i - 1], np.zeros(8, dtype=np.uint8), key, mine[key]))
+    if group.world_size > 1:
+        assert not isinstance(group, _SingleProcess)
+        group.exchange(sends, [(r, buf) for r, buf, _, _ in recvs])
+    n = group.world_size
+    pairs = [prev * n + group.rank for prev, buf, _, d in recvs if int(buf.view(np.int64)[0]) != d]
+    worst = group.all_reduce([min(pairs, default=n * n)], "min")[0]
+    if worst < n * n:
+        a, b = divmod(worst, n)
+        raise TierfsError(f"step {step}: ranks {a} and {b} hold different values of entries declared identical on "
+                          "both (data-parallel replicas that diverged, or a wrong replicated= declaration); not "
+                          "committed")

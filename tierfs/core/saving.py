@@ -257,7 +257,7 @@ class SavePath:
         step, rank = staged.step, p.group.rank
         try:
             # every rank's manifest is written: in one all-reduce (sums in a second), whatever the job's size;
-            # only data-parallel bundles' digests are compared rank by rank (maxes: whether any rank has some)
+            # data-parallel bundles' digests are compared along each group's ranks (maxes: whether any rank has some)
             with agreement(group, f"commit step {step}", outcome="not committed") as vote:
                 vote.maxes = [0]  # the same length on every rank, a rank that fails included
                 try:
@@ -283,7 +283,7 @@ class SavePath:
                     p.staging.discard(step)
                     raise
             if vote.max[0]:  # on every rank alike: all raise, or none
-                check_digests(step, group.all_gather(held))
+                check_digests(group, step, held, manifest.groups if held else [])
             marker = Marker(step, manifest.world_size, nbytes=vote.sums[0], tiers=staged.tiers,
                             commit=staged.commit, digest=vote.sums[1:])
             self._mark(group, first, step, marker, f"commit step {step}")

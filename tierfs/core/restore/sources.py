@@ -273,7 +273,7 @@ class Peers:
             # 1: got it (or its target is wrong: raised by all); -1: the copy itself is bad; 0: it failed
             bad = isinstance(res, str) and res.startswith(BAD_COPY)
             vote = 1 if not isinstance(res, str) or a.mismatch is not None else -1 if bad else 0
-            self._heard(a, assign, needs, g.all_gather(vote))
+            self._heard(a, assign, needs, views(g, vote))  # all 1 when every fetch went well: one all-reduce
             if received and a.got is not None and a.mismatch is None and \
                     holds(a.got[1].manifest, a.got[1].files) == WHOLE:
                 try:  # after the others heard: this copy overlaps their own reads. Every block was checked as
