@@ -276,15 +276,15 @@ def test_simulate_shows_the_object_store_at_each_size_with_data_parallelism(caps
 def test_simulate_shows_what_coordinating_a_save_costs_at_each_size(capsys):
     code, out, err = run(capsys, "simulate", *SIM, "--sizes", "1k,100k")
     assert code == 0, err
-    assert "per rank, the same at any size: 8 all-reduces of a few integers, 16 sockets" in out
+    assert "per rank, the same at any size: 8 all-reduces of a few integers, 20 sockets" in out
     lines = [ln.strip() for ln in out.splitlines() if "object-store requests, " in ln and "sockets held" in ln]
-    assert lines == ["1000 accelerators: 4,000 object-store requests, 16,000 sockets held in the job; rank 0 lists and "
-                     "deletes 2,000 keys of the step retention lets go",
-                     "100000 accelerators: 400,000 object-store requests, 1,600,000 sockets held in the job; rank 0 "
-                     "lists and deletes 200,000 keys of the step retention lets go"]
+    assert lines == ["1000 accelerators: 10,000 object-store requests, 20,000 sockets held in the job; no rank lists or "
+                     "deletes another rank's objects",
+                     "100000 accelerators: 1,000,000 object-store requests, 2,000,000 sockets held in the job; no rank "
+                     "lists or deletes another rank's objects"]
     code, out, err = run(capsys, "simulate", *SIM, "--sizes", "1k", "--json")
     assert code == 0, err
-    assert json.loads(out)[0]["coordination_per_save"]["object_requests"] == 4000
+    assert json.loads(out)[0]["coordination_per_save"]["object_requests"] == 10000
 
 
 def test_simulate_options_match_their_help(capsys):

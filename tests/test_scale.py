@@ -4,8 +4,8 @@ The same job at 2, 3 and 6 processes (each its own node: a RAM tier, ``PeerTier(
 object tier on a local server behind a request-counting proxy; benchmarks/_scale.py, whose ranks are
 tests/children/scale_child.py): each rank, rank 0 included, makes the same calls into torch.distributed,
 moves the same bytes through them and asks the object store the same requests in a steady save (its
-retention's deletions included), and holds the same sockets after opening the store (from 3 ranks on:
-with 2, a ring's two neighbours are one rank); a restart agrees in the same collectives, whose bytes grow
+retention's deletions included), opens the store in the same collectives and bytes, and holds the same
+sockets after opening it (from 3 ranks on: with 2, a ring's two neighbours are one rank); a restart agrees in the same collectives, whose bytes grow
 only by what ``RestoreInfo.ranks`` reports of every rank, and only rank 0 lists the object tier.
 ``benchmarks/bench_scale.py`` measures the same from 2 to 64 processes.
 """
@@ -47,7 +47,14 @@ def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
             assert a["calls"] == b["calls"] and a["groups_created"] == b["groups_created"] == 0, (n, rank)
             assert b["bytes_sent"] - a["bytes_sent"] == 32 * (6 - n), (n, rank)
             assert a["s3_LIST"] == b["s3_LIST"] == (1 if rank == 0 else 0), (n, rank)
-    # sockets after open: the same from 3 ranks on (with 2, a ring's two neighbours are one rank)
+    # opening a store: the same collectives and bytes at every size (node numbers and which ranks share a
+    # RAM directory confirmed, not gathered); sockets the same from 3 ranks on (with 2, a ring's two
+    # neighbours are one rank)
+    for n in (2, 3):
+        for rank in range(n):
+            a, b = jobs[n][rank]["open"], large[rank]["open"]
+            assert (a["calls"], a["bytes_sent"], a["bytes_recv"]) == (b["calls"], b["bytes_sent"], b["bytes_recv"]), \
+                (n, rank)
     for rank in range(3):
         assert jobs[3][rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
     # every rank, rank 0 and the ranks only the larger job has included, makes the same calls

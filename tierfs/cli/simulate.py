@@ -103,7 +103,7 @@ def _coordination(sizes: list[int]) -> str:
     for n in sizes:
         c = coordination.per_save(n)
         lines.append(f"  {n} accelerators: {c.object_requests:,} object-store requests, {c.sockets:,} sockets held "
-                     f"in the job; rank 0 lists and deletes {c.owner_keys:,} keys of the step retention lets go")
+                     "in the job; no rank lists or deletes another rank's objects")
     return "\n".join(lines)
 
 

@@ -2,9 +2,7 @@
 
 The per-rank figures are measured by ``benchmarks/bench_scale.py`` (a RAM tier, ``PeerTier(replicas=1)``
 and an S3 object tier; one shard file per rank): they are the same at every job size measured (2 to 64
-ranks), so a job's totals are the per-rank figure times its ranks. Only the rank that owns the object
-tier's steps still does work that grows with the job: retention lists and deletes every rank's objects of
-the step it lets go. Pure: no I/O.
+ranks), rank 0 included, so a job's totals are the per-rank figure times its ranks. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -25,19 +23,19 @@ class PerRank:
     store_requests:
         Requests to the job's TCPStore (none while nothing fails).
     object_requests:
-        Requests to the object store for the rank's own shard (its file and manifest: PUT and HEAD each).
-    owner_keys_per_rank:
-        Keys the owner of the object tier lists and deletes per save for each rank of the job (retention).
+        Requests to the object store for the rank's own files: the upload of its shard file and manifest
+        (PUT, then HEAD to confirm each), and retention's deletion of its files of the step a later save
+        lets go (a check that the marker is gone, its manifest read, one batch delete). Rank 0 makes as
+        many: it writes the new marker and deletes the old one instead of checking it.
     """
 
     collectives: int = 8
-    sockets: int = 16
+    sockets: int = 20
     store_requests: int = 0
-    object_requests: int = 4
-    owner_keys_per_rank: float = 2.0
+    object_requests: int = 10
 
 
-#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-3.md``
+#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-5.md``
 MEASURED = PerRank()
 
 
@@ -51,7 +49,6 @@ class JobCost:
     sockets: int
     store_requests: int
     object_requests: int
-    owner_keys: int
 
 
 def per_save(ranks: int, m: PerRank = MEASURED) -> JobCost:
@@ -59,4 +56,4 @@ def per_save(ranks: int, m: PerRank = MEASURED) -> JobCost:
     if ranks < 1:
         raise ValueError(f"a job has at least one rank, got {ranks}")
     return JobCost(ranks, m.collectives, m.sockets, m.sockets * ranks, m.store_requests * ranks,
-                   m.object_requests * ranks, int(round(m.owner_keys_per_rank * ranks)))
+                   m.object_requests * ranks)

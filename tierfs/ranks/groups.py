@@ -124,9 +124,20 @@ class TorchGroup:
             node_rank = env_node_rank(self.rank)
         self.node_rank = int(node_rank)
         #: node number of every rank
-        self.nodes: tuple[int, ...] = tuple(row[0] for row in self.all_gather_ints([self.node_rank]))
+        self.nodes: tuple[int, ...] = self._node_numbers()
         self.node_ranks = tuple(r for r, n in enumerate(self.nodes) if n == self.node_rank)
         self.local_rank = self.node_ranks.index(self.rank)
+
+    def _node_numbers(self) -> tuple[int, ...]:
+        """Every rank's node number (collective). Where the ranks are laid out as torchrun lays them out (node
+        ``n`` runs ranks ``n*L`` to ``n*L + L - 1``, ``L`` being ``LOCAL_WORLD_SIZE``, or 1 where it is not
+        set), one all-reduce of three numbers confirms it and each rank works them out; else they are
+        gathered (8 bytes per rank)."""
+        per = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "").strip() or 1))
+        lo, neg_hi, ok = self.all_reduce([per, -per, int(self.node_rank == self.rank // per)], "min")
+        if lo == -neg_hi and ok:
+            return tuple(r // per for r in range(self.world_size))
+        return tuple(row[0] for row in self.all_gather_ints([self.node_rank]))
 
     def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1,
              timeout: float | datetime.timedelta | None = None) -> "TorchGroup":

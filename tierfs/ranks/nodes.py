@@ -17,9 +17,11 @@ import hashlib
 import json
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from ..errors import TierfsError
 from .agree import agreement, views as rank_views
-from .groups import Group
+from .groups import Group, TorchGroup
 
 
 def _key(identity: Any) -> int:
@@ -30,13 +32,16 @@ def _key(identity: Any) -> int:
 
 class NodeMap:
     """The ranks sharing each node-local tier's storage: every rank's identity of each tier's storage, as a
-    number (8 bytes per tier and rank cross the job, whatever the paths), and this rank's locations."""
+    number (8 bytes per tier and rank), and this rank's locations; or, where the ranks of each node share
+    one directory per tier (``keys`` None, ``nodes`` every rank's node number), the ranks of its node."""
 
-    def __init__(self, rank: int, tiers: Sequence[str], keys: Sequence[Sequence[int]],
-                 locations: dict[str, str], group: Group | None = None) -> None:
+    def __init__(self, rank: int, tiers: Sequence[str], keys: Sequence[Sequence[int]] | None,
+                 locations: dict[str, str], group: Group | None = None, nodes: Sequence[int] = ()) -> None:
         self.rank = rank
         self.tiers = list(tiers)
-        self.keys = [list(k) for k in keys]  # per rank: the identity's number of each of ``tiers`` (0: none)
+        # per rank: the identity's number of each of ``tiers`` (0: none); None: the same per node
+        self.keys = [list(k) for k in keys] if keys is not None else None
+        self.nodes = list(nodes)
         self.locations = dict(locations)  # this rank's
         self._group = group
 
@@ -44,6 +49,8 @@ class NodeMap:
         """The ranks whose ``tier`` is the same storage as this rank's (this rank included)."""
         if tier not in self.tiers:
             return (self.rank,)
+        if self.keys is None:
+            return tuple(r for r, n in enumerate(self.nodes) if n == self.nodes[self.rank])
         k = self.tiers.index(tier)
         mine = self.keys[self.rank][k]
         return tuple(r for r, v in enumerate(self.keys) if v[k] == mine)
@@ -52,6 +59,8 @@ class NodeMap:
         """Raise on every rank (the same error: every rank holds the same identities) when two ranks share a
         tier's storage but ``nodes`` (from ``source``) puts them on different nodes. Collective when it raises:
         the first of those ranks tells the others where the directory is."""
+        if self.keys is None:
+            return  # each node's ranks share its directories, and neighbouring nodes' differ (observe checked)
         for k, tier in sorted(enumerate(self.tiers), key=lambda x: x[1]):
             seen: dict[int, int] = {}
             for r, v in enumerate(self.keys):
@@ -77,5 +86,23 @@ def observe(group: Group, identities: Callable[[], dict[str, list[Any]]]) -> Nod
     if rank_views(group, tiers) != [tiers] * group.world_size:
         raise TierfsError(f"ranks have different node-local tiers (this rank: {tiers}); give every rank the same tiers")
     row = [_key(mine[t][0]) for t in tiers]
-    keys = group.all_gather_ints(row) if tiers and group.world_size > 1 else [row] * group.world_size
-    return NodeMap(group.rank, tiers, keys, {t: str(mine[t][1]) for t in tiers}, group)
+    locations = {t: str(mine[t][1]) for t in tiers}
+    if not tiers or group.world_size == 1:
+        return NodeMap(group.rank, tiers, [row] * group.world_size, locations, group)
+    if _per_node(group, row):
+        return NodeMap(group.rank, tiers, None, locations, group, group.nodes)
+    return NodeMap(group.rank, tiers, group.all_gather_ints(row), locations, group)
+
+
+def _per_node(group: Group, row: list[int]) -> bool:
+    """Whether each node's ranks share one storage per tier, and every node's differs from its neighbours'
+    (collective): each rank compares its identities with the previous rank's, sent point to point around
+    the ring, then one all-reduce says whether all matched. The usual layout (one RAM directory per
+    machine) is thus confirmed in a few bytes per rank; any other is gathered."""
+    assert isinstance(group, TorchGroup)
+    n, r = group.world_size, group.rank
+    prev = np.zeros(8 * len(row), dtype=np.uint8)
+    group.exchange([((r + 1) % n, np.array(row, dtype=np.int64).view(np.uint8))], [((r - 1) % n, prev)])
+    same_node = group.nodes[(r - 1) % n] == group.nodes[r]
+    ok = all((a == b) == same_node for a, b in zip(prev.view(np.int64).tolist(), row))
+    return group.all_reduce([int(ok)], "min")[0] == 1
