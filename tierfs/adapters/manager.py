@@ -18,10 +18,8 @@ from .. import _args
 from .._rootdir import check_local_url
 from ..ranks import seconds
 from ..ranks.agree import any_rank
-from ..errors import (ArgumentError, CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError,
-                      TierfsError)
-from ..format import DCP_SHARD_KEY
-from . import _torchstate as ts, loaderstate
+from ..errors import ArgumentError
+from . import _restoring, _torchstate as ts, loaderstate
 from ._preemption import DEFAULT_SIGTERM_GRACE, Preemption
 from ..policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy, LatestN,
                         PreservationPolicy, PreserveAll, RestorePolicy, StepInfo)
@@ -245,55 +243,18 @@ class CheckpointManager:
         step = _args.optional_step(step)
         if state is not None:
             _args.mapping(state, "state")
-        loaderstate.objects(loader)
+        loaders = loaderstate.objects(loader)
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
-        rep = self.store.replicator
-        if rep is not None and rep.name in tiers:
-            # collective: a rank whose RAM lacks its shard (a replaced node) gets it from a peer into RAM,
-            # where DCP's reader (which reads tiers directly) and the store find it
-            try:
-                self.store.localize(step, tiers=tiers)
-            except (RestoreIncompleteError, CheckpointLostError):
-                raise  # the last restore did not finish on every rank, or steps were lost: never "nothing saved"
-            except (StepNotFoundError, RestoreError) as e:
-                log.warning("no step could be brought into RAM from peers (%s); restoring from the tiers", e)
-        common = sorted(self.store.common_steps(tiers, raise_lost=True), reverse=True)
-        if step is not None:
-            if step not in common:
-                raise StepNotFoundError(f"step {step} is not committed on {tiers} for every rank; available: "
-                                        f"{sorted(common)[-10:]}")
-            common = [step]
-        if not common:
+        got = _restoring.restore(self.store, state, step, tiers, bool(loaders))  # collective: one restore
+        if got is None:
             return None
-        skipped: list[tuple[str, int, str]] = []
-        for s in common:
-            try:
-                if is_dcp_step(self.store, s, tiers):
-                    from .dcp import managed
-
-                    out, info = managed.restore(self.store, state, s, tiers)
-                elif state is not None:
-                    info = self.store.restore_into(state, s, tiers=tiers)
-                    out = info.step
-                else:
-                    out, info = self.store.restore(s, tiers=tiers)
-            except ts.Unusable as e:
-                skipped += e.skipped
-                continue
-            except RestoreIncompleteError:
-                raise  # ranks returned this step: none may move to an older one
-            except RestoreError as e:
-                skipped.append((",".join(tiers), s, str(e)))
-                continue
-            info.skipped = skipped + [x for x in info.skipped if x not in skipped]
-            self.last_restore_info = info
-            self._restored = info.step
-            self.store.resume_from(info.step)  # DCP's reader restored it, not the store
-            loaderstate.restored(self.store, s, tiers, state if state is not None else out, loader)
-            return out
-        reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
-        raise RestoreError(f"no tier holds a verified copy ({reasons})")
+        out, info = got
+        self.last_restore_info = info
+        self._restored = info.step
+        self.store.resume_from(info.step)  # DCP's reader restored it, not the store
+        loaderstate.restored(self.store, info.step, tiers, state if state is not None else out, loader)
+        return out
 
     # -- queries ------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -368,13 +329,3 @@ def _find_best(policy: PreservationPolicy) -> BestN | None:
         if found is not None:
             return found
     return None
-
-
-def is_dcp_step(store: TieredStore, step: int, tiers: list[str]) -> bool:
-    """Whether ``step`` was saved through TieredWriter (every rank gets the same answer)."""
-    g = store.group
-    try:
-        mine: bool | None = DCP_SHARD_KEY in store.read_manifest(step, g.rank, tiers=tiers)[0].metadata
-    except (TierfsError, OSError, ValueError, KeyError):
-        mine = None  # e.g. a rank beyond the saving job's world size
-    return any_rank(g, mine is True)
