@@ -21,7 +21,7 @@ from .core.context import check_tiers
 from ._storereads import ShardReads
 from .core.reads import Reader
 from .core.restore.pipeline import Restore, RestoreInfo
-from .core.restore.plan import lost_steps
+from .core.restore.plan import RestorePlan, gather_plan, lost_steps
 from .core.restore.sinks import InPlace, NewArrays
 from .core.retention import Retention
 from .core.saving import SavePath
@@ -35,10 +35,6 @@ from .tiers.base import AnyTier, Replicator
 __all__ = ["DEFAULT_BACKGROUND_BANDWIDTH", "RestoreInfo", "TieredStore"]
 
 log = logging.getLogger("tierfs")
-
-
-def _seconds_or_none(timeout: float | datetime.timedelta | None) -> float | None:
-    return None if timeout is None else seconds(timeout)
 
 
 class TieredStore(ShardReads):
@@ -59,10 +55,9 @@ class TieredStore(ShardReads):
     clock:
         Time source for time-based policies (tests inject one).
     cleanup:
-        When the store opens, remove uncommitted steps (left by a crash) and copy on, in the background, the
-        committed steps of the first tier that a slower tier's policy took but that tier lacks (the process
-        that saved them ended before its copy). A process that only reads while another one saves to the
-        same tiers (an evaluation job) must pass ``cleanup=False``.
+        When the store opens, remove uncommitted steps (left by a crash) and copy on, in the background,
+        committed steps a slower tier's policy took but that tier lacks (their process ended first). A
+        process that only reads while another saves to the same tiers must pass ``cleanup=False``.
     max_in_flight:
         Saves whose background work (commit, copies) may be unfinished at once.
     when_busy:
@@ -344,7 +339,7 @@ class TieredStore(ShardReads):
         try:
             check()
             step, tiers = _args.optional_step(step), _args.names(tiers, "tiers", self._ctx.names)
-            timeout = _seconds_or_none(timeout)
+            timeout = None if timeout is None else seconds(timeout)
         except ArgumentError as e:
             step, tiers, timeout, error = None, None, None, e
 
@@ -353,6 +348,14 @@ class TieredStore(ShardReads):
                 raise error
             self.raise_background_errors()
         return Restore(self._ctx, self._ctx.usable(tiers), sink, first, timeout).run(step, adopt)
+
+    def restore_plan(self, tiers: Sequence[str] | None = None) -> RestorePlan:
+        """What a restore over ``tiers`` (default: all) chooses from (collective), after the same waits: the
+        steps each rank can get, from its own tiers or a peer's replica (``steps()``: those every rank can)."""
+        self._check_open()
+        self._ctx.work.commits.join()
+        usable = self._ctx.usable(_args.names(tiers, "tiers", self._ctx.names))
+        return gather_plan(self._ctx, usable, self.raise_background_errors)
 
     def resume_from(self, step: int) -> None:
         """Note that the job goes on from ``step``, which it read by other means than :meth:`restore` (DCP's

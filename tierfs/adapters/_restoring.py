@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..core.restore.plan import RestorePlan, gather_plan
+from ..core.restore.plan import RestorePlan
 from ..errors import CheckpointLostError, RestoreError, RestoreIncompleteError, StepNotFoundError, TierfsError
 from ..format import DCP_SHARD_KEY
 from ..ranks.agree import any_rank
@@ -107,12 +107,8 @@ def restore(store: TieredStore, state: Any, step: int | None, tiers: list[str], 
 
 
 def plan(store: TieredStore, tiers: list[str]) -> RestorePlan:
-    """What the store's restore over ``tiers`` would see (collective): its plan, gathered after the same
-    waits (the rest of the last restore, the saves' commits) and the same check for background failures."""
-    store._check_open()
-    store.wait_until_committed()
-    ctx = store._ctx
-    return gather_plan(ctx, ctx.usable(tiers), store.raise_background_errors)
+    """What the store's restore over ``tiers`` would see (collective): :meth:`TieredStore.restore_plan`."""
+    return store.restore_plan(tiers)
 
 
 def candidates(got: RestorePlan, step: int | None, tiers: list[str]) -> list[int]:
