@@ -167,11 +167,9 @@ class TieredStore(ShardReads):
                      timeout: float | datetime.timedelta | None = None, raise_lost: bool = False) -> list[int]:
         """The committed steps every rank of the job holds on ``tiers`` (default: any tier), oldest first.
 
-        Collective: every rank must call it (``timeout``: how long to wait for the others, default the
-        store's). Each rank counts a step when one of the named tiers lists it (a peer tier lists the steps
-        of the copies it keeps for others). ``raise_lost``: when ranks hold steps but none is held by every
-        rank, raise :class:`~tierfs.errors.CheckpointLostError` (naming the steps and the ranks lacking them)
-        instead of returning an empty list."""
+        Collective (``timeout``: how long to wait for the others, default the store's). A peer tier lists the
+        steps of the copies it keeps for others. ``raise_lost``: when ranks hold steps but none is held by
+        every rank, raise :class:`~tierfs.errors.CheckpointLostError` naming them, not an empty list."""
         names = set(_args.names(tiers, "tiers", self._ctx.names) or ()) if tiers is not None else None
         _args.flag(raise_lost, "raise_lost")
         self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
@@ -237,8 +235,7 @@ class TieredStore(ShardReads):
         self._ctx.work.raise_errors()
 
     def wait_until_committed(self) -> None:
-        """Block until every save so far is committed in the first tier (its copies to slower tiers may
-        still run)."""
+        """Block until every save so far is committed in the first tier (copies may still run)."""
         self._ctx.work.commits.join()
 
     def wait_until_finished(self) -> None:
@@ -247,13 +244,9 @@ class TieredStore(ShardReads):
 
     # -- retention ----------------------------------------------------------------------------------
     def retention_plan(self) -> dict[str, list[int]]:
-        """``{tier: [steps its keep policy would delete now]}``, deleting nothing.
-
-        The rules of the retention that runs after each save: a step is kept when the tier's keep policy
-        keeps it, when it is being read or copied, or when it is the only copy of the newest step. Steps
-        this process did not save get their commit time and metrics from their marker and manifest, so
-        time- and metric-based policies see them (``tierfs gc`` runs on a store that saved nothing).
-        """
+        """``{tier: [steps its keep policy would delete now]}``, deleting nothing: a step is kept when the
+        tier's policy keeps it, when it is being read or copied, or when it is the only copy of the newest
+        step. Steps this process did not save get their time and metrics from their marker and manifest."""
         self.wait_until_finished()
         return self._retention.plan()
 
@@ -374,11 +367,9 @@ class TieredStore(ShardReads):
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any.
 
-        While it waits it says what for (past a second, then every few seconds: the steps and the tiers
-        they are not yet on). Ctrl-C (:func:`tierfs._exit.wait_for`): the first press goes on waiting and
-        raises KeyboardInterrupt once the copies are done; the next one (the first, when Ctrl-C ended the
-        ``with`` block) stops waiting at once, with one line naming what is not durable and where it is:
-        the copies left running are not waited for (daemon threads, they end with the process).
+        While it waits it says what for (the steps and the tiers they are not yet on). Ctrl-C: the first
+        press waits on and raises KeyboardInterrupt once the copies are done; the next (the first, when it
+        ended the ``with`` block) stops at once, naming what is not durable and where it is.
         """
         if self._closed:
             return
@@ -396,8 +387,7 @@ class TieredStore(ShardReads):
             self._opening.give_back_groups(usable=done)  # for the next store (not while copies use them)
 
     def _discard(self) -> None:
-        """Undo the store for a constructor that failed after making it (``CheckpointManager``'s): close
-        its workers and tiers, remove the directories it created if they are empty. Never raises."""
+        """Undo the store for a constructor that failed after making it (``CheckpointManager``'s). Never raises."""
         _exit.unregister(self)
         self._closed = True
         self._opening.undo()

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from ..._stages import operation
 from ..._worker import Detached
 from ...ranks import agreement
+from ...ranks.reports import publish
 from ...errors import RestoreError, RestoreIncompleteError
 from ...tiers.base import AnyTier
 from ..context import Context
@@ -198,12 +199,13 @@ class Restore:
         assert a.got is not None
         info, shard = a.got
         g = a.group
-        if g.world_size > 1:  # 32 bytes per rank: the tier by its place among the store's
-            names = list(self.ctx.names)
-            rows = g.all_gather_ints([names.index(info.tier), -1 if info.peer is None else info.peer, info.nbytes,
-                                      round(info.seconds * 1e9)])
-            info.ranks = [{"rank": r, "tier": names[t], "peer": None if p < 0 else p, "nbytes": n, "seconds": ns / 1e9}
-                          for r, (t, p, n, ns) in enumerate(rows)]
+        # every rank's source, through the job's store: each rank writes its own, read on first use
+        names = list(self.ctx.names)
+        rows = publish(g, f"restore/{a.step}", [names.index(info.tier), -1 if info.peer is None else info.peer,
+                                                info.nbytes, round(info.seconds * 1e9)])
+        info._ranks, info._report = None, lambda: [
+            {"rank": r, "tier": names[t], "peer": None if p < 0 else p, "nbytes": n, "seconds": ns / 1e9}
+            for r, (t, p, n, ns) in enumerate(rows())]
         log.info("restored %s", info)
         if adopt:
             localize(self.ctx, g, a.step, info, shard)

@@ -63,9 +63,21 @@ class RestoreInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)  # entries in the checkpoint not in the target state
     peer: int | None = None  # the rank that sent this rank's shard, when it came from the peer tier
-    #: every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}`` (the same on every rank; on a
-    #: rank that returned before the others, filled in once they are done)
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    _ranks: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _report: Callable[[], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Every rank's source: ``{"rank", "tier", "peer", "nbytes", "seconds"}``, the same on every rank.
+        Each rank wrote its own to the job's store as it finished; they are read on first use (on a rank
+        that returned before the others, once they are done): a restore moves nothing more for them."""
+        if self._ranks is None:
+            self._ranks = self._report() if self._report is not None else []
+        return self._ranks
+
+    @ranks.setter
+    def ranks(self, value: list[dict[str, Any]]) -> None:
+        self._ranks, self._report = list(value), None
 
     @property
     def gbps(self) -> float:
