@@ -233,7 +233,7 @@ def check_digests(group: "Group", step: int, held: Sequence[Sequence[int]], grou
     mine = {key: d for key, d in held}
     sends: list[tuple[int, np.ndarray]] = []
     recvs: list[tuple[int, np.ndarray, int, int]] = []  # (from rank, buffer, group key, this rank's digest)
-    for g in groups:
+    for g in sorted(groups, key=sorted):  # the same order on every rank: two ranks' messages pair up in it
         members, key = sorted(g), group_key(g)
         if group.rank not in members or key not in mine:
             continue
