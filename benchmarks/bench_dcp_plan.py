@@ -169,6 +169,19 @@ def sent(final: list[SavePlan], shares: list[Any]) -> tuple[list[int], list[int]
     return whole, part
 
 
+def planning(layout: str, world: int, repeats: int = 3) -> tuple[list[float], list[int]]:
+    """The coordinator's sharing plan of a first save of a GPT-like state at ``world`` ranks, on synthesized
+    per-rank plans: its timings (``repeats`` of them) and the bytes of each rank's final plan as DCP
+    scatters it (``benchmarks/bench_scale.py`` prints them beside its per-rank counts)."""
+    final = dedup_save_plans(local_plans(layout, world, gpt_shapes()))
+    ranks = list(range(world))
+    ts, shares = [], None
+    for _ in range(repeats):
+        t, shares = timed(lambda: plan_sharing(final, ranks, "sid"))
+        ts.append(t)
+    return ts, sent(final, shares)[0]
+
+
 def kib(xs: list[int]) -> str:
     return f"{statistics.median(xs) / 1024:.1f} / {max(xs) / 1024:.1f}"
 

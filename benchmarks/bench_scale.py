@@ -26,6 +26,10 @@ growth from N=4 to N=64 (figures growing more than 1.2x are marked GROWS); the l
 ``a + b*N`` of the median over N >= 4 and its values at 1,024 and 8,192 ranks; rank 0 against the other
 ranks at the largest N; the calls by function and by tierfs call site at the largest N.
 
+Last, DCP's first-save planning on the coordinator at ``--dcp-worlds`` ranks (default 1,024 and 8,192), on
+synthesized per-rank plans (no processes; this checkout's code; ``bench_dcp_plan.py`` has more layouts and
+the earlier code beside it). ``--replicated`` adds an array every rank holds alike, declared replicated.
+
 ``--tierfs-rev REV`` measures tierfs as committed at REV (``git archive`` into a scratch directory) instead
 of this checkout's working tree. Progress and per-N timings go to stderr.
 """
@@ -118,6 +122,10 @@ def main() -> int:
     ap.add_argument("--out-dir", default=RESULTS, help="where the results go")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--note", default="", help="a line of text for the results")
+    ap.add_argument("--dcp-worlds", default="1024,8192",
+                    help="ranks at which to time DCP's first-save planning on synthesized plans (this checkout's "
+                         "code, benchmarks/bench_dcp_plan.py); empty: none")
+    ap.add_argument("--dcp-layouts", default="dp", help="their layouts, of dp, hsdp, fsdp")
     ap.add_argument("--replicated", action="store_true",
                     help="add an array every rank holds alike, declared replicated (data parallelism)")
     args = ap.parse_args()
@@ -171,7 +179,10 @@ def main() -> int:
         if base and by_n:
             lines += ["", f"Baseline: `{os.path.basename(base['path'])}` ({base['raw'].get('tierfs', '?')})", "",
                       compare(base["by_n"], by_n, ops)]
+        lines += dcp_lines
         return "\n".join(lines) + "\n"
+
+    dcp_lines: list[str] = []
 
     try:
         with Harness(max(sizes)) as h:
@@ -200,12 +211,40 @@ def main() -> int:
                 if n in failures and n != sizes[-1]:
                     log("the next sizes are larger: stopping here")
                     break
+        dcp_lines[:] = dcp_planning([int(w) for w in args.dcp_worlds.split(",") if w.strip()],
+                                    [x for x in args.dcp_layouts.split(",") if x.strip()])
+        if out and dcp_lines:
+            with open(out, "w") as f:
+                f.write(write())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(write())
     if out:
         log(f"written: {out} (and .json)")
     return 1 if failures else 0
+
+
+def dcp_planning(worlds: list[int], layouts: list[str]) -> list[str]:
+    """The report's section on DCP's first-save planning at ``worlds`` ranks (no processes: synthesized
+    per-rank plans of a GPT-like state, :func:`bench_dcp_plan.planning`)."""
+    if not worlds:
+        return []
+    import statistics
+
+    from bench_dcp_plan import kib, planning, secs
+
+    rows = ["", "## DCP: the coordinator's planning of a first save (synthesized plans, this checkout's code)", "",
+            "A GPT-like state of 292 tensors per rank; the planning is `plan_sharing` on the coordinator (median "
+            "of 3), the plan sent is each rank's final plan as DCP scatters it (`benchmarks/bench_dcp_plan.py` "
+            "compares it with the earlier code).", "",
+            "| layout | ranks | planning | plan sent per rank KiB (median / max) |", "|---|---|---|---|"]
+    for layout in layouts:
+        for world in worlds:
+            log(f"DCP planning: {layout} at {world} ranks")
+            ts, sent = planning(layout, world)
+            rows.append(f"| {layout} | {world:,} | {secs(ts)} | {kib(sent)} |")
+            log(f"DCP planning: {layout} at {world} ranks: {statistics.median(ts) * 1e3:.1f} ms")
+    return rows
 
 
 if __name__ == "__main__":
