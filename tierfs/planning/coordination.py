@@ -35,7 +35,7 @@ class PerRank:
     object_requests: int = 10
 
 
-#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-7.md``
+#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-9.md``
 MEASURED = PerRank()
 
 
