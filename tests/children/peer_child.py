@@ -167,7 +167,9 @@ def main() -> None:
         again, info = store.restore()
         out.update(again_tier=info.tier, again_exact=all(again[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
         out["groups_restoring"] = made[0] - opened  # groups made by the restores (every group: at open)
-        if reopen:  # the same store again in these processes: it takes the groups the first gave back
+        if reopen:  # the same store again in these processes, while another store of theirs is open (one
+            # RAM tier of its own: a store group and a commit group): it takes the groups the first gave back
+            keeper = TieredStore([MemoryTier(os.path.join(shm, f"keeper{rank}"))])
             store.close()
             opened = made[0]
             store, peer = open_store()
@@ -176,6 +178,7 @@ def main() -> None:
             out.update(reopened_tier=info.tier, reopened_exact=all(again[k].tobytes() == want[k].tobytes()
                                                                    for k in ("w", "b")))
             out["loops_reopened"] = loops(before)
+            keeper.close()
     store.close()
     finish(out)
 

@@ -1,10 +1,11 @@
 """One rank of a two-rank job taking groups from the process's pool as stores do (gloo on localhost).
 
 Steps, each an opening (``POOL.opening``) that makes a store's groups (``TorchGroup()``, ``fork(lanes=2)``),
-and what it made: a first one; a second one after the first gave its groups back (it makes none); a
-third one while the second still holds its groups (it makes its own); then a failure seen on rank 1
-alone (the groups of one fork are not reused), after which the next opening makes new groups on both ranks
-instead of hanging on groups that only one rank has. Each step checks its groups work (an all-reduce, a
+and what it made: a first one; a second one while the first holds its groups (it makes its own); a third
+one after the first gave its groups back while the second is still open (it makes none); then a failure
+seen on rank 1 alone (the groups of the third's fork are not reused), after which the next opening makes
+new groups on both ranks instead of hanging on groups that only one rank has. Once every opening gave its
+groups back (the last store closed), none is left. Each step checks its groups work (an all-reduce, a
 transfer). Prints one JSON line.
 """
 
@@ -42,16 +43,18 @@ def main() -> None:
         return lease, g, f
 
     first, _, _ = opening()
-    first.give_back()
-    second, _, f = opening()  # the groups the first gave back
-    third, _, _ = opening()  # the second holds its groups: new ones
-    third.give_back()
-    if out["rank"] == 1:  # a wait failed on one of the second's groups, seen on this rank alone
+    second, _, _ = opening()  # the first holds its groups: new ones
+    first.give_back()  # the second is still open: the first's groups wait for the next
+    third, _, f = opening()  # the groups the first gave back
+    if out["rank"] == 1:  # a wait failed on one of the third's groups, seen on this rank alone
         f._state["failed"] = "a transfer failed"
-    second.give_back()  # rank 1 destroys that group; rank 0 keeps it
+    third.give_back()  # rank 1 destroys that group; rank 0 keeps it
     out["free_before_vote"] = POOL.free()
     last, _, _ = opening()  # the ranks' pools differ: every rank makes new groups
     last.give_back()
+    out["free_while_one_is_open"] = POOL.free()
+    second.give_back()  # the last store closes: its groups go
+    out["free_at_end"] = POOL.free()
     finish(out)
 
 

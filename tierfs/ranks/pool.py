@@ -1,10 +1,11 @@
-"""Where the store's torch.distributed groups come from: made once per process, reused by the stores it
-opens later, destroyed when they can no longer be used.
+"""Where the store's torch.distributed groups come from: made once while the process has a store open,
+reused by the stores it opens meanwhile, destroyed when the last one closes.
 
 A store takes every group it needs while it opens (:meth:`Pool.opening`: the store's own, its commit and
-copy workers', the peer tier's) and gives them back when it closes (:meth:`Lease.give_back`). A later
-store in the process takes the groups given back instead of making new ones; groups still held by a store
-that is open are never handed to another (two threads never share one). Groups are interchangeable when
+copy workers', the peer tier's) and gives them back when it closes (:meth:`Lease.give_back`). A store
+opened while another is still open takes the groups given back instead of making new ones; groups still
+held by a store that is open are never handed to another (two threads never share one). When the last
+store of the process closes, the groups given back are destroyed: their threads and sockets go. Groups are interchangeable when
 they have the same backend, timeout and CPU priority of their threads (:data:`Key`): a group's timeout is
 its backend's, and its threads keep the priority they were started with.
 
@@ -16,9 +17,9 @@ So before a store takes groups given back earlier, the ranks vote through the jo
 (torch.distributed's TCPStore, a few requests per rank): when every rank has the same groups to give,
 each takes them; else every rank destroys what it has and the store makes new ones.
 
-Given-back groups stay in the pool for the next store until the interpreter exits (then they are
-destroyed, as is every group given back after), or until :func:`release`; a group torch.distributed
-destroyed itself (``destroy_process_group()`` of the whole job) is only forgotten. An idle group costs its
+Given-back groups stay in the pool while a store of the process is open (and are destroyed at interpreter
+exit, or by :func:`release`); a group torch.distributed destroyed itself (``destroy_process_group()`` of
+the whole job) is only forgotten. An idle group costs its
 backend's threads (gloo: two workers and an I/O loop that wakes every 10 ms, under 1 ms of CPU a second)
 and one listening socket; its connections are made when first used (``TORCH_GLOO_LAZY_INIT``), so it
 holds only those to the ranks it talked to.
@@ -110,6 +111,7 @@ class Lease:
         self.held: list[_Held] = []
         #: groups this lease made (the rest it took from the pool)
         self.made = 0
+        self._given = False
 
     def take(self, dist: Any, backend: str, timeout: float, nice: int, state: dict[str, str]) -> Any:
         """A group of ``(backend, timeout, nice)``, given back earlier or new (collective); ``state`` is
@@ -126,7 +128,9 @@ class Lease:
     def give_back(self, usable: bool = True) -> None:
         """Give the groups back for the next store; with ``usable=False`` (threads may still use them) the
         pool forgets them. A group a failure was seen on is destroyed instead."""
-        held, self.held = self.held, []
+        if self._given:
+            return
+        held, self.held, self._given = self.held, [], True
         self._pool._give_back(held, usable)
 
 
@@ -138,6 +142,7 @@ class Pool:
         self._free: list[_Held] = []  # given back, oldest first
         self._made = 0  # groups made through the pool: the next one's number, the same on every rank
         self._openings = 0
+        self._open = 0  # leases not given back yet: the stores of this process that are open
         self._exiting = False
         self._local = threading.local()
         #: a number every rank of this launch shares (the first pooled group's, see ``named``)
@@ -154,6 +159,8 @@ class Pool:
             yield None
             return
         lease = Lease(self, self._agree(dist, timeout))
+        with self._lock:
+            self._open += 1
         before = getattr(self._local, "lease", None)
         self._local.lease = lease
         try:
@@ -206,6 +213,7 @@ class Pool:
     def _give_back(self, held: list[_Held], usable: bool) -> None:
         dist = _dist(any_size=True)
         with self._lock:
+            self._open = max(0, self._open - 1)
             for h in held:
                 if not usable:
                     continue  # still in use: neither reused nor destroyed
@@ -216,6 +224,8 @@ class Pool:
                 else:
                     self._free.append(h)
             self._free.sort(key=lambda h: h.serial)
+            if self._open == 0 and dist is not None:  # the last store closed: its groups go
+                self._clear(dist)
 
     def _clear(self, dist: Any) -> None:
         """Destroy every group given back (under the lock)."""
