@@ -53,7 +53,7 @@ def diagnose(g: "TorchGroup", oper: waits.Operation, why: str, call: int) -> Ran
     at = f"{where}: " if where else ""
     if waits.kind_of(why) == waits.LATE:  # gloo closed this rank's connections on the group
         g._state.setdefault("closed", f"a collective timed out ({why.strip().splitlines()[0]})")
-    store = _store(g)
+    store = job_store(g._dist)
     first_line = why.strip().splitlines()[0] if why.strip() else "no reason given"
     if store is None:
         return RankWaitError(f"{at}a collective of every rank failed ({first_line}); see the other ranks' logs",
@@ -111,9 +111,10 @@ def _verdict(store: Any, key: str, oper: waits.Operation) -> dict[str, Any]:
     return json.loads(store.get(f"{key}/verdict"))
 
 
-def _store(g: "TorchGroup") -> Any:
-    """The job's key-value store (torch.distributed's default), or None when it cannot be had."""
+def job_store(dist: Any) -> Any:
+    """The job's key-value store (torch.distributed's default, given the ``torch.distributed`` module), or
+    None when it cannot be had: the diagnosis, the pool's vote and the ranks' reports go through it."""
     try:
-        return g._dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a torch without it: the error names no rank
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a torch without it
         return None

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..errors import RankWaitError
+from .diagnosis import job_store
 
 log = logging.getLogger("tierfs")
 
@@ -269,9 +270,8 @@ def _vote(dist: Any, key: str, offer: str, timeout: float) -> bool:
     """Whether every rank's ``offer`` is the same, through the job's key-value store (collective): each
     rank compares its offer with the first one written, counts itself in, and waits for the last rank in
     to say so. A few requests per rank, whatever the job's size."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: never reuse (the same on every rank)
+    store = job_store(dist)
+    if store is None:  # no store: never reuse (the same on every rank)
         return False
     world = dist.get_world_size()
     try:

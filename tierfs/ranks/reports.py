@@ -14,6 +14,7 @@ import json
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import RankWaitError
+from .diagnosis import job_store
 from .groups import SingleProcess
 
 if TYPE_CHECKING:
@@ -29,9 +30,7 @@ def publish(group: "Group", tag: str, row: Sequence[int]) -> Rows:
     mine = [int(v) for v in row]
     if isinstance(group, SingleProcess) or group.world_size == 1:
         return lambda: [mine]
-    from .diagnosis import _store
-
-    store = _store(group)
+    store = job_store(group._dist)
     if store is None:  # a torch without a reachable store: the rows are gathered, as collectives
         gathered = group.all_gather_ints(mine)
         return lambda: gathered
