@@ -87,3 +87,8 @@ def test_views_reach_every_rank_whether_all_few_or_many_differ():
     for case in ("same", "last_differs", "two_differ", "all_differ", "split_evenly"):
         assert all(o[case] == [w[case] for w in want] for o in outs), case
     assert all(o["few_is_one"] == [w["two_differ"] for w in want] for o in outs)
+    # what each way costs: two numbers when all match; when one rank differs, its view and the common one,
+    # far less than the same views gathered from every rank
+    for o in outs:
+        b = o["bytes"]
+        assert b["same"] == 16 and b["last_differs"] < b["few_is_one"] / 4, b

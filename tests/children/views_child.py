@@ -1,6 +1,6 @@
 """One rank of a job checking ``tierfs.ranks.agree.views``: every rank must get every rank's view, whether
 all are the same, a few differ (sent on their own) or many do (gathered). Prints one JSON line: each case's
-views and the bytes the all-reduces moved."""
+views and the bytes its all-reduces moved (``bytes``)."""
 
 import torch.distributed as dist
 
@@ -28,9 +28,22 @@ def main() -> None:
     rank, world = g.rank, g.world_size
     mine = case_views(rank, world)
     out: dict[str, object] = {"rank": rank}
+    moved = {}  # tensor bytes each case's collectives moved on this rank (the real all_reduce, counted)
+    all_reduce, count = dist.all_reduce, [0]
+
+    def counted(tensor, *args, **kwargs):
+        count[0] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = counted
+
+    def case(name, view, **kw):
+        count[0] = 0
+        out[name] = views(g, view, **kw)
+        moved[name] = count[0]
     for name, view in mine.items():
-        out[name] = views(g, view)
-    out["few_is_one"] = views(g, mine["two_differ"], few=1)  # more differ than sent on their own
+        case(name, view)
+    case("few_is_one", mine["two_differ"], few=1)  # more differ than sent on their own: gathered
+    out["bytes"] = moved
     finish(out)
 
 
