@@ -25,7 +25,7 @@ from .core.restore.plan import RestorePlan, gather_plan, lost_steps
 from .core.restore.sinks import InPlace, NewArrays
 from .core.retention import Retention
 from .core.saving import SavePath
-from .ranks import Group, default_group, seconds
+from .ranks import Group, SingleProcess, TorchGroup, default_group, seconds
 from .ranks.agree import views as rank_views
 from .errors import ArgumentError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE
@@ -111,6 +111,10 @@ class TieredStore(ShardReads):
         self._opening = _lifecycle.Opening(writes=cleanup)
         try:
             with self._opening.taking_groups(self.timeout):  # every group the store uses is taken now
+                if group is not None and not isinstance(group, (SingleProcess, TorchGroup)):
+                    raise ArgumentError(f"group must be a tierfs group (tierfs.ranks.TorchGroup, SingleProcess) or "
+                                        f"None for the default (torch.distributed when initialised), got "
+                                        f"{_args.shown(group)}")
                 self.group = group.with_timeout(self.timeout) if group is not None else default_group(self.timeout)
                 self._ctx = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
                                                   self.block_size, clock)
