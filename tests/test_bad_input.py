@@ -61,6 +61,27 @@ def with_tensor(**extra: Any) -> dict[str, Any]:
     return s
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    state: dict[str, Any] = {"x": 1}
+    for _ in range(depth):
+        state = {"a": state}
+    return state
+
+
+#: states whose keys no reader would take back (as they were): (id, state, what the error shows)
+BAD_KEYS = [
+    ("empty", lambda: {"": np.zeros(2)}, ["empty key"]),
+    ("empty-nested", lambda: {"loader": {"": np.zeros(2)}}, ["empty key", "under 'loader'"]),
+    ("nul", lambda: {"a\0b": np.zeros(2)}, ["'a\\x00b'", "control character"]),
+    ("tab-nested", lambda: {"loader": {"a\tb": np.arange(3)}}, ["'loader/a\\tb'", "control character"]),
+    ("newline-in-json-leaf", lambda: {"cfg\n": 1}, ["'cfg\\n'", "control character"]),
+    ("too-long", lambda: {"k" * 5000: np.zeros(2)}, ["5000 characters", "4096"]),
+    ("slash", lambda: {"a/b": np.zeros(2)}, ["'a/b'", "'/'"]),
+    ("dot-dot-slash", lambda: {"../x": np.zeros(2)}, ["'../x'", "'/'"]),
+    ("absolute", lambda: {"/etc/passwd": np.zeros(2)}, ["'/etc/passwd'", "'/'"]),
+    ("slash-nested", lambda: {"opt": {"a/b": 1.0}}, ["'a/b'", "under 'opt'"]),
+]
+
 CASES = [
     # -- TieredStore.save: steps ----------------------------------------------------------------------
     *[case(f"store.save-step-{name}", lambda c, v=v: c.store.save(v, small_state()), ArgumentError, "step", shown)
@@ -78,6 +99,16 @@ CASES = [
     case("store.save-same-name", lambda c: c.store.save(2, {3: np.zeros(2), "3": np.ones(2)}), ArgumentError,
          "two leaves named '3'"),
     case("store.save-nan-leaf", lambda c: c.store.save(2, {"loss": float("nan")}), ArgumentError, "'loss'", "JSON"),
+    # -- keys a reader would not take back, or not as they were: refused before anything is written -----
+    *[case(f"store.save-key-{name}", lambda c, state=state: c.store.save(2, state()), ArgumentError, *shown)
+      for name, state, shown in BAD_KEYS],
+    case("store.save-sparse-tensor", lambda c: c.store.save(2, {"adj": torch.eye(3).to_sparse()}), ArgumentError,
+         "'adj'", "sparse_coo", "to_dense"),
+    case("store.save-meta-tensor", lambda c: c.store.save(2, {"w": torch.empty(3, device="meta")}), ArgumentError,
+         "'w'", "meta tensor"),
+    case("store.save-too-deep", lambda c: c.store.save(2, _nested(3000)), ArgumentError, "deep"),
+    case("store.save-empty-state", lambda c: c.store.save(2, {}), ArgumentError, "step 2", "empty"),
+    case("store.save-only-empty-dicts", lambda c: c.store.save(2, {"opt": {}}), ArgumentError, "step 2", "empty"),
     case("store.save-bad-metadata", lambda c: c.store.save(2, small_state(), metadata={"f": object()}),
          ArgumentError, "metadata", "JSON"),
     case("store.save-bad-metrics", lambda c: c.store.save(2, small_state(), metrics=[1]), ArgumentError, "metrics"),
@@ -118,6 +149,14 @@ CASES = [
     case("store.read_manifest-rank", lambda c: c.store.read_manifest(1, -1), ArgumentError, "rank", "-1"),
     # -- constructors: the store, tiers, policies, the throttle ---------------------------------------
     case("TieredStore-no-tiers", lambda c: TieredStore([]), ArgumentError, "at least one tier"),
+    case("TieredStore-group-str", lambda c: TieredStore([MemoryTier(c.shm / "r")], group="x"), ArgumentError,
+         "group", "'x' (a str)"),
+    case("MemoryTier-nul-in-path", lambda c: MemoryTier(f"{c.shm}/r\0x"), ArgumentError, "NUL"),
+    case("MemoryTier-path-too-long", lambda c: MemoryTier(f"{c.shm}/{'a' * 5000}"), ArgumentError, "too long"),
+    case("MemoryTier-name-too-long", lambda c: MemoryTier(f"{c.shm}/{'a' * 300}/r"), ArgumentError, "too long",
+         "300 bytes"),
+    case("ObjectTier-path-too-long", lambda c: ObjectTier(f"file://{c.tmp}/{'b/' * 2500}"), ArgumentError,
+         "too long"),
     case("TieredStore-a-str", lambda c: TieredStore("/dev/shm/x"), ArgumentError, "list of tiers"),
     case("TieredStore-not-a-tier", lambda c: TieredStore([object()]), ArgumentError, "tiers[0]"),
     case("TieredStore-max-in-flight", lambda c: TieredStore([MemoryTier(c.shm / "r")], max_in_flight=0),
@@ -185,6 +224,10 @@ CASES = [
     case("manager.save-bad-metrics", lambda c: c.manager.save(2, model_state(), metrics={"loss": object()}),
          ArgumentError, "metrics"),
     case("manager.save-not-a-mapping", lambda c: c.manager.save(2, [torch.zeros(2)]), ArgumentError, "state"),
+    case("manager.save-tab-in-key", lambda c: c.manager.save(2, with_tensor(**{"a\tb": torch.zeros(2)})),
+         ArgumentError, "'model.a\\tb'", "control character"),
+    case("manager.save-long-key", lambda c: c.manager.save(2, with_tensor(**{"k" * 5000: torch.zeros(2)})),
+         ArgumentError, "5008 characters"),
     case("manager.should_save-str", lambda c: c.manager.should_save("2"), ArgumentError, "step", "'2'"),
     case("manager.delete-str", lambda c: c.manager.delete("1"), ArgumentError, "step", "'1'"),
     case("manager.restore-step-str", lambda c: c.manager.restore(model_state(), step="1"), ArgumentError, "step"),
@@ -345,3 +388,41 @@ def test_user_key_of_an_entry(name, dcp_step, shown):
     if dcp_step and not name.startswith(("b|", "x|")):
         offsets, fqn = name.split("|", 1)
         assert dcp_entry_name(fqn, [int(o) for o in offsets.split(",")] if offsets else None, False) == name
+
+
+@pytest.mark.parametrize("name, state, shown", BAD_KEYS, ids=[k[0] for k in BAD_KEYS])
+def test_a_key_no_reader_takes_back_never_costs_the_good_steps(shm_dir, name, state, shown):
+    """A key a reader would refuse (or read back as another structure) is refused at save, before anything is
+    written: with a keep policy of one step, the good step is still there and restores, also after reopening."""
+    good = small_state()
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(1))]) as store:
+        assert store.save(1, good)
+        for step in (2, 3):  # a second try too: nothing of the first is left to trip on
+            with pytest.raises(ArgumentError) as info:
+                store.save(step, state())
+            msg = assert_clear(info.value, ArgumentError, *shown)
+            assert len(msg) < 400, msg
+        assert store.steps() == {1: ["ram"]}
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(1))]) as store:
+        restored, info = store.restore()
+        assert info.step == 1
+        assert np.array_equal(restored["w"], good["w"]) and np.array_equal(restored["layer"]["b"], good["layer"]["b"])
+
+
+def test_nested_keys_come_back_as_they_were_saved(shm_dir):
+    """Keys are kept exactly: nesting round-trips, and names that look like paths are plain keys."""
+    state = {"a": {"b": np.arange(3.0), "..": np.ones(2)}, "~": {"x": 1}, ".": "dot", "a.b": np.zeros(1)}
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        assert store.save(1, state)
+        restored, _ = store.restore()
+    assert restored.keys() == state.keys() and restored["a"].keys() == state["a"].keys()
+    assert np.array_equal(restored["a"]["b"], state["a"]["b"]) and np.array_equal(restored["a"][".."], np.ones(2))
+    assert restored["~"] == {"x": 1} and restored["."] == "dot" and np.array_equal(restored["a.b"], np.zeros(1))
+
+
+def test_a_memory_tier_path_under_home_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert MemoryTier("~/ckpt").path == tmp_path / "ckpt"
+    with TieredStore([MemoryTier("~/ckpt")]) as store:
+        assert store.save(1, small_state())
+    assert (tmp_path / "ckpt").is_dir() and not Path("~").exists()

@@ -17,6 +17,8 @@ import numpy as np
 from .errors import ArgumentError, FormatError, StateMismatchError, TierfsError
 
 SEP = "/"
+#: how deep a state's dicts may nest (a deeper one is a mistake, e.g. a dict that contains itself)
+MAX_DEPTH = 200
 _NUMPY_DTYPE_RE = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
 _TORCH_DTYPES = {
     "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16",
@@ -33,17 +35,43 @@ def is_tensor(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
-def flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+class Flat(dict):
+    """A state whose keys are whole entry names, nested keys already joined by ``/`` (what the adapters save:
+    DCP's items, a zarr store's keys, a checkpoint directory's files): its keys may hold ``/``. A user's
+    state is a plain mapping, whose keys may not (:func:`check_key`)."""
+
+
+def check_key(k: str, prefix: str) -> None:
+    """Raise ArgumentError unless the string ``k`` can be a key of a user's state under ``prefix``: not empty
+    and without ``/`` (which joins nested keys: ``{"a/b": x}`` would come back as ``{"a": {"b": x}}``)."""
+    if not k or SEP in k:
+        where = f" under {prefix[:-1]!r}" if prefix else ""
+        why = "an empty key" if not k else f"key {k!r}"
+        raise ArgumentError(f"state has {why}{where}: keys must be non-empty and without {SEP!r}, which joins "
+                            f"nested keys ({{'a': {{'b': x}}}} is saved as 'a{SEP}b'); rename it or nest it as a dict")
+
+
+def check_depth(depth: int, prefix: str) -> None:
+    """Raise ArgumentError when a state's dicts nest deeper than :data:`MAX_DEPTH` (at ``prefix``)."""
+    if depth > MAX_DEPTH:
+        raise ArgumentError(f"state nests dicts more than {MAX_DEPTH} deep (under {prefix[:60]!r}...): a dict "
+                            "that contains itself, or a structure to store as arrays or a JSON string")
+
+
+def flatten(state: Mapping[str, Any], prefix: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, leaf)`` pairs of a nested mapping, depth first, keys joined by ``/``."""
     if not isinstance(state, Mapping):
         raise ArgumentError(f"state must be a mapping of names to arrays, got {type(state).__name__}")
+    check_depth(depth, prefix)
     for k, v in state.items():
         if not isinstance(k, str):
             if not isinstance(k, int) or isinstance(k, bool):
                 raise ArgumentError(f"state keys must be strings or ints, got {k!r} under {prefix or 'the root'!r}")
+        elif type(state) is not Flat:
+            check_key(k, prefix)
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            yield from flatten(v, name + SEP)
+            yield from flatten(v, name + SEP, depth + 1)
         else:
             yield name, v
 
@@ -104,6 +132,7 @@ def check_leaf(name: str, v: Any) -> None:
     elif is_tensor(v):
         if str(v.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
             raise ArgumentError(f"{name!r}: torch dtype {v.dtype} is not supported")
+        check_tensor(name, v)
     elif isinstance(v, np.generic) or v is None or isinstance(v, (bool, int, float, str, list, tuple)):
         try:
             json.dumps(v.item() if isinstance(v, np.generic) else v, allow_nan=False)
@@ -113,6 +142,18 @@ def check_leaf(name: str, v: Any) -> None:
     elif not isinstance(v, (bytes, bytearray, memoryview)):
         raise ArgumentError(f"{name!r}: unsupported leaf type {type(v).__name__}; use numpy arrays, torch "
                             "tensors, numbers, strings or nested dicts of them")
+
+
+def check_tensor(name: str, v: Any) -> None:
+    """Raise ArgumentError, naming the leaf, for a tensor whose values cannot be read as flat bytes: a
+    sparse or other non-strided layout, or a meta tensor (which holds no values)."""
+    torch = _torch()
+    if v.layout != torch.strided:
+        raise ArgumentError(f"{name!r}: a tensor of layout {v.layout} is not supported; save a dense tensor "
+                            "(.to_dense()), or its parts (indices and values) as tensors of their own")
+    if v.is_meta:
+        raise ArgumentError(f"{name!r}: a meta tensor holds no values to save; materialise it first (e.g. "
+                            "model.to_empty(device=...) and initialise it)")
 
 
 def to_leaf(name: str, v: Any) -> Leaf:

@@ -147,7 +147,7 @@ def save_tensorstore(store: TieredStore, step: int, arrays: Mapping[str, Any],
     kv = ts.KvStore.open({"driver": "memory"}, context=ctx).result()
     keys = kv.list().result()
     reads = [kv.read(k) for k in keys]
-    entries = {k.decode(): np.frombuffer(r.result().value, dtype=np.uint8) for k, r in zip(keys, reads)}
+    entries = st.Flat((k.decode(), np.frombuffer(r.result().value, dtype=np.uint8)) for k, r in zip(keys, reads))
     meta = {**dict(metadata or {}), ADAPTER_KEY: "tensorstore"}
     return store.save(step, entries, meta, **save_kwargs)
 

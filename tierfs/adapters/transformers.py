@@ -293,8 +293,8 @@ class TieredTrainerCallback(TrainerCallback):
         store.group.barrier()  # the Trainer's on_save has no barrier: every rank's files are written now
         directory = Path(args.output_dir) / checkpoint_dirname(step)
         rank = store.group.rank
-        files: dict[str, Any] = {rel: _read(directory / rel) for rel in _files(directory) if _owner(rel) == rank} \
-            if directory.is_dir() else {}
+        files: dict[str, Any] = st.Flat((rel, _read(directory / rel)) for rel in _files(directory)  # paths
+                                        if _owner(rel) == rank) if directory.is_dir() else st.Flat()
         if self.stateful:  # this rank's objects, taken now: what the Trainer has used up to this step
             files[loaderstate.KEY] = loaderstate.tree(self.stateful, st.Trusted)
         meta = {_META_KEY: {"checkpoint": checkpoint_dirname(step), "version": transformers.__version__}}

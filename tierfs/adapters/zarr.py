@@ -94,7 +94,7 @@ def save_zarr(store: TieredStore, step: int, state: Mapping[str, Any], metadata:
     keys: dict[str, Any] = {}
     write_state(zarr.storage.MemoryStore(store_dict=keys), state, chunk_bytes=chunk_bytes,
                 compressors=compressors)
-    entries = {k: v.as_numpy_array() for k, v in keys.items()}  # zero-copy views of the encoded bytes
+    entries = st.Flat((k, v.as_numpy_array()) for k, v in keys.items())  # zero-copy views of the encoded bytes
     meta = {**dict(metadata or {}), ADAPTER_KEY: "zarr"}
     return store.save(step, entries, meta, **save_kwargs)
 

@@ -51,6 +51,13 @@ class Sharing:
         return bool(self.owners)
 
 
+def comparable(replicated: Any) -> Any:
+    """A ``replicated=`` declaration in a form compared with ``==`` (lists and mappings of lists)."""
+    if isinstance(replicated, Mapping):
+        return {k: tuple(v) if isinstance(v, (list, tuple, range)) else v for k, v in replicated.items()}
+    return tuple(replicated) if isinstance(replicated, (list, tuple)) else replicated
+
+
 def declared(names: Sequence[str], sizes: Mapping[int, int], replicated: Any, rank: int, world_size: int
              ) -> Sharing:
     """The sharing a user declared for a state of leaves ``names`` (``sizes``: bytes of each array leaf,

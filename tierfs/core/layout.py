@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _hooks, state as st
 from ..errors import ArgumentError
-from ..format import Entry, Manifest
+from ..format import Entry, Manifest, entry_name_problem, shown_name
 from .dataparallel import Sharing, place
 
 # how a leaf is copied into its buffer
@@ -67,10 +67,16 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
     values: list[Any] = []
     sig: list[Any] = []
 
-    def walk(d: Mapping[str, Any], prefix: str) -> None:
+    flat = type(state) is st.Flat  # an adapter's names, '/' and all
+    sep = st.SEP
+
+    def walk(d: Mapping[str, Any], prefix: str, depth: int) -> None:
+        st.check_depth(depth, prefix)
         for k, v in d.items():
             if type(k) is not str:
                 k = key_name(k, prefix)
+            elif (not k or sep in k) and not (flat and d is state):
+                st.check_key(k, prefix)
             if isinstance(v, tensor):
                 names.append(prefix + k)
                 values.append(v)
@@ -81,7 +87,7 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
                 values.append(v)
                 sig.append((NUMPY, v.dtype, v.shape))
             elif isinstance(v, Mapping):
-                walk(v, prefix + k + st.SEP)
+                walk(v, prefix + k + st.SEP, depth + 1)
             else:
                 names.append(prefix + k)
                 values.append(v)
@@ -92,7 +98,7 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
                 else:
                     sig.append((JSON,))
 
-    walk(state, "")
+    walk(state, "", 0)
     return names, values, sig
 
 
@@ -125,6 +131,10 @@ class ShardLayout:
             dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
             raise ArgumentError(f"state has two leaves named {dup!r} (e.g. keys 0 and '0', or 'a/b' beside "
                                 "'a': {'b': ...}); rename one")
+        for n in names:  # as a reader will check them (a step it cannot read is never committed)
+            why = entry_name_problem(n)
+            if why is not None:
+                raise ArgumentError(f"state key {shown_name(n)} cannot be saved: {why}; rename it")
         kinds = [s[0] for s in signature]
         leaves = [st.to_leaf(n, v) for n, v in zip(names, values)]
         kinds = [JSON if lf.kind == "json" else k for k, lf in zip(kinds, leaves)]

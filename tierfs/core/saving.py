@@ -25,7 +25,7 @@ import numpy as np
 from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds
-from ..errors import StepExistsError, TierfsError
+from ..errors import ArgumentError, StepExistsError, TierfsError
 from ..format import Manifest, Marker, crc32c, manifest_digest, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
@@ -33,7 +33,7 @@ from ..tiers.base import AnyTier, Replicator, Tier
 from .layout import ShardLayout, describe
 from .context import Context
 from .retention import Retention
-from .dataparallel import Sharing, check_digests, declared, digests
+from .dataparallel import Sharing, check_digests, comparable, declared, digests
 from . import timeline
 
 log = logging.getLogger("tierfs")
@@ -66,23 +66,16 @@ class _Vote:
     """This rank's part of the agreement before a save, as integers reduced over the ranks in one all-reduce
     (:func:`~tierfs.ranks.check`): rank 0's choice of tiers (``mins``: 1 chosen, 0 not; other ranks 2), the
     tiers holding the step already on any rank and whether any rank knows steps the save may supersede
-    (``maxes``), and rank 0's id of the save (the last of ``mins``). ``view`` is this rank's
-    :func:`.timeline.view`."""
+    (``maxes``), whether any rank's state has a leaf, and rank 0's id of the save (the last of ``mins``).
+    ``view`` is this rank's :func:`.timeline.view`."""
 
     def __init__(self, names: list[str], chosen: list[str], holders: list[str], view: list[list[int]],
-                 rank: int) -> None:
+                 rank: int, leaves: int = 0) -> None:
         self.view = view
         # the id of the save (in its marker and every manifest): rank 0's, the others' the largest number
         nonce = secrets.randbits(62) if rank == 0 else (1 << 63) - 1
         self.mins = [int(n in chosen) if rank == 0 else 2 for n in names] + [nonce]
-        self.maxes = [int(n in holders) for n in names] + [len(view[0]), len(view[1])]
-
-
-def _declaration(replicated: Any) -> Any:
-    """A ``replicated=`` declaration in a form compared with ``==`` (lists and mappings of lists)."""
-    if isinstance(replicated, Mapping):
-        return {k: tuple(v) if isinstance(v, (list, tuple, range)) else v for k, v in replicated.items()}
-    return tuple(replicated) if isinstance(replicated, (list, tuple)) else replicated
+        self.maxes = [int(n in holders) for n in names] + [int(leaves > 0), len(view[0]), len(view[1])]
 
 
 class SavePath:
@@ -135,7 +128,8 @@ class SavePath:
             if p.ledger.busy(step):
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
             mine = _Vote(p.names, [t.name for t in chosen], p.ledger.holders(step),
-                         timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored), p.group.rank)
+                         timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored), p.group.rank,
+                         len(names))
         except BaseException as e:  # noqa: BLE001 - raised on every rank by check
             failure = e
         group = p.group if wait is None else p.group.with_timeout(wait)
@@ -147,6 +141,9 @@ class SavePath:
         chosen = [t for t, flag in zip(p.tiers, mins) if flag == 1]
         commit_id = f"{mins[-1]:016x}"
         holders = [t.name for t, flag in zip(p.tiers, maxes) if flag]
+        if not maxes[len(p.tiers)]:  # (a rank that holds nothing of a job's state may save {})
+            raise ArgumentError(f"step {step}: the state is empty{' on every rank' if p.group.world_size > 1 else ''}"
+                                ", nothing to save; give the arrays and values to save")
         if not chosen:
             return False
         first = p.first
@@ -220,7 +217,7 @@ class SavePath:
         ``replicated``: a :class:`~.dataparallel.Sharing` (adapters), the user's declaration, or None; a
         declaration is worked out once per structure."""
         given = replicated if isinstance(replicated, Sharing) or replicated is None else None
-        declaration = None if given is not None or replicated is None else _declaration(replicated)
+        declaration = None if given is not None or replicated is None else comparable(replicated)
         for lay, decl in self._layouts:
             if lay.signature == structure and lay.names == names and (
                     (lay.sharing is given or lay.sharing == given) if declaration is None else decl == declaration):
@@ -271,6 +268,9 @@ class SavePath:
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
                     with stage("manifest", step, first.name):
+                        # the reader's checks: a step no reader takes is never committed (and so never
+                        # makes retention drop the steps before it)
+                        manifest.validate()
                         p.staging.persist(step)
                         mbytes = manifest.to_bytes()
                         first.write_file(step, manifest_filename(rank), mbytes)

@@ -14,12 +14,12 @@ This module knows nothing of tiers: it only names, plans, serialises and validat
 from .manifest import Entry, Manifest
 from .marker import Marker, listed_in, manifest_digest, manifest_from_marker, step_digest
 from .names import (ALIGN, DCP_EXTRA_PREFIX, DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, FORMAT_VERSION,
-                    MARKER, READ_VERSIONS, align, blocks, crc32c, dcp_entry_name, manifest_filename, nblocks,
-                    parse_step_dirname, plan_files, read_json, shard_filename, step_dirname, user_key,
-                    validate_entry_name, validate_filename)
+                    MARKER, MAX_NAME, READ_VERSIONS, align, blocks, crc32c, dcp_entry_name, entry_name_problem,
+                    manifest_filename, nblocks, parse_step_dirname, plan_files, read_json, shard_filename,
+                    shown_name, step_dirname, user_key, validate_entry_name, validate_filename)
 
 __all__ = ["ALIGN", "DCP_EXTRA_PREFIX", "DCP_SHARD_KEY", "DEFAULT_BLOCK_SIZE", "DEFAULT_FILE_SIZE", "Entry",
-           "FORMAT_VERSION", "MARKER", "Manifest", "Marker", "READ_VERSIONS", "align", "blocks", "crc32c",
+           "FORMAT_VERSION", "MARKER", "MAX_NAME", "entry_name_problem", "shown_name", "Manifest", "Marker", "READ_VERSIONS", "align", "blocks", "crc32c",
            "dcp_entry_name", "listed_in", "manifest_digest", "manifest_filename", "manifest_from_marker", "nblocks",
            "parse_step_dirname", "plan_files", "read_json", "shard_filename", "step_digest", "step_dirname", "user_key",
            "validate_entry_name", "validate_filename"]

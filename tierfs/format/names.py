@@ -23,6 +23,7 @@ DEFAULT_FILE_SIZE = 16 << 20  # entries are packed into shard files of about thi
 
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -76,10 +77,37 @@ def validate_filename(name: object) -> str:
     return name
 
 
+#: the longest entry name a manifest may hold (characters)
+MAX_NAME = 4096
+
+
+def entry_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name an entry of a manifest, or None when it can: the one definition of a valid
+    name, which a save checks its state's names against (:class:`~tierfs.errors.ArgumentError` naming the
+    key, before anything is written) and a reader every manifest's (:func:`validate_entry_name`)."""
+    if not isinstance(name, str):
+        return f"it is a {type(name).__name__}, not a string"
+    if not name:
+        return "it is empty"
+    if len(name) > MAX_NAME:
+        return f"it is {len(name)} characters long, more than {MAX_NAME}"
+    if _CONTROL.search(name) is not None:
+        return "it holds a control character (a tab, a newline, a NUL, ...)"
+    return None
+
+
+def shown_name(name: object, limit: int = 80) -> str:
+    """A name as a message shows it: its repr, shortened in the middle beyond ``limit`` characters."""
+    text = repr(name)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-(limit // 4):]}"
+
+
 def validate_entry_name(name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > 4096 or any(ord(c) < 32 for c in name):
-        raise FormatError(f"bad entry name {name!r}: use a non-empty string without control characters")
-    return name
+    """``name``, read from a manifest, when it is valid (:func:`entry_name_problem`); else FormatError."""
+    why = entry_name_problem(name)
+    if why is not None:
+        raise FormatError(f"bad entry name {shown_name(name)} in checkpoint: {why}")
+    return name  # type: ignore[return-value]
 
 
 # -- entry names of DCP steps, and the keys users know entries by ----------------------------------------

@@ -21,7 +21,7 @@ from ... import _args, _nogc, state as st
 from ...core.dataparallel import Sharing
 from ...ranks import agree, seconds
 from ...errors import ArgumentError, FormatError, TierfsError
-from ...format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, user_key
+from ...format import DCP_EXTRA_PREFIX, DCP_SHARD_KEY, entry_name_problem, shown_name, user_key
 from ...store import TieredStore
 from .metadata import (META_KEY, META_VERSION, cached_local_items, caching, check_kwargs, done, dtype_name,
                        entry_name, full_global_plan, metadata_from_plans, metadata_to_json, parse_step,
@@ -101,6 +101,9 @@ class TieredWriter(StorageWriter):
             if bad:
                 raise ArgumentError(f"TieredWriter extra= needs str names, got {bad}")
             for k, v in extra.items():
+                why = entry_name_problem(EXTRA_PREFIX + k)
+                if why is not None:
+                    raise ArgumentError(f"state key {shown_name(k)} cannot be saved: {why}; rename it")
                 st.check_leaf(k, v)
         self.extra = {EXTRA_PREFIX + k: v for k, v in (extra or {}).items()}
         self.save_id = uuid.uuid4().hex
@@ -234,7 +237,7 @@ class TieredWriter(StorageWriter):
         """This rank's shard: ``{entry: value}``; DCP's write results; with ``check``, ``[fqn, offsets,
         dtype]`` of each planned tensor chunk whose dtype differs from the plan's (a cached plan)."""
         rank = self.store.group.rank
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = st.Flat()  # DCP's items by entry name: an fqn may hold '/'
         results: list[WriteResult] = []
         dtypes: list[list[Any]] = []
         planned = {(i.index.fqn, tuple(i.index.offset or ())) for i in plan.items}
@@ -250,6 +253,9 @@ class TieredWriter(StorageWriter):
             data = planner.resolve_data(item)
             is_bytes = item.type == WriteItemType.BYTE_IO
             name = entry_name(item.index, is_bytes)
+            why = entry_name_problem(name)
+            if why is not None:  # as a reader will check it: a step it cannot read is never written
+                raise ArgumentError(f"state key {shown_name(item.index.fqn)} cannot be saved: {why}; rename it")
             if name in state:
                 raise ArgumentError(f"the save plan has {user_key(name, dcp=True)} twice: use a planner that "
                                     "writes each chunk once")
