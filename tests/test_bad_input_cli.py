@@ -201,3 +201,16 @@ def test_cli_unexpected_error_is_one_line(monkeypatch, capsys, shm_dir):
     assert main(["ls", shm_dir]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unexpected KeyError" in err and "TIERFS_DEBUG" in err
+
+
+@pytest.mark.parametrize("config, needles", [("missing.json", ["cannot be read", "missing.json"]),
+                                             ("not-json.json", ["not a JSON file"])])
+def test_export_checks_its_config_before_writing_anything(ctx, capsys, config, needles):
+    """``export --safetensors --config`` reads and checks the config first: a bad one leaves DIR as it was."""
+    (ctx.tmp / "not-json.json").write_text("hidden_size = 8\n")
+    out = ctx.tmp / "export"
+    capsys.readouterr()
+    assert main(["export", _ram_dir(ctx), str(out), "--safetensors", "--config", str(ctx.tmp / config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("tierfs: error: ") and all(n in err for n in needles), err
+    assert not out.exists()

@@ -39,6 +39,8 @@ KERNEL_FS = frozenset({
     "pstore", "bpf", "fusectl", "mqueue", "binfmt_misc", "efivarfs", "selinuxfs", "autofs", "nsfs",
     "rpc_pipefs"})
 MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+#: Linux's limits on a path and on one name in it (bytes): longer ones fail every system call
+PATH_MAX, NAME_MAX = 4096, 255
 
 
 def default_path() -> str:
@@ -65,12 +67,30 @@ def root_dir(path: Any, what: str) -> Path:
     Raises
     ------
     ArgumentError
-        ``path`` is not a path, or is (or resolves to) a system directory or lies in a system tree.
+        ``path`` is not a path (a NUL in it, or longer than the system allows), or is (or resolves to) a
+        system directory or lies in a system tree.
+
+    Notes
+    -----
+    A leading ``~`` is the user's home directory, as in a shell.
     """
     if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ArgumentError(f"{what} must be a directory path (a str or Path), e.g. {EXAMPLE!r}, got "
                             f"{shown(path)}")
-    given = os.fspath(path)
+    given = os.path.expanduser(os.fspath(path))  # '~/ckpt' is the user's, as in a shell
+    if not isinstance(given, str):
+        raise ArgumentError(f"{what} must be a directory path (a str or Path), e.g. {EXAMPLE!r}, got "
+                            f"{shown(path)}")
+    if "\0" in given:
+        raise ArgumentError(f"{what} {shown(given)} holds a NUL character, which no path can; give a directory "
+                            f"path, e.g. {EXAMPLE!r}")
+    longest = max(len(os.fsencode(part)) for part in given.split("/"))
+    size = len(os.fsencode(given))
+    if size >= PATH_MAX or longest > NAME_MAX:
+        why = f"{size} bytes, at most {PATH_MAX - 1}" if size >= PATH_MAX else \
+            f"a name of {longest} bytes in it, at most {NAME_MAX}"
+        raise ArgumentError(f"{what} {shown(given)} is too long for a path ({why}); give a shorter directory, "
+                            f"e.g. {EXAMPLE!r}")
     real = os.path.realpath(given)
     system = real in SYSTEM_DIRS or (any(_inside(real, t) for t in SYSTEM_TREES) and not _inside(real, "/dev/shm"))
     if system:

@@ -238,6 +238,7 @@ def export_safetensors(source: TieredStore | Sequence[AnyTier], directory: str |
     limit = parse_size(max_shard_size)
     if prefix is not None and not isinstance(prefix, str):
         raise ArgumentError(f"prefix must be a str such as 'model.', got {_args.shown(prefix)}")
+    config = None if config is None else config_bytes(config)  # read and checked before anything is written
     if isinstance(source, TieredStore):
         return _export(source, folder, step, tiers, prefix, cast, limit, config, overwrite, progress)
     from ..ranks.groups import SingleProcess
@@ -286,7 +287,7 @@ def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Se
         del got, ordered
         log.info("export_safetensors: step %d -> %s/%s", step, folder.where, file)
     if config is not None:
-        folder.write("config.json", _config_bytes(config))
+        folder.write("config.json", config)
     total = sum(size.values())
     if len(files) > 1:  # last: the folder is complete
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -316,12 +317,21 @@ def _strip(name: str, prefix: str | None) -> str:
     return name[len(_norm_prefix(prefix)):] if prefix else name
 
 
-def _config_bytes(config: Any) -> bytes:
+def config_bytes(config: Any) -> bytes:
+    """``config.json``'s bytes, from a mapping or a file; ArgumentError when it is neither, or not JSON."""
     if isinstance(config, Mapping):
-        return json.dumps(dict(config), indent=2, sort_keys=True).encode() + b"\n"
+        try:
+            return json.dumps(dict(config), indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
+        except (TypeError, ValueError) as e:
+            raise ArgumentError(f"config is not JSON-serialisable ({e}); give a dict of JSON values, e.g. "
+                                "model.config.to_dict()") from None
     if isinstance(config, (str, os.PathLike)):
-        with open(config, "rb") as f:
-            data = f.read()
+        try:
+            with open(config, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ArgumentError(f"config {os.fspath(config)!r} cannot be read ({e.strerror or e}); give a "
+                                "config.json file") from None
         try:
             json.loads(data)
         except ValueError as e:

@@ -246,10 +246,12 @@ def _export_safetensors(args: argparse.Namespace) -> int:
         from ..adapters.safetensors import export_safetensors, parse_size
     except ImportError as e:
         raise TierfsError(f"export --safetensors needs torch ({e}); pip install 'tierfs[torch]'") from None
-    from ..adapters.safetensors import Destination, parse_dtype
+    from ..adapters.safetensors import Destination, config_bytes, parse_dtype
 
     limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size is not None else "5GB"
     parse_dtype(args.dtype)
+    if args.config is not None:
+        config_bytes(args.config)  # --config read and checked before any tier is opened or anything written
     dst_opts = _dst_options(args, {}) if (args.dst_storage_options or args.dst_option) else None
     Destination(args.directory, "DIR", dst_opts)  # never a system directory, before any tier is read
     out, dt = _export(args, lambda store, step, chosen, progress: export_safetensors(
