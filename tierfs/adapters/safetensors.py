@@ -238,17 +238,17 @@ def export_safetensors(source: TieredStore | Sequence[AnyTier], directory: str |
     limit = parse_size(max_shard_size)
     if prefix is not None and not isinstance(prefix, str):
         raise ArgumentError(f"prefix must be a str such as 'model.', got {_args.shown(prefix)}")
-    config = None if config is None else config_bytes(config)  # read and checked before anything is written
+    data = None if config is None else config_bytes(config)  # read and checked before anything is written
     if isinstance(source, TieredStore):
-        return _export(source, folder, step, tiers, prefix, cast, limit, config, overwrite, progress)
+        return _export(source, folder, step, tiers, prefix, cast, limit, data, overwrite, progress)
     from ..ranks.groups import SingleProcess
 
     with TieredStore(list(source), group=SingleProcess(), cleanup=False, background_bandwidth=None) as store:
-        return _export(store, folder, step, tiers, prefix, cast, limit, config, overwrite, progress)
+        return _export(store, folder, step, tiers, prefix, cast, limit, data, overwrite, progress)
 
 
 def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Sequence[str] | None,
-            prefix: str | None, cast: torch.dtype | None, limit: int, config: Any, overwrite: bool,
+            prefix: str | None, cast: torch.dtype | None, limit: int, config: bytes | None, overwrite: bool,
             progress: Callable[[int], None] | None) -> SafetensorsExport:
     names = _args.names(tiers, "tiers", [t.name for t in store.tiers])
     held = store.common_steps(names)
