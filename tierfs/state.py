@@ -1,7 +1,10 @@
 """Turning a user's state into named byte buffers and back, without pickle.
 
-Leaves are numpy arrays, CPU torch tensors (any dtype, bfloat16 included), or JSON-able scalars and
-strings. Nested dicts are flattened with ``/`` between keys. torch is imported only when a tensor is seen.
+Leaves are numpy arrays, dense torch tensors (any dtype, bfloat16 included), or JSON-able scalars and
+strings. Nested dicts are flattened with ``/`` between keys, so a key is a non-empty string (or an int)
+without ``/``, and every name a state gives is one a reader takes back (:func:`tierfs.format.entry_name_problem`:
+at most 4,096 characters, no control characters); anything else is refused at save. torch is imported only
+when a tensor is seen.
 """
 
 from __future__ import annotations
