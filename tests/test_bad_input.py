@@ -106,6 +106,8 @@ CASES = [
          "'adj'", "sparse_coo", "to_dense"),
     case("store.save-meta-tensor", lambda c: c.store.save(2, {"w": torch.empty(3, device="meta")}), ArgumentError,
          "'w'", "meta tensor"),
+    case("store.save-meta-tensor-known-structure", lambda c: (c.store.save(2, {"t": torch.zeros(3)}), c.store.save(
+        3, {"t": torch.empty(3, device="meta")})), ArgumentError, "'t'", "meta tensor"),
     case("store.save-too-deep", lambda c: c.store.save(2, _nested(3000)), ArgumentError, "deep"),
     case("store.save-empty-state", lambda c: c.store.save(2, {}), ArgumentError, "step 2", "empty"),
     case("store.save-only-empty-dicts", lambda c: c.store.save(2, {"opt": {}}), ArgumentError, "step 2", "empty"),
@@ -226,6 +228,13 @@ CASES = [
     case("manager.save-not-a-mapping", lambda c: c.manager.save(2, [torch.zeros(2)]), ArgumentError, "state"),
     case("manager.save-tab-in-key", lambda c: c.manager.save(2, with_tensor(**{"a\tb": torch.zeros(2)})),
          ArgumentError, "'model.a\\tb'", "control character"),
+    case("manager.save-sparse-tensor", lambda c: c.manager.save(2, with_tensor(adj=torch.eye(3).to_sparse())),
+         ArgumentError, "'model.adj'", "sparse"),
+    case("manager.save-meta-tensor", lambda c: c.manager.save(2, with_tensor(w=torch.empty(3, device="meta"))),
+         ArgumentError, "'model.w'", "meta tensor"),
+    case("manager.save-meta-tensor-known-structure", lambda c: c.manager.save(2, {**model_state(), "model": {
+        k: torch.empty_like(v, device="meta") for k, v in model_state()["model"].items()}}), ArgumentError,
+         "'model.0.weight'", "meta tensor"),
     case("manager.save-long-key", lambda c: c.manager.save(2, with_tensor(**{"k" * 5000: torch.zeros(2)})),
          ArgumentError, "5008 characters"),
     case("manager.should_save-str", lambda c: c.manager.should_save("2"), ArgumentError, "step", "'2'"),

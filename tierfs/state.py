@@ -147,15 +147,16 @@ def check_leaf(name: str, v: Any) -> None:
                             "tensors, numbers, strings or nested dicts of them")
 
 
-def check_tensor(name: str, v: Any) -> None:
-    """Raise ArgumentError, naming the leaf, for a tensor whose values cannot be read as flat bytes: a
-    sparse or other non-strided layout, or a meta tensor (which holds no values)."""
+def check_tensor(name: str, v: Any, label: str | None = None) -> None:
+    """Raise ArgumentError, naming the leaf (``label``, else ``repr(name)``), for a tensor whose values cannot
+    be read as flat bytes: a sparse or other non-strided layout, or a meta tensor (which holds no values)."""
     torch = _torch()
+    name = label or repr(name)
     if v.layout != torch.strided:
-        raise ArgumentError(f"{name!r}: a tensor of layout {v.layout} is not supported; save a dense tensor "
+        raise ArgumentError(f"{name}: a tensor of layout {v.layout} is not supported; save a dense tensor "
                             "(.to_dense()), or its parts (indices and values) as tensors of their own")
     if v.is_meta:
-        raise ArgumentError(f"{name!r}: a meta tensor holds no values to save; materialise it first (e.g. "
+        raise ArgumentError(f"{name}: a meta tensor holds no values to save; materialise it first (e.g. "
                             "model.to_empty(device=...) and initialise it)")
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _hooks, state as st
 from ..errors import ArgumentError
-from ..format import Entry, Manifest, entry_name_problem, shown_name
+from ..format import Entry, Manifest, entry_name_problem, shown_name, user_key
 from .dataparallel import Sharing, place
 
 # how a leaf is copied into its buffer
@@ -55,9 +55,11 @@ def key_name(k: Any, prefix: str) -> str:
     raise ArgumentError(f"state keys must be strings or ints, got {k!r} under {prefix or 'the root'!r}")
 
 
-def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]:
+def describe(state: Mapping[str, Any], keys: bool = False) -> tuple[list[str], list[Any], list[Any]]:
     """The leaves of ``state``, depth first as :func:`tierfs.state.flatten` names them: their names, the
-    values, and the structure (one hashable-free tuple per leaf: its kind, type, dtype and shape)."""
+    values, and the structure (one hashable-free tuple per leaf: its kind, type, dtype and shape). ``keys``:
+    check every key as a save must (:func:`tierfs.state.check_key`; a :class:`~tierfs.state.Flat` state's
+    own keys are whole names)."""
     if not isinstance(state, Mapping):
         raise ArgumentError(f"state must be a mapping of names to arrays, got {type(state).__name__}")
     torch = sys.modules.get("torch")
@@ -75,7 +77,7 @@ def describe(state: Mapping[str, Any]) -> tuple[list[str], list[Any], list[Any]]
         for k, v in d.items():
             if type(k) is not str:
                 k = key_name(k, prefix)
-            elif (not k or sep in k) and not (flat and d is state):
+            elif keys and (not k or sep in k) and not (flat and d is state):
                 st.check_key(k, prefix)
             if isinstance(v, tensor):
                 names.append(prefix + k)
@@ -189,6 +191,13 @@ class ShardLayout:
             else:
                 dst.append(u8)
         return dst, raw
+
+    def check_tensors(self, values: Sequence[Any], dcp: bool = False) -> None:
+        """Raise ArgumentError naming the first tensor leaf of ``values`` that holds no values to copy (a meta
+        or sparse tensor where this structure had a dense one), by the user's key (``dcp``: DCP's items)."""
+        for i in self.arrays:
+            if st.is_tensor(values[i]):
+                st.check_tensor(self.names[i], values[i], user_key(self.names[i], dcp))
 
     def copy(self, values: Sequence[Any], dst: list[Any]) -> None:
         """Copy every array leaf of ``values`` (a state of this structure) into its view."""

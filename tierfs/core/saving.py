@@ -26,7 +26,7 @@ from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds
 from ..errors import ArgumentError, StepExistsError, TierfsError
-from ..format import Manifest, Marker, crc32c, manifest_digest, manifest_filename
+from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
 from ..tiers.base import AnyTier, Replicator, Tier
@@ -119,7 +119,7 @@ class SavePath:
             force, overwrite, preempted, blocking = (_args.flag(v, k) for k, v in (
                 ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
             with _nogc.paused():
-                names, values, structure = describe(state)
+                names, values, structure = describe(state, keys=True)
                 layout = self._layout(names, values, structure, replicated)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             p.work.raise_errors()
@@ -241,8 +241,10 @@ class SavePath:
         try:
             dst, raw = layout.views(bufs, {f: p.staging.buffer_memo(step, f) for f in layout.files})
             layout.copy(values, dst)
-        except BaseException:
+        except BaseException as e:
             p.staging.discard(step)
+            if isinstance(e, (RuntimeError, NotImplementedError)):  # a tensor without values, named
+                layout.check_tensors(values, DCP_SHARD_KEY in (metadata or {}))
             raise
         return Staged(layout, step, {i: values[i] for i in layout.json}, dict(metadata or {}), dict(metrics or {}),
                       raw)

@@ -265,6 +265,7 @@ class TieredWriter(StorageWriter):
                 size = len(value)
             else:
                 assert isinstance(data, torch.Tensor)
+                st.check_tensor(item.index.fqn, data)  # (a meta or sparse tensor DCP passed on)
                 value = data.detach()
                 if value.device.type != "cpu":
                     value = value.cpu()
