@@ -100,7 +100,10 @@ def describe(state: Mapping[str, Any], keys: bool = False) -> tuple[list[str], l
                 else:
                     sig.append((JSON,))
 
-    walk(state, "", 0)
+    try:
+        walk(state, "", 0)
+    finally:
+        del walk  # it refers to itself: a cycle that would hold the values until the garbage collector runs
     return names, values, sig
 
 
