@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import weakref
+
+import pytest
 from pathlib import Path
 from typing import Any
 
@@ -118,5 +120,40 @@ def test_what_a_save_was_given_goes_when_the_caller_drops_it_without_the_collect
                     del out
                 left += [step for a in arrays if a() is not None]
             assert left == [], f"arrays of steps {sorted(set(left))} outlived their last reference"
+        finally:
+            gc.enable()
+
+
+@pytest.mark.parametrize("use_dcp", [True, False], ids=["dcp", "store-format"])
+def test_what_the_manager_saves_and_restores_into_goes_with_the_callers_last_reference(shm_dir, use_dcp):
+    """The same through ``CheckpointManager``: a model's and optimizer's tensors saved (a new structure, then
+    one saved before) and restored into are freed by reference counting alone."""
+    import torch
+
+    from tierfs import CheckpointManager, CheckpointManagerOptions
+
+    def model_state() -> tuple[dict[str, Any], list[Any]]:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}
+        return state, [weakref.ref(t) for t in model.state_dict().values()]
+
+    opts = CheckpointManagerOptions(enable_async_checkpointing=False)
+    with CheckpointManager([MemoryTier(Path(shm_dir) / "ram")], use_dcp=use_dcp, options=opts) as mgr:
+        gc.collect()
+        gc.disable()
+        try:
+            left = []
+            for step in (1, 2, 3):
+                state, refs = model_state()
+                assert mgr.save(step, state)
+                del state
+                target, more = model_state()
+                assert mgr.restore(target) == step
+                del target
+                left += [step for r in refs + more if r() is not None]
+            assert left == [], f"tensors of steps {sorted(set(left))} outlived their last reference"
         finally:
             gc.enable()

@@ -162,7 +162,10 @@ def _lightning(store: TieredStore, step: int, tiers: Sequence[str] | None) -> li
             shape = tuple(int(s) for s in e.shape)
             out.append(Tensor(".".join(path), _torch_dtype(e), shape, [Piece(0, e.name, (0,) * len(shape), shape)]))
 
-    walk(tree, [])
+    try:
+        walk(tree, [])
+    finally:
+        del walk  # (it refers to itself: a cycle, left to the garbage collector otherwise)
     return out
 
 

@@ -106,7 +106,10 @@ def split(state: Mapping[str, Any]) -> Split:
             else:
                 out.plain.append((path + [k], v))
 
-    walk(state, [], "", out.tensors)
+    try:
+        walk(state, [], "", out.tensors)
+    finally:
+        del walk  # it refers to itself: a cycle that would hold the tensors until the garbage collector runs
     return out
 
 

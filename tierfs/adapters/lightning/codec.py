@@ -139,7 +139,10 @@ def decode(state: Mapping[str, Any], *, allow_unpickle: bool, map_location: Any 
             return float(body)
         return leaf(tag, body)
 
-    out = dec(tree)
+    try:
+        out = dec(tree)
+    finally:
+        del dec  # it refers to itself: a cycle that would hold the tensors until the garbage collector runs
     assert isinstance(out, dict)
     return out
 

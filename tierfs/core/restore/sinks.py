@@ -172,7 +172,10 @@ class InPlace(Sink):
                         walk(v, f"{prefix}{k}{st.SEP}")
                     else:
                         slots[f"{prefix}{k}"] = (d, k)
-            walk(self.state, "")
+            try:
+                walk(self.state, "")
+            finally:
+                del walk  # (it refers to itself: a cycle holding the caller's state until the collector runs)
             self._slots = slots
         return self._slots
 
