@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from . import _readable
 from ._retry import short
@@ -28,6 +28,7 @@ from .core.ledger import StepLedger
 from .core.background import Background
 from .core.ownership import Ownership
 from .core.context import Context
+from .policies import StepInfo
 from .ranks import Group, agreement
 from .ranks.groups import env_node_source
 from .ranks.nodes import observe
@@ -50,15 +51,38 @@ def local_dirs(tier: AnyTier) -> list[Path]:
 
 
 def remove_uncommitted(ctx: Context) -> None:
-    """Remove the steps without a marker an interrupted save left on the tiers this rank owns (collective:
+    """Remove the steps without a marker on the tiers this rank owns, saying why each was left (collective:
     every rank waits for the others before the store lists its tiers)."""
     for t in ctx.tiers:
         if ctx.ranks.owns(t):
-            for s, ok in t.list_steps().items():
+            steps = t.list_steps()
+            for s, ok in steps.items():
                 if not ok:
-                    log.info("tier %s: removing uncommitted step %d left by an interrupted save", t.name, s)
+                    log.info("tier %s: %s", t.name, uncommitted_cause(t, s, steps))
                     t.delete_step(s)
     ctx.group.barrier()
+
+
+def uncommitted_cause(tier: AnyTier, step: int, steps: Mapping[int, bool]) -> str:
+    """Why ``tier`` holds ``step`` without a marker, given every step it holds (``{step: committed}``), as
+    the log says it: a step above every committed one is a save cut short (saves commit in order); one
+    below a committed step that the tier's keep policy drops is one retention dropped (its marker
+    deleted), whose ranks did not all delete their own files before the job ended; one the policy keeps
+    is a save or copy of it that did not finish."""
+    committed = sorted(s for s, ok in steps.items() if ok)
+    newer = [s for s in committed if s > step]
+    if not newer:
+        return f"removing uncommitted step {step} left by an interrupted save"
+    try:
+        kept = step in tier.keep_policy.keep([StepInfo(s) for s in sorted({*committed, step})])
+    except Exception:  # noqa: BLE001 - a policy that needs what the listing does not say: not claimed
+        kept = True
+    if not kept:
+        what = "objects" if isinstance(tier, Tier) and not tier.is_local else "files"
+        return (f"removing the remaining {what} of step {step}, dropped by retention (its marker was deleted; "
+                "the job ended before every rank had deleted its own " + what + ")")
+    return (f"removing step {step}, which has no marker although step {newer[-1]} is committed: a save or copy "
+            "of it did not finish")
 
 
 class Opening:

@@ -9,9 +9,11 @@ After a save, a step of a shared tier that takes deletions file by file (the obj
 :class:`~tierfs.tiers.capabilities.FileDeletes`) is deleted by every rank, not by the owner alone: the
 owner deletes the marker (the step is no longer committed), and each rank deletes its own files once it
 sees the marker gone, at the retention of a later save (:class:`Spread`). What a rank asks of the object
-store per save is then a few requests about its own files, whatever the job's size; a rank whose files
-outlive it (the job ended first) leaves a step without a marker, which the next job's store removes
-when it opens.
+store per save is then a few requests about its own files, whatever the job's size. The steps the last
+saves dropped, whose other ranks' files no later save will take back, the owner removes when the store
+closes (:meth:`Retention.close`: one listing, then what is left of them), so a clean close leaves only the
+kept steps. A job that ends without closing leaves their files, without a marker; the next job's store
+removes them when it opens, naming retention as their cause.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class Retention:
                 raise
             log.error("tier %s: retention failed (%s); raised by the next call", tier.name, e)
             on_error(e)
+
+    def close(self) -> None:
+        """At a clean close (every save and copy done): remove what is left of the steps retention dropped
+        from the shared tiers it spreads over the ranks (:meth:`Spread.close`). Never raises: what a
+        failure leaves, the next store's open removes."""
+        for tier in self.ctx.tiers:
+            self.spread.close(tier)
 
     def pending(self, tier: AnyTier) -> bool:
         """Whether ``tier`` holds a step its keep policy lets go that is still being read or copied (its
@@ -128,7 +137,15 @@ class Spread:
     marker at once; each rank keeps the step as pending and deletes its own files (those its manifest
     names, and the manifest) at a later save's retention, once the marker is gone (one HEAD request),
     so no rank's files go while the step still reads as committed. A step saved again before then is
-    dropped from the pending steps, never deleted."""
+    dropped from the pending steps, never deleted.
+
+    The marker's deletion is ordered before the other ranks' check by the next save's agreements on the
+    tier: the owner deletes it before it takes part in them. The steps the last save dropped have no next
+    save, so the owner, which deleted their markers itself, removes what is left of them when the store
+    closes (:meth:`close`), without waiting for the other ranks."""
+
+    #: the steps the owner remembers having dropped, per tier (the newest): what :meth:`close` may remove
+    REMEMBERED = 1024
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -136,6 +153,7 @@ class Spread:
         #: tier -> {step: whether the marker is known gone (else: checked at a later sweep)}
         self._pending: dict[str, dict[int, bool]] = {}
         self._fresh: dict[str, set[int]] = {}  # pending since this retention: checked from the next one
+        self._dropped: dict[str, set[int]] = {}  # the owner's: markers it deleted, other ranks' files may remain
 
     def applies(self, tier: AnyTier) -> bool:
         return (tier is not self.ctx.replicator and isinstance(tier, Tier) and isinstance(tier, FileDeletes)
@@ -151,6 +169,11 @@ class Spread:
             self._pending.setdefault(tier.name, {})[step] = owner
             if not owner:
                 self._fresh.setdefault(tier.name, set()).add(step)
+            else:
+                dropped = self._dropped.setdefault(tier.name, set())
+                dropped.add(step)
+                if len(dropped) > self.REMEMBERED:
+                    dropped.discard(min(dropped))
 
     def sweep(self, tier: AnyTier) -> None:
         """Delete this rank's files of the pending steps whose marker is gone."""
@@ -196,3 +219,32 @@ class Spread:
             tier.remove_if_empty(step)
         except (TierfsError, OSError) as e:  # only an empty directory is left behind
             log.debug("tier %s step %d: directory not removed (%s)", tier.name, step, e)
+
+    def close(self, tier: AnyTier) -> None:
+        """The owner's part of a clean close: remove what is left of the steps it dropped (their marker
+        deleted; the other ranks' files, which no later save takes back). One listing of the tier, then a
+        deletion per step left; only steps without a marker that this store dropped and has not saved
+        again. Never raises: a failure is logged, and the next store's open removes what is left."""
+        with self._lock:
+            dropped, self._dropped[tier.name] = self._dropped.get(tier.name, set()), set()
+        if not dropped or not self.applies(tier) or not self.ctx.ranks.owns(tier):
+            return
+        assert isinstance(tier, Tier)
+        try:
+            listed = tier.list_steps()
+        except Exception as e:  # noqa: BLE001 - at close: logged, never raised
+            log.warning("tier %s: could not list the steps at close (%s); what is left of the steps retention "
+                        "dropped is removed when the next store opens", tier.name, e)
+            return
+        snap = self.ctx.ledger.snapshot()
+        for s in sorted(s for s, ok in listed.items() if not ok and s in dropped):
+            if s in snap.held[tier.name] or self.ctx.ledger.busy(s):
+                continue  # saved again since
+            log.debug("tier %s: removing the remaining files of step %d, dropped by retention", tier.name, s)
+            try:
+                with stage("retention", s, tier.name):
+                    tier.delete_step(s)
+            except Exception as e:  # noqa: BLE001 - at close: logged, never raised
+                log.warning("tier %s: the remaining files of step %d, dropped by retention, were not removed "
+                            "(%s); the next store's open removes them", tier.name, s, e)
+            self._done(tier, s)
