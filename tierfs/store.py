@@ -381,6 +381,7 @@ class TieredStore(ShardReads):
         try:
             _exit.wait_for(_lifecycle.StoreWork(self), "closing the store")
             self.wait_until_finished()
+            self._retention.close()  # what is left of the steps retention dropped from a shared tier
         finally:
             self._closed = True
             done = _lifecycle.StoreWork(self).pending() is None  # else Ctrl-C left copies running: not joined
