@@ -15,10 +15,12 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from . import _args, _exit, _lifecycle, state as st
+from ._calls import Calls, serial
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
 from ._storereads import ShardReads
+from ._storeupkeep import Upkeep
 from .core.reads import Reader
 from .core.restore.pipeline import Restore, RestoreInfo
 from .core.restore.plan import RestorePlan, gather_plan, lost_steps
@@ -37,7 +39,7 @@ __all__ = ["DEFAULT_BACKGROUND_BANDWIDTH", "RestoreInfo", "TieredStore"]
 log = logging.getLogger("tierfs")
 
 
-class TieredStore(ShardReads):
+class TieredStore(ShardReads, Upkeep):
     """A checkpoint store over ``tiers``, given fastest first (e.g. RAM, then object storage).
 
     Parameters
@@ -87,6 +89,11 @@ class TieredStore(ShardReads):
     Node numbers from ``TIERFS_NODE_RANK``, ``GROUP_RANK`` or ``PeerTier(node_rank=...)`` that put ranks
     sharing a directory on different nodes are an error, raised on every rank. A constructor that fails
     closes the tiers it opened and removes the directories it created (never one that existed before).
+
+    Threads may share a store: its calls run one at a time, in the order they come (the background work of
+    earlier saves goes on meanwhile). A save that would remove a step another thread saved (a step below it:
+    the timeline rule, see :meth:`save`) is an :class:`~tierfs.errors.ArgumentError`. With several ranks,
+    every rank's threads must make their calls in the same order, as one thread would.
     """
 
     def __init__(self, tiers: Sequence[AnyTier], *, group: Group | None = None, threads: int | None = None,
@@ -95,6 +102,7 @@ class TieredStore(ShardReads):
                  when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  timeout: float | datetime.timedelta | None = None,
                  exit_timeout: float | datetime.timedelta | None = None) -> None:
+        self._calls = Calls()  # one call at a time, whatever the threads (see _calls)
         tiers, reps = check_tiers(tiers)
         self.max_in_flight = _args.integer(max_in_flight, "max_in_flight")
         self.when_busy = _args.choice(when_busy, "when_busy", ("wait", "skip"))
@@ -147,10 +155,12 @@ class TieredStore(ShardReads):
         """The tier named ``name``."""
         return self._ctx.tier(name)
 
+    @serial
     def refresh(self) -> None:
         """Re-list every tier (steps written by other processes become visible)."""
         self._ctx.refresh()
 
+    @serial
     def steps(self) -> dict[int, list[str]]:
         """``{step: [names of tiers holding a committed copy]}``, newest last."""
         self.refresh()
@@ -167,6 +177,7 @@ class TieredStore(ShardReads):
         """Whether ``step`` is being saved or is committed on some tier, as this process knows (no listing)."""
         return self._ctx.ledger.known(step)
 
+    @serial
     def common_steps(self, tiers: Sequence[str] | None = None, *,
                      timeout: float | datetime.timedelta | None = None, raise_lost: bool = False) -> list[int]:
         """The committed steps every rank of the job holds on ``tiers`` (default: any tier), oldest first.
@@ -194,11 +205,13 @@ class TieredStore(ShardReads):
         return steps[-1] if steps else None
 
     # -- save ---------------------------------------------------------------------------------------
+    @serial
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
         """The tiers whose save policy takes ``step`` (all of them with ``force``)."""
         return self._saving.should_save(_args.step(step), force=_args.flag(force, "force"),
                                         preempted=_args.flag(preempted, "preempted"))
 
+    @serial
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
              preempted: bool = False, blocking: bool = True,
@@ -217,7 +230,8 @@ class TieredStore(ShardReads):
         from; they are removed from every tier before ``step`` is written, and so are those above the step
         last restored (:meth:`restore`, :meth:`resume_from`) when such newer steps exist. ``step`` itself,
         when already committed, is replaced if it is above the step last restored; otherwise
-        :class:`~tierfs.errors.StepExistsError` unless ``overwrite=True``.
+        :class:`~tierfs.errors.StepExistsError` unless ``overwrite=True``. A save that would so remove a step
+        another thread of this process saved (since the last restore) is refused, an ArgumentError.
 
         ``replicated`` declares what other ranks hold identically (data parallelism): a list of keys
         (``["model", "optim"]``; nested keys joined by ``/``) whose arrays every rank of the job holds,
@@ -229,58 +243,13 @@ class TieredStore(ShardReads):
         committed).
         """
         self._check_open()
-        return self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
-                                 preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                 when_busy=self.when_busy, timeout=timeout, replicated=replicated)
-
-    # -- background ---------------------------------------------------------------------------------
-    def raise_background_errors(self) -> None:
-        """Raise the first error background work hit since the last call, if any."""
-        self._ctx.work.raise_errors()
-
-    def wait_until_committed(self) -> None:
-        """Block until every save so far is committed in the first tier (copies may still run)."""
-        self._ctx.work.commits.join()
-
-    def wait_until_finished(self) -> None:
-        """Block until every background commit, copy and deletion is done; raise the first failure."""
-        self._ctx.work.finish()
-
-    # -- retention ----------------------------------------------------------------------------------
-    def retention_plan(self) -> dict[str, list[int]]:
-        """``{tier: [steps its keep policy would delete now]}``, deleting nothing: a step is kept when the
-        tier's policy keeps it, when it is being read or copied, or when it is the only copy of the newest
-        step. Steps this process did not save get their time and metrics from their marker and manifest."""
-        self.wait_until_finished()
-        return self._retention.plan()
-
-    def apply_retention(self) -> dict[str, list[int]]:
-        """Apply every tier's keep policy now (see :meth:`retention_plan`); returns the steps deleted."""
-        doomed = self.retention_plan()
-        for tier in self.tiers:
-            for s in doomed[tier.name]:
-                log.info("tier %s: retention deletes step %d", tier.name, s)
-                self._retention.delete(tier, s)
-        return doomed
-
-    def in_progress(self, step: int) -> bool:
-        """Whether a save of ``step``, or a copy of it to a slower tier, is still under way."""
-        return self._ctx.ledger.busy(_args.step(step))
-
-    def delete(self, step: int, tiers: Sequence[str] | None = None, *, wait: bool = True) -> None:
-        """Delete ``step`` from the named tiers (default: all), once all background work is done; with
-        ``wait=False`` at once, without waiting for other steps' work (``step`` itself must not be
-        :meth:`in_progress`)."""
-        step, tiers = _args.step(step), _args.names(tiers, "tiers", self._ctx.names)
-        if not _args.flag(wait, "wait"):
-            if self._ctx.ledger.busy(step):
-                raise TierfsError(f"step {step} is still being saved or copied; delete it once "
-                                  "in_progress(step) is False, or with wait=True")
-        else:
-            self.wait_until_finished()
-        for t in self.tiers:
-            if tiers is None or t.name in tiers:
-                self._retention.delete(t, step)
+        self._check_order(step)
+        saved = self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
+                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
+                                  when_busy=self.when_busy, timeout=timeout, replicated=replicated)
+        if saved:
+            self._calls.saved(_args.step(step), self._ctx.ledger.restored)
+        return saved
 
     # -- restore (collective) -----------------------------------------------------------------------
     def restore(self, step: int | None = None, *, tiers: Sequence[str] | None = None, zero_copy: bool = False,
@@ -325,6 +294,7 @@ class TieredStore(ShardReads):
         """
         return self._restore(step, tiers, None, timeout, adopt=True)
 
+    @serial
     def _restore(self, step: Any, tiers: Any, sink: InPlace | NewArrays | None, timeout: Any,
                  check: Callable[[], Any] = lambda: None, adopt: bool = False) -> RestoreInfo:
         """One restore. Its arguments (and ``check()``) are checked where every rank hears of a bad one."""
@@ -344,8 +314,11 @@ class TieredStore(ShardReads):
             if error is not None:
                 raise error
             self.raise_background_errors()
-        return Restore(self._ctx, self._ctx.usable(tiers), sink, first, timeout).run(step, adopt)
+        info = Restore(self._ctx, self._ctx.usable(tiers), sink, first, timeout).run(step, adopt)
+        self._calls.restored(info.step)
+        return info
 
+    @serial
     def restore_plan(self, tiers: Sequence[str] | None = None) -> RestorePlan:
         """What a restore over ``tiers`` (default: all) chooses from (collective), after the same waits: the
         steps each rank can get, from its own tiers or a peer's replica (``steps()``: those every rank can)."""
@@ -354,11 +327,18 @@ class TieredStore(ShardReads):
         usable = self._ctx.usable(_args.names(tiers, "tiers", self._ctx.names))
         return gather_plan(self._ctx, usable, self.raise_background_errors)
 
+    @serial
     def resume_from(self, step: int) -> None:
         """Note that the job goes on from ``step``, which it read by other means than :meth:`restore` (DCP's
         :class:`~tierfs.adapters.dcp.TieredReader`): the next save supersedes steps from there, as after a
         restore of it (see the timeline rule in the manager's guide). Every rank of the job calls it."""
-        self._ctx.ledger.restore_of(_args.step(step))
+        step = _args.step(step)
+        self._ctx.ledger.restore_of(step)
+        self._calls.restored(step)
+
+    def _check_order(self, step: Any) -> None:
+        """A save of ``step`` from this thread removes no step another thread saved (see :mod:`tierfs._calls`)."""
+        self._calls.check_save(step, self._ctx.ledger.restored)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -368,6 +348,7 @@ class TieredStore(ShardReads):
             raise TierfsError("the store is closed; create a new TieredStore")
         self._ctx.work.settle()
 
+    @serial
     def close(self) -> None:
         """Finish background work, then release every tier. Raises a background failure, if any.
 

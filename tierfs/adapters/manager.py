@@ -154,9 +154,10 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would write anything."""
         step = _args.step(step)
-        if self._exists(step) and not self._replaces(step):
-            return False
-        return bool(self.store.should_save(step, preempted=self._preemption.pending()))
+        with self.store._calls.lock:
+            if self._exists(step) and not self._replaces(step):
+                return False
+            return bool(self.store.should_save(step, preempted=self._preemption.pending()))
 
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
              force: bool = False, *, loader: Any = None) -> bool:
@@ -171,10 +172,23 @@ class CheckpointManager:
         ``loader``: a data loader (``StatefulDataLoader``, or any object with ``state_dict()`` and
         ``load_state_dict()``), or ``{name: loader}``, whose state is saved in this rank's shard, without
         pickle (:mod:`tierfs.adapters.loaderstate`); ``restore(..., loader=...)`` gives it back.
+
+        Threads may share a manager: its saves and restores run one at a time; a save that would remove a
+        step another thread saved (one above it, by the timeline rule) is an ArgumentError (see
+        :class:`~tierfs.TieredStore`).
         """
         step, force = _args.step(step), _args.flag(force, "force")
         metrics = _args.jsonable(metrics, "metrics") if metrics is not None else None
-        _args.mapping(state, "state")
+        _check_state(state)
+        if not state and not loaderstate.objects(loader):
+            raise ArgumentError("state is empty: nothing to save; pass the training state (e.g. {'model': "
+                                "model.state_dict(), 'optim': optimizer.state_dict()}) or loader=")
+        with self.store._calls.lock:
+            self.store._check_order(step)  # before anything is written, on either path
+            return self._save_now(step, state, metrics, force, loader)
+
+    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None, force: bool,
+                  loader: Any) -> bool:
         preempted = self._preemption.pending()
         through_dcp = self._through_dcp(state)
         state = loaderstate.attach(state, loader, trusted=not through_dcp)
@@ -242,11 +256,15 @@ class CheckpointManager:
         """
         step = _args.optional_step(step)
         if state is not None:
-            _args.mapping(state, "state")
+            _check_state(state)
         loaders = loaderstate.objects(loader)
+        with self.store._calls.lock:  # one restore at a time, none during another thread's save
+            return self._restore_now(state, step, loader, bool(loaders))
+
+    def _restore_now(self, state: Mapping[str, Any] | None, step: int | None, loader: Any, loaders: bool) -> Any:
         step = step if step is not None else self.restore_policy.step
         tiers = self.restore_policy.order([t.name for t in self.store.tiers])
-        got = _restoring.restore(self.store, state, step, tiers, bool(loaders))  # collective: one restore
+        got = _restoring.restore(self.store, state, step, tiers, loaders)  # collective: one restore
         if got is None:
             return None
         out, info = got
@@ -290,8 +308,9 @@ class CheckpointManager:
     def reached_preemption(self, step: int) -> bool:
         """True once the job was told to stop (SIGTERM, on any rank): the loop saves (once more, to the
         preemption tiers) and stops. Collective on several ranks."""
-        flag = self._preemption.signalled
-        flag = any_rank(self.store.group, flag)
+        _args.step(step)
+        with self.store._calls.lock:  # a collective: not amid another thread's save
+            flag = any_rank(self.store.group, self._preemption.signalled)
         if flag:
             self._preemption.heard()
         return flag
@@ -319,6 +338,14 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_state(state: Any) -> None:
+    """A state to save or restore into: a mapping without the key reserved for the data loader's state."""
+    _args.mapping(state, "state")
+    if loaderstate.KEY in state:
+        raise ArgumentError(f"state key {loaderstate.KEY!r} is reserved for the data loader's state (loader=); "
+                            "rename it")
 
 
 def _find_best(policy: PreservationPolicy) -> BestN | None:

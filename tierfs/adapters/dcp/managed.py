@@ -20,7 +20,7 @@ import numpy as np
 from ... import _nogc, state as st
 from ...core.layout import ReadViews
 from ...ranks import agree, outcomes, ranks_failed
-from ...errors import RestoreError, StateMismatchError, TierfsError
+from ...errors import ArgumentError, RestoreError, StateMismatchError, TierfsError
 from ...format import DCP_EXTRA_PREFIX, dcp_entry_name
 from ...store import RestoreInfo, TieredStore
 from .. import _torchstate as ts
@@ -66,6 +66,40 @@ def structure(flat: Mapping[str, Any]) -> list[Any] | None:
     return out
 
 
+def check_names(split: ts.Split) -> None:
+    """Two keys of a state that DCP's flattened names make one (``1`` and ``'1'``, ``'a.b'`` beside ``'a'``
+    holding ``'b'``) are an :class:`~tierfs.errors.ArgumentError` naming both. Costs a count of the tensors
+    (each has one name unless two collide); the keys are looked for only then."""
+    stack: list[Any] = [split.tensors]
+    count = 0
+    while stack:
+        for v in stack.pop().values():
+            if type(v) is dict:
+                stack.append(v)
+            else:
+                count += 1
+    if count == len(split.flat):
+        return
+    seen: dict[str, list[Any]] = {}
+    walk: list[tuple[list[Any], Any]] = [([], split.tensors)]
+    while walk:
+        path, d = walk.pop(0)
+        for k, v in d.items():
+            if type(v) is dict:
+                walk.append((path + [k], v))
+                continue
+            name = ts.fqn(path + [k])
+            if name in seen:
+                raise ArgumentError(f"{_shown(seen[name])} and {_shown(path + [k])} both become {name!r} in DCP's "
+                                    "flattened names, which must be unique; rename one of the keys")
+            seen[name] = path + [k]
+
+
+def _shown(path: list[Any]) -> str:
+    """A key path as the user indexes the state: ``state['a']['b']``, ``state[1]``."""
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
 def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
          force: bool, preempted: bool) -> bool:
     """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them.
@@ -86,6 +120,7 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     try:
         with _nogc.paused():
             split = ts.split(state)
+            check_names(split)
             tensors, extra, flat = split.tensors, ts.extra(split), split.flat
             shape = structure(flat)
         store.raise_background_errors()
@@ -150,6 +185,7 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
         if state is not None:
             with _nogc.paused():
                 split = ts.split(state)
+                check_names(split)
             have = {ts.key(p) for p, _ in saved.plain}
             missing = [ts.fqn(p) for p, _ in split.plain if ts.key(p) not in have]
             if missing:
