@@ -2,9 +2,10 @@
 of a small JSON value (their bytes per rank do not grow either), and an all-gather of fixed-size rows. Each rank talks to a fixed few others (gloo's ring and tree, over connections made
 when first used), so what one rank sends, receives and holds open is the same at 4 ranks and at 8,192.
 
-A collective fails on every rank when one rank's connection drops (each rank that sees it closes its own
-connections, so it travels around the ring in milliseconds) or when the time runs out. Which ranks to name
-is then found out through the job's store (:mod:`tierfs.ranks.diagnosis`), never by connecting to them.
+A collective fails on the ranks whose connections to a dead rank drop, or when the time runs out; each rank
+that sees it fail closes its own connections (:mod:`tierfs.ranks.severing`), so the failure travels around
+the ring in milliseconds to the ranks blocked on it. Which ranks to name is then found out through the
+job's store (:mod:`tierfs.ranks.diagnosis`), never by connecting to them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from . import diagnosis
+from . import diagnosis, severing
 
 if TYPE_CHECKING:
     from .groups import TorchGroup
@@ -69,11 +70,14 @@ def all_gather_ints(g: "TorchGroup", values: Sequence[int]) -> np.ndarray:
 
 
 def _run(g: "TorchGroup", start: Any) -> None:
-    """Start a collective and wait for it within the operation's time; a failure names the ranks that made
-    it fail (:func:`~tierfs.ranks.diagnosis.diagnose`)."""
-    call = g._calls[0] = g._calls[0] + 1  # the same number on every rank: collectives run in one order
+    """Start a collective and wait for it within the operation's time; a failure closes this rank's
+    connections on every group (so the ranks blocked on it fail too) and names the ranks that made it
+    fail (:func:`~tierfs.ranks.diagnosis.diagnose`). Once a failure is known, raise it at once."""
+    diagnosis.raise_known(g._dist, g.rank)
+    g._calls[0] += 1  # the same number on every rank: collectives run in one order
     with g.bounded() as oper:
         try:
             start().wait(timeout=datetime.timedelta(seconds=oper.allowed()))
         except RuntimeError as e:
-            raise diagnosis.diagnose(g, oper, str(e), call) from None
+            severing.sever_all(g._dist)
+            raise diagnosis.diagnose(g, oper, str(e)) from None

@@ -13,8 +13,12 @@ share one deadline, the group's ``timeout`` (:mod:`tierfs.ranks.waits`): a rank 
 time, or whose process is gone (noticed as soon as its connections drop), makes the waiting rank raise
 :class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
 ranks that made it fail (a point-to-point wait names its peer, a collective finds them out through
-:mod:`tierfs.ranks.diagnosis`). No transfer outlives the call that started it: each one is waited for,
-to its end or its failure, so nothing of tierfs's is left in flight when the interpreter exits.
+:mod:`tierfs.ranks.diagnosis`). A rank that sees such a failure closes its connections on every group
+(:mod:`tierfs.ranks.severing`), so the ranks blocked on it fail too, at once; from then on every wait of
+the process on other ranks raises at once, naming the same ranks: the job must restart. No transfer
+outlives the call that started it: each one is waited for, to its end or its failure (a group closed after
+a failure ends what gloo still ran on it), so nothing of tierfs's is left in flight when the interpreter
+exits.
 
 A node is a failure domain: the ranks on one machine. Its number comes from ``TIERFS_NODE_RANK``, else
 torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run each process as its own
@@ -31,6 +35,7 @@ import contextlib
 import datetime
 import json
 import os
+import secrets
 import threading
 import warnings
 from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
@@ -38,8 +43,8 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 import numpy as np
 
 from .. import _stages
-from ..errors import ArgumentError
-from . import collectives, diagnosis, pool, waits
+from ..errors import ArgumentError, TierfsError
+from . import collectives, diagnosis, pool, severing, waits
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -117,8 +122,8 @@ class TorchGroup:
         self.timeout = seconds(timeout)
         # "closed": why this rank's connections on the group were closed; "failed": a wait on it failed
         self._state: dict[str, str] = {}
-        self._pg = pool.POOL.take(dist, backend, self.timeout, 0, self._state)
-        self._lanes = [self._pg]
+        self._lanes: list[Any] = []  # the groups (one, or a fork's lanes); empty once destroyed
+        self._lanes.append(pool.POOL.take(dist, backend, self.timeout, 0, self._state, self._lanes))
         self._named()
         if node_rank is None:
             node_rank = env_node_rank(self.rank)
@@ -157,9 +162,9 @@ class TorchGroup:
         twin._backend = backend or self._backend
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
         twin._state = {}
-        twin._lanes = [pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state)
-                       for _ in range(max(1, int(lanes)))]
-        twin._pg = twin._lanes[0]
+        twin._lanes = []
+        for _ in range(max(1, int(lanes))):
+            twin._lanes.append(pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state, twin._lanes))
         twin._named()
         return twin
 
@@ -168,9 +173,18 @@ class TorchGroup:
         shares (collective): a failed collective's diagnosis is kept in the job's store under both."""
         self._calls = [0]
         self._job = 0
-        with self._failing():
-            self._job = diagnosis.job_id(self)
+        with self._failing():  # rank 0's random number, by an all-reduce: the ring's neighbours connect
+            self._job = collectives.all_reduce(self, [secrets.randbits(62) if self.rank == 0 else 0], "max")[0]
         pool.POOL.named(self._job)
+        diagnosis.launched(self._dist, self._job)
+        severing.watch(self)  # closed after a failure of the job's ranks
+
+    @property
+    def _pg(self) -> Any:
+        """The group of the collectives (the first lane)."""
+        if not self._lanes:
+            raise TierfsError("the store using these ranks' groups is closed")
+        return self._lanes[0]
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -224,6 +238,7 @@ class TorchGroup:
 
         failures: list[BaseException] = []  # this rank's own (on_received, pace)
         where = _stages.current()  # the receiving thread reports the caller's stage
+        diagnosis.raise_known(self._dist, self.rank, where)  # a rank failed before: at once
         with self._failing(), self.bounded() as op:
             io = waits.Round(op, bulk=pace is not None or on_received is not None)  # data: moves on as it lands
 
@@ -264,8 +279,13 @@ class TorchGroup:
             failed = io.end()
             if failed:  # a pair of ranks may no longer be in step on the group
                 self._state.setdefault("failed", f"transfers with ranks {sorted(failed)} failed")
-            if any(waits.kind_of(why) == waits.LATE for why in failed.values()):  # gloo closed the group's
-                self._state.setdefault("closed", str(op.error(where)))  # connections: later waits fail at once
+            kinds = {waits.kind_of(why) for why in failed.values()}
+            if waits.LATE in kinds:  # gloo closed the group's connections: later waits fail at once
+                self._state.setdefault("closed", str(op.error(where)))
+            lost = next((k for k in (waits.LATE, waits.GONE, waits.CLOSED) if k in kinds), None)
+            if lost is not None:  # a rank is gone or stuck: the ranks blocked on this one fail too, and
+                severing.sever_all(self._dist)  # every rank finds out which (this rank's error names its peers)
+                diagnosis.find_out(self, op, lost)
             if failed and not tolerate:
                 raise op.error(where, self._state.get("closed"))
         if failures:

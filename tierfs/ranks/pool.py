@@ -19,7 +19,14 @@ each takes them; else every rank destroys what it has and the store makes new on
 
 Given-back groups stay in the pool while a store of the process is open (and are destroyed at interpreter
 exit, or by :func:`release`); a group torch.distributed destroyed itself (``destroy_process_group()`` of
-the whole job) is only forgotten. An idle group costs its
+the whole job) is only forgotten. Destroying a group ends its backend's threads there and then (the
+stores using it forget it too), while the interpreter is whole, never during its teardown.
+
+After a failure of the job's ranks (:mod:`tierfs.ranks.diagnosis`) every group of the process in use is
+closed (:mod:`tierfs.ranks.severing`), and no group is destroyed any more: each is kept as it is until the
+process ends. gloo's destructor of a group joins the group's I/O loop, which a connection to a dead peer
+can keep busy for good (the process would hang at exit, or the teardown abort), and a group without
+usable connections costs nothing but its idle threads. An idle group costs its
 backend's threads (gloo: two workers and an I/O loop that wakes every 10 ms, under 1 ms of CPU a second)
 and one listening socket; its connections are made when first used (``TORCH_GLOO_LAZY_INIT``), so it
 holds only those to the ranks it talked to.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import logging
 import os
@@ -37,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..errors import RankWaitError
-from .diagnosis import job_store
+from .diagnosis import job_store, known, raise_known
 
 log = logging.getLogger("tierfs")
 
@@ -54,6 +62,8 @@ class _Held:
     serial: int
     key: Key
     state: dict[str, str] = field(default_factory=dict)
+    #: the lanes of the groups using it (a group destroyed leaves them)
+    users: list[list[Any]] = field(default_factory=list)
 
 
 def make(dist: Any, backend: str, timeout: float, nice: int = 0) -> Any:
@@ -94,13 +104,35 @@ def _alive(dist: Any, pg: Any) -> bool:
         return False
 
 
+#: groups kept until the process ends (see the module docstring)
+_kept: list[Any] = []
+
+
 def _destroy(dist: Any, held: _Held) -> None:
-    if _alive(dist, held.pg):
+    """Destroy ``held``'s group (its backend's threads end now: nothing of tierfs refers to it after), or,
+    once the job's ranks failed (or it was closed after a failure), keep it for good."""
+    pg, held.pg = held.pg, None
+    for lanes in held.users:
+        lanes[:] = [p for p in lanes if p is not pg]
+    held.users = []
+    if "severed" in held.state or known(dist) is not None:
+        _keep(pg)
+        return
+    if _alive(dist, pg):
         try:
-            dist.destroy_process_group(held.pg)
+            dist.destroy_process_group(pg)
         except Exception as e:  # noqa: BLE001 - dropped either way
             log.debug("destroying a process group failed (%s)", e)
-    held.pg = None  # its threads end once nothing refers to it
+
+
+def _keep(pg: Any) -> None:
+    """Keep ``pg`` until the process ends: never destroyed, even by the interpreter's teardown (its
+    destructor would join the group's I/O loop, which a dead peer can keep busy for good)."""
+    _kept.append(pg)
+    try:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # no teardown drops the last reference
+    except Exception:  # noqa: BLE001 - not CPython: the list keeps it until the interpreter's teardown
+        pass
 
 
 class Lease:
@@ -114,15 +146,18 @@ class Lease:
         self.made = 0
         self._given = False
 
-    def take(self, dist: Any, backend: str, timeout: float, nice: int, state: dict[str, str]) -> Any:
+    def take(self, dist: Any, backend: str, timeout: float, nice: int, state: dict[str, str],
+             lanes: list[Any]) -> Any:
         """A group of ``(backend, timeout, nice)``, given back earlier or new (collective); ``state`` is
-        where its user notes failures (a failed one is not reused)."""
+        where its user notes failures (a failed one is not reused), ``lanes`` the user's list of groups
+        (the group leaves it when destroyed)."""
         key: Key = (backend, float(timeout), int(nice))
         held = self._pool._take(key) if self._reuse else None
         if held is None:
             held = _Held(make(dist, backend, timeout, nice), self._pool._serial(), key)
             self.made += 1
         held.state = state
+        held.users.append(lanes)
         self.held.append(held)
         return held.pg
 
@@ -159,6 +194,7 @@ class Pool:
         if dist is None:
             yield None
             return
+        raise_known(dist, dist.get_rank(), "open the store")  # a rank failed: new groups would wait for it
         lease = Lease(self, self._agree(dist, timeout))
         with self._lock:
             self._open += 1
@@ -169,13 +205,15 @@ class Pool:
         finally:
             self._local.lease = before
 
-    def take(self, dist: Any, backend: str, timeout: float, nice: int, state: dict[str, str]) -> Any:
+    def take(self, dist: Any, backend: str, timeout: float, nice: int, state: dict[str, str],
+             lanes: list[Any]) -> Any:
         """A group for a :class:`~tierfs.ranks.groups.TorchGroup` (collective): from the lease of the store
-        opening on this thread, else a new one that is never pooled."""
+        opening on this thread, else a new one that is never pooled (see :meth:`Lease.take`)."""
+        raise_known(dist, dist.get_rank())  # a rank failed: a new group would wait for it
         lease = getattr(self._local, "lease", None)
         if lease is None:
             return make(dist, backend, timeout, nice)
-        return lease.take(dist, backend, timeout, nice, state)
+        return lease.take(dist, backend, timeout, nice, state, lanes)
 
     def named(self, job: int) -> None:
         """Note the number a pooled group's ranks agreed on (the first one names the votes' keys)."""
@@ -220,7 +258,7 @@ class Pool:
                     continue  # still in use: neither reused nor destroyed
                 if dist is None or not _alive(dist, h.pg):
                     continue  # torch.distributed destroyed it
-                if h.state or self._exiting:
+                if h.state or self._exiting or known(dist) is not None:
                     _destroy(dist, h)
                 else:
                     self._free.append(h)
@@ -229,7 +267,7 @@ class Pool:
                 self._clear(dist)
 
     def _clear(self, dist: Any) -> None:
-        """Destroy every group given back (under the lock)."""
+        """Destroy (or keep for good, see :func:`_destroy`) every group given back (under the lock)."""
         for h in self._free:
             _destroy(dist, h)
         self._free = []

@@ -14,7 +14,7 @@ import json
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import RankWaitError
-from .diagnosis import job_store
+from .diagnosis import job_store, raise_known
 from .groups import SingleProcess
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ def publish(group: "Group", tag: str, row: Sequence[int]) -> Rows:
 
     def read() -> list[list[int]]:
         if not got:
+            raise_known(group._dist, group.rank, f"the ranks' reports of {tag}")  # a failed rank never writes
             keys = [f"{prefix}/{r}" for r in range(n)]
             try:
                 store.wait(keys, datetime.timedelta(seconds=timeout))
