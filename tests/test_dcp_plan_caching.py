@@ -89,6 +89,7 @@ def check_step(store: TieredStore, step: int, want: dict) -> None:
     assert same(want, got), step
     dcp.save(want, storage_writer=TieredWriter(store, 1000 + step))  # no plan caching
     assert stored(store, step) == stored(store, 1000 + step), step
+    store.delete(1000 + step)  # a scratch step: gone before the next save (below it, from another thread)
 
 
 def test_repeated_cached_saves_new_writers_reused_writer_new_planners(store):
