@@ -235,6 +235,10 @@ CASES = [
     case("manager.save-meta-tensor-known-structure", lambda c: c.manager.save(2, {**model_state(), "model": {
         k: torch.empty_like(v, device="meta") for k, v in model_state()["model"].items()}}), ArgumentError,
          "'model.0.weight'", "meta tensor"),
+    case("manager.save-too-deep", lambda c: c.manager.save(2, {**model_state(), "cfg": _nested(3000)}), ArgumentError,
+         "deep"),
+    case("manager.restore-too-deep", lambda c: c.manager.restore({**model_state(), "cfg": _nested(3000)}),
+         ArgumentError, "deep"),
     case("manager.save-long-key", lambda c: c.manager.save(2, with_tensor(**{"k" * 5000: torch.zeros(2)})),
          ArgumentError, "5008 characters"),
     case("manager.should_save-str", lambda c: c.manager.should_save("2"), ArgumentError, "step", "'2'"),
@@ -435,3 +439,14 @@ def test_a_memory_tier_path_under_home_is_expanded(monkeypatch, tmp_path):
     with TieredStore([MemoryTier("~/ckpt")]) as store:
         assert store.save(1, small_state())
     assert (tmp_path / "ckpt").is_dir() and not Path("~").exists()
+
+
+def test_the_managers_keys_are_kept_exactly_on_dcps_path(shm_dir):
+    """Through DCP (the manager's torch states) a key may hold '/': DCP's names keep the structure, in the
+    first save of a structure and in the saves that reuse its plan."""
+    with CheckpointManager([MemoryTier(shm_dir)]) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, {"a/b": torch.full((2,), float(step)), "c": {"d/e": step}})
+        target = {"a/b": torch.zeros(2), "c": {"d/e": 0}}
+        assert mgr.restore(target) == 3
+    assert torch.equal(target["a/b"], torch.full((2,), 3.0)) and target["c"] == {"d/e": 3}

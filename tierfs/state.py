@@ -57,8 +57,9 @@ def check_key(k: str, prefix: str) -> None:
 def check_depth(depth: int, prefix: str) -> None:
     """Raise ArgumentError when a state's dicts nest deeper than :data:`MAX_DEPTH` (at ``prefix``)."""
     if depth > MAX_DEPTH:
-        raise ArgumentError(f"state nests dicts more than {MAX_DEPTH} deep (under {prefix[:60]!r}...): a dict "
-                            "that contains itself, or a structure to store as arrays or a JSON string")
+        where = f" (under {prefix[:60]!r}...)" if prefix else ""
+        raise ArgumentError(f"state nests dicts more than {MAX_DEPTH} deep{where}: a dict that contains itself, "
+                            "or a structure to store as arrays or a JSON string")
 
 
 def flatten(state: Mapping[str, Any], prefix: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:

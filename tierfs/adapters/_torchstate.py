@@ -57,16 +57,17 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def has_tensor(x: Any, sharded_only: bool = False) -> bool:
+def has_tensor(x: Any, sharded_only: bool = False, depth: int = 0) -> bool:
+    """Whether ``x`` holds a tensor (``sharded_only``: a DTensor or ShardedTensor) in its dicts, lists and
+    tuples; ArgumentError when they nest deeper than a state may."""
     torch = _torch()
     if torch is None:
         return False
     if isinstance(x, torch.Tensor):
         return not sharded_only or type(x) is not torch.Tensor and type(x).__name__ in ("DTensor", "ShardedTensor")
-    if isinstance(x, Mapping):
-        return any(has_tensor(v, sharded_only) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(has_tensor(v, sharded_only) for v in x)
+    if isinstance(x, (Mapping, list, tuple)):
+        st.check_depth(depth, "")
+        return any(has_tensor(v, sharded_only, depth + 1) for v in (x.values() if isinstance(x, Mapping) else x))
     return False
 
 
@@ -81,6 +82,7 @@ def split(state: Mapping[str, Any]) -> Split:
     paths, flat = out.paths, out.flat
 
     def walk(x: Any, path: list[Any], prefix: str, into: dict[Any, Any]) -> None:
+        st.check_depth(len(path), prefix)
         for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
             if type(k) is not str and type(k) is not int:
                 if isinstance(k, bool) or not isinstance(k, (str, int)):

@@ -147,8 +147,8 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     if known:
         assert plan is not None
         with _nogc.paused():
-            entries: dict[str, Any] = {name: flat[f].to_local() if local else flat[f]
-                                       for name, f, local in plan.entries}
+            entries: dict[str, Any] = st.Flat((name, flat[f].to_local() if local else flat[f])  # DCP's names
+                                              for name, f, local in plan.entries)
             entries.update((DCP_EXTRA_PREFIX + k, v) for k, v in extra.items())
         return store.save(step, entries, metadata=cast(Mapping[str, Any], plan.metadata), metrics=metrics,
                           force=force, overwrite=exists, preempted=preempted, blocking=blocking,
