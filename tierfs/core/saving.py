@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import numpy as np
 from .. import _args, _blocks, _nogc, _readable, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds
-from ..errors import ArgumentError, StepExistsError, TierfsError
+from ..errors import StepExistsError, TierfsError
 from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, manifest_filename
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
@@ -34,6 +33,7 @@ from .layout import ShardLayout, describe
 from .context import Context
 from .retention import Retention
 from .dataparallel import Sharing, check_digests, comparable, declared, digests
+from .savevote import Vote
 from . import timeline
 
 log = logging.getLogger("tierfs")
@@ -60,22 +60,6 @@ class Staged:
                                  self.metrics)
         m.commit = self.commit
         return m
-
-
-class _Vote:
-    """This rank's part of the agreement before a save, as integers reduced over the ranks in one all-reduce
-    (:func:`~tierfs.ranks.check`): rank 0's choice of tiers (``mins``: 1 chosen, 0 not; other ranks 2), the
-    tiers holding the step already on any rank and whether any rank knows steps the save may supersede
-    (``maxes``), whether any rank's state has a leaf, and rank 0's id of the save (the last of ``mins``).
-    ``view`` is this rank's :func:`.timeline.view`."""
-
-    def __init__(self, names: list[str], chosen: list[str], holders: list[str], view: list[list[int]],
-                 rank: int, leaves: int = 0) -> None:
-        self.view = view
-        # the id of the save (in its marker and every manifest): rank 0's, the others' the largest number
-        nonce = secrets.randbits(62) if rank == 0 else (1 << 63) - 1
-        self.mins = [int(n in chosen) if rank == 0 else 2 for n in names] + [nonce]
-        self.maxes = [int(n in holders) for n in names] + [int(leaves > 0), len(view[0]), len(view[1])]
 
 
 class SavePath:
@@ -127,23 +111,18 @@ class SavePath:
                                      max_in_flight, when_busy)
             if p.ledger.busy(step):
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
-            mine = _Vote(p.names, [t.name for t in chosen], p.ledger.holders(step),
+            mine = Vote(p.names, [t.name for t in chosen], p.ledger.holders(step),
                          timeline.view(p.ledger.known_steps() - {step}, step, p.ledger.restored), p.group.rank,
-                         len(names))
+                         len(names), step)
         except BaseException as e:  # noqa: BLE001 - raised on every rank by check
             failure = e
         group = p.group if wait is None else p.group.with_timeout(wait)
         commit_group = p.work.commit_group if wait is None else p.work.commit_group.with_timeout(wait)
-        vote = mine or _Vote(p.names, [], [], [[], []], p.group.rank)
+        vote = mine or Vote(p.names, [], [], [[], []], p.group.rank)
         mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
                             maxes=vote.maxes)
         # every rank does what rank 0 decided (clocks and RAM differ); any rank's copies count
-        chosen = [t for t, flag in zip(p.tiers, mins) if flag == 1]
-        commit_id = f"{mins[-1]:016x}"
-        holders = [t.name for t, flag in zip(p.tiers, maxes) if flag]
-        if not maxes[len(p.tiers)]:  # (a rank that holds nothing of a job's state may save {})
-            raise ArgumentError(f"step {step}: the state is empty{' on every rank' if p.group.world_size > 1 else ''}"
-                                ", nothing to save; give the arrays and values to save")
+        chosen, holders, commit_id = vote.decided(p.tiers, mins, maxes, step, p.group.world_size)
         if not chosen:
             return False
         first = p.first
@@ -157,7 +136,7 @@ class SavePath:
                 raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                       "replace it or save a new step")
             # the steps of a run gone back from: rare, so every rank's view is gathered only then
-            stale = timeline.superseded(group.all_gather(vote.view), step, restored) if any(maxes[-2:]) else []
+            stale = timeline.superseded(group.all_gather(vote.view), step, restored) if any(vote.supersedes(maxes)) else []
             if holders or stale:
                 p.work.finish()
                 self._supersede(step, stale, restored)
