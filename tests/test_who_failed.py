@@ -16,7 +16,9 @@ through tests/children/who_failed_child.py and lost_exit_child.py:
 - the survivors close their stores and exit through the interpreter's teardown with status 0 (the wait
   for them has a generous bound; it is no timing check): nothing of tierfs's groups joins a thread stuck
   on a dead peer;
-- after ``CheckpointLostError`` (two neighbouring nodes' shards lost) every rank exits with status 0.
+- after ``CheckpointLostError`` (two neighbouring nodes' shards lost) every rank exits with status 0, and
+  the groups of its closed stores ended as they closed (gloo's threads are gone), not in the interpreter's
+  teardown.
 """
 
 from __future__ import annotations
@@ -142,3 +144,5 @@ def test_every_rank_exits_cleanly_after_a_checkpoint_is_lost(shm_dir):
         shutil.rmtree(Path(shm_dir) / f"node{node}")
     for o in job("lost"):
         assert o["store"] == "CheckpointLostError" and o["manager"] == "CheckpointLostError", o
+        before, during, after = o["gloo_threads"]
+        assert during > before and after == before, o  # the stores' groups ended as they closed

@@ -6,7 +6,9 @@ that its exit status says whether it exits cleanly.
 
 MODE ``run``: saves steps 1 and 2. ``lost`` (after the test removed nodes 1 and 2's RAM directories: rank
 1's shard and its only replica are gone): a store's restore, then a manager's, each raising
-``CheckpointLostError``. Prints one JSON line: the error class of each restore.
+``CheckpointLostError``. Prints one JSON line: the error class of each restore, and how many of gloo's
+threads the process has before the stores open, while one is open and once both are closed (the store
+objects still referenced: their groups must be gone all the same, not left to the interpreter's teardown).
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, PeerTier
 
 
+def gloo_threads() -> int:
+    """This process's threads of gloo's groups (their workers and I/O loops)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return sum(1 for n in names if "gloo" in n)
+
+
 def main() -> None:
     shm, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -38,7 +52,10 @@ def main() -> None:
                 store.save(step, {"w": np.full(1_000 + rank, step, np.float32), "step": step})
             store.wait_until_finished()
     else:
+        dist.barrier()  # the default group's own threads start on its first use: they are there before
+        before = gloo_threads()
         with TieredStore(tiers(), timeout=60) as store:
+            during = gloo_threads()
             try:
                 store.restore()
                 out["store"] = None
@@ -50,6 +67,8 @@ def main() -> None:
                 out["manager"] = None
             except TierfsError as e:
                 out["manager"] = type(e).__name__
+        out["gloo_threads"] = [before, during, gloo_threads()]
+        out["kept"] = [store, mgr] is not None  # both objects live on to the end of main
     print(json.dumps(out), flush=True)
 
 
