@@ -3,10 +3,7 @@ reader process while the writer saves on (tests/children/zero_copy_child.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +16,9 @@ from tierfs.format import step_dirname
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier
 
+from _commandchild import CommandChild
 from zero_copy_child import digest, sneak, state_for, tries
 
-HERE = Path(__file__).parent
-CHILDREN = HERE / "children"
 #: what each write of ``zero_copy_child.tries`` raises
 REFUSED = {k: "TierfsError" if k.startswith("torch") and k != "torch numpy" else "ValueError" for k in [
     "torch add_", "torch setitem", "torch +=", "torch out=", "torch copy_", "torch view zero_", "torch init",
@@ -42,31 +38,12 @@ def bins(step_dir: Path) -> set[int]:
     return {p.stat().st_ino for p in step_dir.glob("*.bin")}
 
 
-class Reader:
+class Reader(CommandChild):
     """tests/children/zero_copy_child.py over ``ram``: one JSON answer per command."""
 
     def __init__(self, ram: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CHILDREN / "zero_copy_child.py"), str(ram)], text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=os.environ | {"PYTHONPATH": str(CHILDREN)})
+        super().__init__("zero_copy_child.py", str(ram))
         self.first = self.answer()
-
-    def answer(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"the reader process ended (exit code {self.proc.wait()})"
-        return json.loads(line)
-
-    def ask(self, cmd: str) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=60) == 0
 
 
 def test_a_reader_process_keeps_its_zero_copy_views_while_the_writer_saves_on(shm_dir):

@@ -5,20 +5,17 @@ restore handled goes when the caller drops it, by reference counting alone."""
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 import weakref
-
-import pytest
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tierfs import TieredStore
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier, ObjectTier
 
+from _commandchild import CommandChild
 from zero_copy_memory_child import STATE_BYTES, state_for
 
 CHILD = Path(__file__).parent / "children" / "zero_copy_memory_child.py"
@@ -27,36 +24,12 @@ CHILD = Path(__file__).parent / "children" / "zero_copy_memory_child.py"
 SLACK = STATE_BYTES
 
 
-class Child:
+class Child(CommandChild):
     """tests/children/zero_copy_memory_child.py in one role over ``ram``, started: its first answer comes once it
     is ready, then one JSON answer per command."""
 
     def __init__(self, ram: Path, role: str) -> None:
-        path = os.pathsep.join(p for p in (str(CHILD.parent), os.environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), str(ram), role], text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=os.environ | {"PYTHONPATH": path})
-
-    def answer(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"the child process ended (exit code {self.proc.wait()})"
-        return json.loads(line)
-
-    def ask(self, cmd: str) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=60) == 0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(CHILD.name, str(ram), role)
 
 
 def total(m: dict[str, int]) -> int:
