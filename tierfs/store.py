@@ -224,7 +224,9 @@ class TieredStore(ShardReads, Upkeep):
         Slower tiers are always written in the background. Raises any error background work hit since
         the last call. ``timeout`` bounds this save's waits on the other ranks instead of the store's.
         Every argument is checked first (an :class:`~tierfs.errors.ArgumentError`, or a bad leaf of
-        ``state``, raised on every rank), before anything is written or replaced.
+        ``state``, raised on every rank), before anything is written or replaced. Keys are non-empty strings
+        (or ints) without ``/`` (which joins nested keys) or control characters; a state empty on one rank is
+        saved (a rank holding nothing of the job's state), one empty on every rank is refused.
 
         Going back (the timeline rule): committed steps above ``step`` belong to a run the job went back
         from; they are removed from every tier before ``step`` is written, and so are those above the step
