@@ -48,6 +48,10 @@ class Job:
     block_size: int
     expected: list[int] | None = None
     label: str | Callable[[], str] | None = None
+    #: waits until ``src`` holds the entry's bytes (its copy from a device is done); called before each block
+    ready: Callable[[], None] | None = None
+    #: called with ``(start, end)`` once that block of ``src`` is verified (a restore's copy to a device)
+    then: Callable[[int, int], None] | None = None
 
     def shown(self) -> str:
         """The entry as messages name it."""
@@ -77,6 +81,8 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
                 pace(e - s)
             src = job.src[s:e]
             try:
+                if job.ready is not None:
+                    job.ready()
                 if job.expected is not None:
                     c = crc32c(src)
                     if c != job.expected[b]:
@@ -85,6 +91,11 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
                             f"{job.expected[b]:#010x}, read {c:#010x}")
                     if job.dst is not None:
                         np.copyto(job.dst[s:e], src)
+                    elif job.then is not None:
+                        job.then(s, e)
+                elif job.then is not None:  # checked already: only copy
+                    job.then(s, e)
+                    c = 0
                 elif not checksum:
                     assert job.dst is not None, "a copy without checksums needs a destination"
                     np.copyto(job.dst[s:e], src)

@@ -19,6 +19,10 @@ class CapacityError(TierfsError):
     """A save would exceed a tier's budget or free space; nothing was written."""
 
 
+class DeviceError(TierfsError):
+    """A copy between device (GPU) memory and the RAM tier failed, e.g. the device ran out of memory."""
+
+
 class TierUnavailableError(TierfsError):
     """A tier cannot be reached: bad URL, missing bucket, bad credentials."""
 

@@ -112,10 +112,11 @@ class Leaf:
     shape: tuple[int, ...] = ()
     data: np.ndarray | None = None  # 1-D uint8 view sharing memory with the source
     value: Any = None
+    size: int = 0  # the bytes of an array described without its data (``to_leaf(..., data=False)``)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.nbytes
+        return self.size if self.data is None else self.data.nbytes
 
 
 def check_state(state: Mapping[str, Any]) -> None:
@@ -161,9 +162,13 @@ def check_tensor(name: str, v: Any, label: str | None = None) -> None:
                             "model.to_empty(device=...) and initialise it)")
 
 
-def to_leaf(name: str, v: Any) -> Leaf:
-    """Describe one leaf; arrays become a uint8 view of their bytes (a copy only if non-contiguous)."""
+def to_leaf(name: str, v: Any, data: bool = True) -> Leaf:
+    """Describe one leaf; arrays become a uint8 view of their bytes (a copy only if non-contiguous, or on a
+    device). ``data=False``: a tensor is described without its bytes (nothing copied, from a device either)."""
     check_leaf(name, v)
+    if not data and is_tensor(v) and type(v) in (_torch().Tensor, _torch().nn.Parameter):
+        return Leaf(name, "array", "torch", str(v.dtype).removeprefix("torch."), tuple(v.shape),
+                    size=v.numel() * v.element_size())
     if isinstance(v, np.ndarray):
         a = np.asarray(v, order="C")  # (np.ascontiguousarray would turn a 0-d array into shape (1,))
         return Leaf(name, "array", "numpy", a.dtype.str, tuple(a.shape), a.reshape(-1).view(np.uint8))
@@ -174,8 +179,8 @@ def to_leaf(name: str, v: Any) -> Leaf:
         t = t.contiguous()
         dt = str(t.dtype).removeprefix("torch.")
         flat = t.reshape(-1)
-        data = flat.view(_torch().uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
-        return Leaf(name, "array", "torch", dt, tuple(t.shape), data)
+        u8 = flat.view(_torch().uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+        return Leaf(name, "array", "torch", dt, tuple(t.shape), u8)
     if isinstance(v, np.generic):
         v = v.item()
     if type(v) is Trusted:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import _args, _exit, _lifecycle, state as st
 from ._calls import Calls, serial
+from ._device import Copies, device_of
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
@@ -215,7 +216,8 @@ class TieredStore(ShardReads, Upkeep):
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None, *,
              metrics: Mapping[str, Any] | None = None, force: bool = False, overwrite: bool = False,
              preempted: bool = False, blocking: bool = True,
-             timeout: float | datetime.timedelta | None = None, replicated: Any = None) -> bool:
+             timeout: float | datetime.timedelta | None = None, replicated: Any = None,
+             overlap: Any = None) -> bool:
         """Save ``state`` as ``step`` to the tiers whose policies take it; False when none does.
 
         With ``blocking=True`` it returns once the first tier holds a committed copy. With
@@ -243,26 +245,44 @@ class TieredStore(ShardReads, Upkeep):
         shared arrays from the ranks holding them. Worked out once per structure; at every commit the
         ranks check, from their checksums, that they do hold the same values (else the step is not
         committed).
+
+        GPU tensors are copied straight into the RAM tier's page-locked buffers, and ``save`` waits for those
+        copies alone (CUDA events), never for the whole device. ``overlap`` (an optimizer, a list of them,
+        or tensors such as ``model.parameters()``) with ``blocking=False``: the copies of the tensors it
+        names (the parameters and the optimizers' state) may still run when ``save`` returns; each named
+        optimizer's next ``step()`` waits for them first, and :attr:`copies` is the handle to wait on
+        otherwise. Every other tensor is copied before ``save`` returns. See the GPU guide.
         """
         self._check_open()
         self._check_order(step)
         saved = self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                   preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                  when_busy=self.when_busy, timeout=timeout, replicated=replicated)
+                                  when_busy=self.when_busy, timeout=timeout, replicated=replicated,
+                                  overlap=overlap)
         if saved:
             self._calls.saved(_args.step(step), self._ctx.ledger.restored)
         return saved
 
+    @property
+    def copies(self) -> Copies | None:
+        """The newest save's copies from device memory (or an overlapped save's), None before any: ``wait()``
+        returns once they are complete (raising :class:`~tierfs.errors.DeviceError` if one failed), ``done()``
+        says whether they are."""
+        copies: Copies | None = self._saving.copies
+        return copies
+
     # -- restore (collective) -----------------------------------------------------------------------
     def restore(self, step: int | None = None, *, tiers: Sequence[str] | None = None, zero_copy: bool = False,
-                timeout: float | datetime.timedelta | None = None) -> tuple[dict[str, Any], RestoreInfo]:
+                timeout: float | datetime.timedelta | None = None,
+                device: Any = None) -> tuple[dict[str, Any], RestoreInfo]:
         """Read a step (default: the newest) into new arrays/tensors; returns ``(state, info)``.
 
         With ``zero_copy=True`` arrays served by the RAM tier are read-only views of its files.
         ``timeout`` bounds this restore's waits on the other ranks instead of the store's (transfers from
-        peers keep the store's).
+        peers keep the store's). ``device`` (e.g. ``"cuda:0"``): torch tensors are made there, each block
+        copied from the verified RAM tier's pages as the next is verified (numpy arrays stay on the host).
         """
-        sink = NewArrays(zero_copy)
+        sink = NewArrays(zero_copy, _restore_device(device, zero_copy))
         info = self._restore(step, tiers, sink, timeout, lambda: _args.flag(zero_copy, "zero_copy"))
         return st.unflatten(sink.values), info
 
@@ -385,3 +405,18 @@ class TieredStore(ShardReads, Upkeep):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _restore_device(device: Any, zero_copy: Any) -> Any:
+    """``restore``'s ``device=`` as the CUDA device new tensors go to (None: the host)."""
+    if device is None:
+        return None
+    dev = device_of(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ArgumentError(f"device={device!r}: restore makes tensors on a CUDA device or the CPU")
+    if zero_copy:
+        raise ArgumentError("zero_copy=True gives views of the RAM tier's host pages: it cannot be combined with "
+                            f"device={device!r}")
+    return dev

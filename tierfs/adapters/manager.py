@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .. import _args
+from .. import _args, _device
 from .._rootdir import check_local_url
 from ..ranks import seconds
 from ..ranks.agree import any_rank
@@ -99,6 +99,11 @@ class CheckpointManager:
         with another world size; a state without tensors (numpy, JSON) goes to the store directly.
         ``True``: every state through DCP (needs torch). ``False``: never (tensors are saved whole per
         rank; DTensors are rejected). Restores read each step in the format it was saved in.
+    overlap:
+        With asynchronous checkpointing, the optimizer (or a list of them) whose parameters and state
+        may still be copying from GPU memory when ``save`` returns: each optimizer's next ``step()`` waits
+        for those copies first (a step pre-hook). Everything else is copied before ``save`` returns.
+        ``store.copies`` is the handle to wait on. See the GPU guide.
     **store_options:
         Passed to ``TieredStore`` (``max_in_flight``, ``when_busy``, ``background_bandwidth``,
         ``exit_timeout``, ...).
@@ -116,10 +121,12 @@ class CheckpointManager:
                  storage_options: Mapping[str, Any] | None = None,
                  restore_policy: RestorePolicy | None = None, handle_sigterm: bool = False,
                  sigterm_grace: float | datetime.timedelta = DEFAULT_SIGTERM_GRACE,
-                 use_dcp: bool | None = None, **store_options: Any) -> None:
+                 use_dcp: bool | None = None, overlap: Any = None, **store_options: Any) -> None:
         if use_dcp is not None and type(use_dcp) is not bool:
             raise ArgumentError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
         self.use_dcp = use_dcp
+        _device.Overlap.of(overlap)  # (an ArgumentError now, not at the first save)
+        self.overlap = overlap
         self.options = _args.instance(options or CheckpointManagerOptions(), "options", CheckpointManagerOptions,
                                       "a CheckpointManagerOptions")
         if (tiers is None) == (directory is None):
@@ -212,7 +219,7 @@ class CheckpointManager:
             overwrite = True
         if preempted and not force and not self.store.should_save(step, preempted=True):
             force = True  # no tier names a preemption policy: save everywhere
-        return self.store.save(step, state, metrics=metrics, force=force, overwrite=overwrite,
+        return self.store.save(step, state, metrics=metrics, force=force, overwrite=overwrite, overlap=self.overlap,
                                preempted=preempted, blocking=not self.options.enable_async_checkpointing)
 
     def _through_dcp(self, state: Mapping[str, Any]) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import _hooks, state as st
+from .. import _device, _hooks, state as st
 from ..errors import ArgumentError
 from ..format import Entry, Manifest, entry_name_problem, shown_name, user_key
 from .dataparallel import Sharing, place
@@ -141,7 +141,7 @@ class ShardLayout:
             if why is not None:
                 raise ArgumentError(f"state key {shown_name(n)} cannot be saved: {why}; rename it")
         kinds = [s[0] for s in signature]
-        leaves = [st.to_leaf(n, v) for n, v in zip(names, values)]
+        leaves = [st.to_leaf(n, v, data=False) for n, v in zip(names, values)]  # (a device tensor stays there)
         kinds = [JSON if lf.kind == "json" else k for k, lf in zip(kinds, leaves)]
         arrays = [i for i, lf in enumerate(leaves) if lf.kind == "array"]
         if callable(sharing):  # declared by the user: worked out from the leaves
@@ -202,16 +202,21 @@ class ShardLayout:
             if st.is_tensor(values[i]):
                 st.check_tensor(self.names[i], values[i], user_key(self.names[i], dcp))
 
-    def copy(self, values: Sequence[Any], dst: list[Any]) -> None:
-        """Copy every array leaf of ``values`` (a state of this structure) into its view."""
+    def copy(self, values: Sequence[Any], dst: list[Any], step: int = 0, overlap: Any = None,
+             buffers: Sequence[tuple[Any, np.ndarray]] = ()) -> Any:
+        """Copy every array leaf of ``values`` (a state of this structure) into its view. CPU tensors and
+        arrays are copied here; CUDA tensors (and with ``overlap``, a :class:`tierfs._device.Overlap`, the CPU
+        tensors it names) on the copy thread: their :class:`~tierfs._device.Copies`, queued, is returned
+        (None when there are none). ``buffers``: the mapped buffers and memos the views are of."""
         kinds = self.kinds
-        tsrc, tdst = [], []
+        tsrc, tdst, tj = [], [], []
         for j, i in enumerate(self.arrays):
             k, v, d = kinds[i], values[i], dst[j]
             if k == TORCH:
                 if not isinstance(d, np.ndarray):  # (an empty tensor has a uint8 view: nothing to copy)
                     tsrc.append(v)
                     tdst.append(d)
+                    tj.append(j)
             elif k == NUMPY:
                 if v.size:
                     np.copyto(d, v)
@@ -219,6 +224,14 @@ class ShardLayout:
                 data = st.to_leaf(self.names[i], v).data
                 assert data is not None
                 np.copyto(d, data)
+        copies = None
+        if tdst and (overlap is not None or any(t.device.type != "cpu" for t in tsrc)):
+            copies, here = _device.plan(step, [self.names[i] for i in self.arrays], list(zip(tj, tsrc, tdst)),
+                                        overlap, buffers)
+            if copies is not None:
+                keep = set(here)
+                tsrc = [v for j, v in zip(tj, tsrc) if j in keep]
+                tdst = [d for j, d in zip(tj, tdst) if j in keep]
         if tdst:
             torch = sys.modules["torch"]
             with torch.no_grad():
@@ -228,6 +241,9 @@ class ShardLayout:
                         d.copy_(v)
                 else:
                     torch._foreach_copy_(tdst, tsrc)
+        if copies is not None:  # last: nothing after this may fail while they write into the buffers
+            _device.start(copies, overlap.optimizers if overlap is not None else ())
+        return copies
 
     def manifest(self, step: int, rank: int, world_size: int, block_size: int, values: Mapping[int, Any],
                  metadata: dict[str, Any], metrics: dict[str, Any]) -> Manifest:

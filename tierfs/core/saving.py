@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args, _blocks, _nogc, _readable, state as st
+from .. import _args, _blocks, _device, _nogc, _readable, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
@@ -53,6 +53,7 @@ class Staged:
     buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
     tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
     commit: str | None = None  # the save's id (in its marker and manifest)
+    copies: Any = None  # the copies still running on the copy thread (tierfs._device.Copies), or None
 
     def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
         """The manifest (built off the caller's thread), without checksums."""
@@ -69,6 +70,7 @@ class SavePath:
         self.ctx, self.retention = ctx, retention
         # the structures saved most recently, newest first, with the replicated= declaration of each
         self._layouts: list[tuple[ShardLayout, Any]] = []
+        self.copies: Any = None  # the newest save's copies on the copy thread (tierfs._device.Copies)
 
     # -- choosing the tiers -------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
@@ -94,12 +96,14 @@ class SavePath:
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
-             max_in_flight: int, when_busy: str, timeout: Any = None, replicated: Any = None) -> bool:
+             max_in_flight: int, when_busy: str, timeout: Any = None, replicated: Any = None,
+             overlap: Any = None) -> bool:
         p = self.ctx
         mine, failure, wait = None, None, None
         try:  # this rank's view; every rank hears of a failure here before any of them goes on
             # the arguments first: a bad one (a leaf of the state too) fails before anything is replaced
             step, wait = _args.step(step), None if timeout is None else seconds(timeout)
+            overlap = _device.Overlap.of(overlap)
             force, overwrite, preempted, blocking = (_args.flag(v, k) for k, v in (
                 ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
             with _nogc.paused():
@@ -143,7 +147,7 @@ class SavePath:
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
             with stage("staging", step, first.name), _nogc.paused():
-                staged = self._stage(step, layout, values, metadata, metrics)
+                staged = self._stage(step, layout, values, metadata, metrics, overlap)
             staged.tiers, staged.commit = [t.name for t in chosen], commit_id
         except BaseException as e:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
@@ -159,6 +163,9 @@ class SavePath:
         slow = [t for t in chosen if t is not first]
         if not blocking:
             p.work.commits.submit(lambda: self._commit(staged, slow, commit_group))
+            if staged.copies is not None:  # the loop may change its tensors once this returns
+                with stage("device copy", step, first.name):
+                    staged.copies.wait_first() if overlap is not None else staged.copies.wait()
         elif p.group.world_size == 1:
             self._commit(staged, slow, commit_group, p.threads)
         else:  # commits of all ranks go through the commit worker, in order
@@ -176,6 +183,7 @@ class SavePath:
             done.wait()
             if failed:
                 raise failed[0]
+        self.copies = staged.copies
         return True
 
     def _supersede(self, step: int, stale: list[int], restored: int | None) -> None:
@@ -213,20 +221,22 @@ class SavePath:
         return lay
 
     def _stage(self, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
-               metrics: Mapping[str, Any] | None) -> Staged:
-        """Copy the arrays into the first tier's buffers, through the layout's views of them."""
+               metrics: Mapping[str, Any] | None, overlap: Any = None) -> Staged:
+        """Copy the arrays into the first tier's buffers, through the layout's views of them (a device's
+        tensors and an overlapped save's are copied on the copy thread: see :mod:`tierfs._device`)."""
         p, first = self.ctx, self.ctx.first
         bufs = p.staging.buffers(step, layout.files)  # raises CapacityError before anything is written
         try:
-            dst, raw = layout.views(bufs, {f: p.staging.buffer_memo(step, f) for f in layout.files})
-            layout.copy(values, dst)
+            memos = {f: p.staging.buffer_memo(step, f) for f in layout.files}
+            dst, raw = layout.views(bufs, memos)
+            copies = layout.copy(values, dst, step, overlap, [(memos[f], bufs[f]) for f in layout.files])
         except BaseException as e:
             p.staging.discard(step)
             if isinstance(e, (RuntimeError, NotImplementedError)):  # a tensor without values, named
                 layout.check_tensors(values, DCP_SHARD_KEY in (metadata or {}))
             raise
         return Staged(layout, step, {i: values[i] for i in layout.json}, dict(metadata or {}), dict(metrics or {}),
-                      raw)
+                      raw, copies=copies)
 
     def _commit(self, staged: Staged, slow: list[AnyTier], group: Group, threads: int | None = 1) -> None:
         """Checksums (on ``threads``: one leaves training a core), manifest, marker, agreed over ``group``
@@ -243,9 +253,13 @@ class SavePath:
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)
                     arrays = [manifest.entries[i] for i in staged.layout.arrays]  # as the buffers are
                     with stage("checksum", step, first.name):
-                        crcs = _blocks.run([_blocks.Job(e.name, buf, None, p.block_size)
-                                          for e, buf in zip(arrays, staged.buffers)],
+                        ready = staged.copies.ready if staged.copies is not None else (lambda j: None)
+                        # each entry's checksum starts once its own copy is done
+                        crcs = _blocks.run([_blocks.Job(e.name, buf, None, p.block_size, ready=ready(j))
+                                          for j, (e, buf) in enumerate(zip(arrays, staged.buffers))],
                                          threads)
+                        if staged.copies is not None:
+                            staged.copies.wait()
                     for e, c in zip(arrays, crcs):
                         e.crc32c = c
                     with stage("manifest", step, first.name):
@@ -261,6 +275,7 @@ class SavePath:
                     vote.maxes = [int(bool(held))]
                     vote.sums = [manifest.nbytes, *manifest_digest(rank, crc32c(mbytes))]
                 except BaseException:
+                    _settle(staged)
                     p.staging.discard(step)
                     raise
             if vote.max[0]:  # on every rank alike: all raise, or none
@@ -270,6 +285,7 @@ class SavePath:
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
+            _settle(staged)
             p.staging.discard(step)
             p.ledger.abandon(step)
             raise
@@ -377,3 +393,13 @@ class SavePath:
         log.info("step %d replicated to peers: %s sent in %s", step, _readable.Bytes(nbytes),
                  _readable.Seconds(time.perf_counter() - t0))
         return True
+
+
+def _settle(staged: Staged) -> None:
+    """Wait for a staged step's copies to end (failed or not) before its buffers go: no copy may write into
+    a buffer that is unmapped or given to another step."""
+    if staged.copies is not None:
+        try:
+            staged.copies.wait()
+        except BaseException:  # noqa: BLE001 - the caller raises its own error
+            pass

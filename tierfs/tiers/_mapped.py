@@ -11,12 +11,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import itertools
+import logging
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+
+log = logging.getLogger("tierfs")
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
@@ -57,6 +60,28 @@ def no_space(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+class Memo(dict):  # type: ignore[type-arg]
+    """A mapped buffer's memo (:meth:`~tierfs.tiers.capabilities.Staging.buffer_memo`): what the store works
+    out about the buffer (typed views of it), and in :attr:`held` what is tied to its pages (a page-lock),
+    each a function that lets it go, called by :meth:`release` before the mapping is unmapped."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, Callable[[], None]] = {}
+
+    def release(self) -> None:
+        """Let go of everything held, then forget the views."""
+        held, self.held = self.held, {}
+        for name, fn in held.items():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the mapping goes anyway
+                log.warning("tierfs: releasing %s of a mapped buffer failed: %s", name, e)
+        self.clear()
+
+
 class MappedFile:
     """A file and its mapping (None for an empty file)."""
 
@@ -65,7 +90,7 @@ class MappedFile:
     def __init__(self, path: Path, size: int, mm: mmap.mmap | None, writable: bool, ino: int = 0) -> None:
         self.path, self.size, self.mm, self.writable, self.exported = path, size, mm, writable, False
         self.ino = ino  # the file's inode: a view handed to the user maps this file, not one put in its place
-        self.memo: dict[Any, Any] = {}  # the store's views of this mapping (Tier.buffer_memo), dropped with it
+        self.memo = Memo()  # the store's views of this mapping (Tier.buffer_memo), dropped with it
 
     def array(self) -> np.ndarray:
         if self.mm is None:
@@ -78,7 +103,7 @@ class MappedFile:
         return self.writable and not self.exported
 
     def close(self) -> None:
-        self.memo.clear()  # views of the mapping: without them it can be unmapped now
+        self.memo.release()  # page-locks and views of the mapping: without them it can be unmapped now
         if self.mm is not None:
             try:
                 self.mm.close()

@@ -152,10 +152,10 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
             entries.update((DCP_EXTRA_PREFIX + k, v) for k, v in extra.items())
         return store.save(step, entries, metadata=cast(Mapping[str, Any], plan.metadata), metrics=metrics,
                           force=force, overwrite=exists, preempted=preempted, blocking=blocking,
-                          replicated=plan.sharing)
+                          replicated=plan.sharing, overlap=mgr.overlap)
     mgr._dcp_plan = None
     writer = TieredWriter(store, step, overwrite=exists, force=force, preempted=preempted,
-                          metrics=metrics, blocking=blocking, extra=extra)
+                          metrics=metrics, blocking=blocking, extra=extra, overlap=mgr.overlap)
     ts.run_dcp(dcp.save, tensors, storage_writer=writer, process_group=g.process_group)
     if writer.saved and shape is not None and writer.written is not None:
         mgr._dcp_plan = Plan(shape, [(name, fqn, type(flat[fqn]).__name__ == "DTensor")

@@ -87,8 +87,9 @@ class TieredWriter(StorageWriter):
     def __init__(self, store: TieredStore, step: int, *, overwrite: bool = False, force: bool = True,
                  preempted: bool = False, metrics: Mapping[str, Any] | None = None, blocking: bool = True,
                  extra: Mapping[str, Any] | None = None, replicated: str = "local",
-                 timeout: float | datetime.timedelta | None = None) -> None:
+                 timeout: float | datetime.timedelta | None = None, overlap: Any = None) -> None:
         super().__init__()
+        self.overlap = overlap  # store.save's: the optimizers (or tensors) whose copies may run on
         self.store = _args.instance(store, "TieredWriter store", TieredStore, "a TieredStore")
         self.step = _args.step(step)
         self.timeout = None if timeout is None else seconds(timeout)
@@ -218,7 +219,7 @@ class TieredWriter(StorageWriter):
         # collective over the store's ranks: the marker is written once every rank's shard is
         self.saved = self.store.save(self.step, state, metadata=meta, metrics=self.metrics, force=self.force,
                                      overwrite=self.overwrite, preempted=self.preempted, blocking=self.blocking,
-                                     timeout=self.timeout, replicated=self.sharing)
+                                     timeout=self.timeout, replicated=self.sharing, overlap=self.overlap)
         return done(results)
 
     def _metadata_of_plans(self, planner: SavePlanner) -> None:
@@ -266,9 +267,7 @@ class TieredWriter(StorageWriter):
             else:
                 assert isinstance(data, torch.Tensor)
                 st.check_tensor(item.index.fqn, data)  # (a meta or sparse tensor DCP passed on)
-                value = data.detach()
-                if value.device.type != "cpu":
-                    value = value.cpu()
+                value = data.detach()  # (a GPU tensor is copied once, straight into the RAM tier's pages)
                 size = value.numel() * value.element_size()
                 td = item.tensor_data
                 if check and td is not None and td.properties.dtype != value.dtype and (

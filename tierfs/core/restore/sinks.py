@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ... import _blocks, _hooks, _nogc, state as st
+from ... import _blocks, _device, _hooks, _nogc, state as st
 from ...errors import StateMismatchError, TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands
@@ -75,6 +75,10 @@ class Sink:
         """A tensor that takes ``e`` with one ``copy_`` after verification (see :class:`InPlace`), or None."""
         return None
 
+    def device_target(self, e: Entry) -> Any:
+        """A contiguous CUDA tensor that takes ``e``'s bytes block by block as they are verified, or None."""
+        return None
+
     def land(self, e: Entry) -> np.ndarray | None:
         """A writable uint8 array of ``e``'s length that a peer's bytes of ``e`` may be received straight
         into (after :meth:`check`), or None. The entry's value is then in place once :meth:`took` is called."""
@@ -109,18 +113,26 @@ class NewArrays(Sink):
     raises (numpy's ValueError, a TierfsError for torch) and never reaches the tier's file (the views map
     it copy-on-write), and the tier never reuses the file while a view lives (:meth:`Tier.export`)."""
 
-    def __init__(self, zero_copy: bool = False) -> None:
+    def __init__(self, zero_copy: bool = False, device: Any = None) -> None:
         super().__init__()
         self.zero_copy = zero_copy
+        self.device = device  # a CUDA torch.device new tensors are made on, or None
         self._landing: dict[str, Any] = {}
         self._manifest: Manifest | None = None
+
+    def device_target(self, e: Entry) -> Any:
+        if self.device is None or e.lib != "torch" or (self.wanted is not None and e.name not in self.wanted):
+            return None
+        torch = sys.modules["torch"]
+        t = self.values[e.name] = torch.empty(tuple(e.shape), dtype=getattr(torch, e.dtype), device=self.device)
+        return t
 
     def check(self, manifest: Manifest) -> None:
         super().check(manifest)
         self._manifest = manifest  # (messages name the user's keys)
 
     def land(self, e: Entry) -> np.ndarray | None:
-        if self.wanted is not None and e.name not in self.wanted:
+        if (self.wanted is not None and e.name not in self.wanted) or (self.device is not None and e.lib == "torch"):
             return None
         obj, raw = st.allocate(e.lib, e.dtype, e.shape)
         self._landing[e.name] = obj
@@ -199,6 +211,16 @@ class InPlace(Sink):
         if e.name not in self.index:
             return None
         return st.target_view(e.name, self.targets[self.index[e.name]], e.lib, e.dtype, e.shape)
+
+    def device_target(self, e: Entry) -> Any:
+        i = self.index.get(e.name)
+        if i is None:
+            return None
+        t = self.targets[i]
+        if not (st.is_tensor(t) and t.device.type == "cuda" and t.is_contiguous()):
+            return None
+        st.check_target(repr(e.name), t, e.lib, e.dtype, e.shape)
+        return t
 
     def copy_direct(self, targets: list[Any], sources: list[Any]) -> None:
         self._direct[0].extend(targets)
@@ -355,6 +377,7 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
     sources: list[Any] = []
     small: list[tuple[Entry, np.ndarray]] = []
     memos: dict[str, dict[Any, Any] | None] = {}
+    upload: _device.Upload | None = None
     wanted = sink.wanted
     entries = manifest.entries
     if wanted is not None and len(wanted) * 4 < len(entries):  # a few entries of many: look them up
@@ -367,6 +390,13 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
             continue
         if e.name in landed:  # received straight into its array, every block checked as it landed
             sink.took(e)
+            continue
+        on_device = sink.device_target(e)
+        if on_device is not None:  # each block copied to the device as soon as it is verified
+            if e.length:
+                if upload is None:
+                    upload = _device.Upload()
+                jobs.append(upload.job(e, raw[e.file], on_device, manifest, verified, _memo(tier, step, e.file)))
             continue
         target = sink.direct(e)
         if target is not None:  # verified first, copied with the others after
@@ -389,7 +419,16 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
         _blocks.verify_small([_blocks.Job(e.name, src, None, manifest.block_size, e.crc32c,
                                       functools.partial(manifest.key, e.name)) for e, src in small]
                            if _hooks.active("block") else small, manifest)
-    _blocks.run(jobs, threads, checksum=not verified)
+    try:
+        _blocks.run(jobs, threads, checksum=not verified)
+    finally:
+        if upload is not None:  # before the source's mapping may go, and before the targets are used
+            upload.finish()
     if targets:
         sink.copy_direct(targets, sources)
     sink.finish()
+
+
+def _memo(tier: Tier | None, step: int, name: str) -> Any:
+    """The memo of ``tier``'s mapping of file ``name`` (where a page-lock of it is kept), or None."""
+    return tier.buffer_memo(step, name) if isinstance(tier, Staging) else None

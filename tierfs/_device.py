@@ -1,0 +1,440 @@
+"""Copies between accelerator memory and the RAM tier's pages, with no host buffer in between.
+
+**Save.** Each CUDA tensor is copied device-to-host straight into its view of the tier's mapped buffer
+(:meth:`~tierfs.core.layout.ShardLayout.views`), ``non_blocking``, on a side stream of its device that
+first waits on the stream that produced the tensor. The copies are issued by one copy thread per process,
+in chunks of about :data:`CHUNK` bytes, each followed by a CUDA event: the checksum of a tensor starts as
+soon as its own chunk is copied (:meth:`Copies.ready`), not after the last copy. Before its first copy, a
+mapped buffer is page-locked (``cudaHostRegister`` through ``torch.cuda.cudart()``, portable to every
+device) and it stays registered while the tier reuses it; the registration is released just before the
+mapping is unmapped (:class:`~tierfs.tiers.capabilities.Memo`). Should registration fail (the driver, a
+container's limits), the process warns once and copies into pageable pages instead: correct, slower.
+``TIERFS_PIN=0`` turns page-locking off.
+
+**Overlap.** ``save(..., overlap=...)`` names the tensors that only an optimizer step changes (the
+parameters and the optimizers' state): their copies may still be running when ``save`` returns, and every
+other tensor (a BatchNorm's statistics, which forward changes) is copied first and waited for. The handle
+(:class:`Copies`) is what a loop waits on before it changes them; an optimizer named in ``overlap`` waits
+on it in a step pre-hook. CPU tensors named so are copied by the copy thread too.
+
+**Restore.** :func:`upload` copies verified blocks host-to-device: each block of a source is checked and
+its copy issued (``non_blocking`` from the page-locked mapping) while the next block is checked.
+
+Nothing here touches CUDA unless a tensor is on a CUDA device: importing tierfs initialises no CUDA state.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import resource
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import ArgumentError, DeviceError
+
+log = logging.getLogger("tierfs")
+
+#: bytes of small tensors copied between two CUDA events (a tensor at least this large gets its own)
+CHUNK = 1 << 20
+_PIN_KEY = "page-locked"
+_REGISTER_PORTABLE, _REGISTER_READ_ONLY = 1, 8
+_pin_off: str | None = None  # why page-locking is off in this process (TIERFS_PIN=0, or a failed registration)
+_pinned = [0]  # bytes registered now, in this process
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]
+
+
+def on_cuda(t: Any) -> bool:
+    """Whether tensor ``t`` is in CUDA memory (read from the tensor: initialises no CUDA state)."""
+    return t.device.type == "cuda"
+
+
+def pinned_bytes() -> int:
+    """Bytes of the RAM tier's buffers page-locked by this process (already counted in the tier's budget)."""
+    return _pinned[0]
+
+
+# -- page-locking ---------------------------------------------------------------------------------------
+def pin(memo: Any, buf: np.ndarray) -> bool:
+    """Page-lock ``buf`` (a whole mapped buffer) once; ``memo`` (its :class:`~tierfs.tiers.capabilities.Memo`)
+    holds the registration until the mapping goes. False when it is not page-locked (then copies still
+    work, at pageable speed)."""
+    global _pin_off
+    if buf.size == 0 or memo is None or not hasattr(memo, "held"):
+        return False
+    if _PIN_KEY in memo.held:
+        return True
+    if _pin_off is None and os.environ.get("TIERFS_PIN", "1") == "0":
+        _pin_off = "TIERFS_PIN=0"
+    if _pin_off is not None:
+        return False
+    from . import _hooks
+
+    ptr, n = buf.ctypes.data, buf.nbytes
+    flags = _REGISTER_PORTABLE | (0 if buf.flags.writeable else _REGISTER_READ_ONLY)
+    try:
+        _hooks.at("pin", nbytes=n)  # a test makes registration fail here
+        err = int(_torch().cuda.cudart().cudaHostRegister(ptr, n, flags))
+    except Exception as e:  # noqa: BLE001 - any failure is the documented fallback
+        err, why = -1, f"{type(e).__name__}: {e}"
+    else:
+        why = f"cudaError {err}"
+    if err != 0:
+        _clear_cuda_error()
+        _pin_off = why
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        log.warning("tierfs: could not page-lock %d bytes of the RAM tier for device copies (%s; RLIMIT_MEMLOCK "
+                    "is %s): copying through pageable memory instead, which is slower. To fix: raise the locked-memory "
+                    "limit (ulimit -l unlimited; docker --ulimit memlock=-1) and check the CUDA driver; "
+                    "TIERFS_PIN=0 skips page-locking without this warning", n, why, limit)
+        return False
+
+    def release(ptr: int = ptr, n: int = n) -> None:
+        _pinned[0] -= n
+        err = int(_torch().cuda.cudart().cudaHostUnregister(ptr))
+        if err != 0:
+            _clear_cuda_error()
+            log.warning("tierfs: could not release the page-lock of %d bytes (cudaError %d)", n, err)
+
+    memo.held[_PIN_KEY] = release
+    _pinned[0] += n
+    return True
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error on this thread, so a failed registration is not reported by a later launch."""
+    fn = getattr(_torch().cuda.cudart(), "cudaGetLastError", None)
+    if fn is not None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - nothing more to do
+            pass
+
+
+# -- what an overlapped save may leave running ----------------------------------------------------------
+def storage_of(t: Any) -> int:
+    """The address of tensor ``t``'s storage (a DTensor's local shard's)."""
+    local = getattr(t, "_local_tensor", None)
+    return int((local if local is not None else t).untyped_storage().data_ptr())
+
+
+@dataclass
+class Overlap:
+    """What ``save(..., overlap=...)`` names: the optimizers (a step pre-hook waits for the copies) and the
+    storages of the tensors whose copies may run on after ``save`` returns."""
+
+    optimizers: list[Any]
+    storages: set[int]
+
+    @classmethod
+    def of(cls, overlap: Any) -> "Overlap | None":
+        """``None``/``False``: no overlap. An optimizer, a list of them, or tensors (``model.parameters()``)."""
+        if overlap is None or overlap is False:
+            return None
+        torch = sys.modules.get("torch")
+        if overlap is True or torch is None:
+            raise ArgumentError("overlap= names what only the optimizer step changes: an optimizer, a list of "
+                                "optimizers, or the parameters (model.parameters()); got " + repr(overlap)[:60])
+        items = [overlap] if isinstance(overlap, torch.optim.Optimizer) else list(overlap)
+        optimizers: list[Any] = []
+        storages: set[int] = set()
+        for x in items:
+            if isinstance(x, torch.optim.Optimizer):
+                optimizers.append(x)
+                for g in x.param_groups:
+                    storages.update(storage_of(p) for p in g["params"])
+                for s in x.state.values():
+                    storages.update(storage_of(v) for v in s.values() if isinstance(v, torch.Tensor))
+            elif isinstance(x, torch.Tensor):
+                storages.add(storage_of(x))
+            else:
+                raise ArgumentError(f"overlap= takes optimizers or tensors, got a {type(x).__name__}")
+        return cls(optimizers, storages)
+
+    def later(self, value: Any) -> bool:
+        """Whether the copy of ``value`` may still run when ``save`` returns."""
+        return storage_of(value) in self.storages
+
+
+# -- save: device to host -------------------------------------------------------------------------------
+@dataclass
+class _Chunk:
+    device: Any  # a torch.device, or None: CPU tensors (an overlapped save's)
+    later: bool
+    names: list[str] = field(default_factory=list)
+    js: list[int] = field(default_factory=list)  # the layout's array indices
+    dst: list[Any] = field(default_factory=list)
+    src: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    event: Any = None
+    issued: threading.Event = field(default_factory=threading.Event)
+
+
+class Copies:
+    """The copies of one save that run on the copy thread: a handle to wait on (``store.copies``).
+
+    :meth:`wait` returns once every copy is complete (it raises :class:`~tierfs.errors.DeviceError` if one
+    failed); :meth:`done` says whether they are, without waiting.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._chunks: list[_Chunk] = []
+        self._of: dict[int, int] = {}  # array index (the layout's) -> chunk
+        self._error: BaseException | None = None
+        self._buffers: list[tuple[Any, np.ndarray]] = []
+        self._producers: list[tuple[Any, Any]] = []
+        self._finished = threading.Event()
+        self._hooks: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"Copies(step={self.step}, done={self.done()})"
+
+    def done(self) -> bool:
+        """Whether every copy of the save is complete (or failed)."""
+        if self._finished.is_set():
+            return True
+        if not all(c.issued.is_set() for c in self._chunks):
+            return False
+        if all(c.event is None or c.event.query() for c in self._chunks):
+            self._finish()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Wait until every copy of the save is complete; raise DeviceError if one failed."""
+        if not self._finished.is_set():
+            self._wait([c for c in self._chunks])
+            self._finish()
+        self._raise()
+
+    def wait_first(self) -> None:
+        """Wait for the copies that ``save`` waits for in an overlapped save (all but the ``later`` ones)."""
+        self._wait([c for c in self._chunks if not c.later])
+        self._raise()
+
+    def ready(self, j: int) -> Callable[[], None] | None:
+        """A function that waits for array ``j``'s copy (None when it was copied on the caller's thread)."""
+        k = self._of.get(j)
+        if k is None:
+            return None
+        chunk = self._chunks[k]
+
+        def wait() -> None:
+            self._wait([chunk])
+            self._raise()
+        return wait
+
+    def _wait(self, chunks: Sequence[_Chunk]) -> None:
+        last: dict[Any, Any] = {}
+        for c in chunks:
+            c.issued.wait()
+            if c.event is not None:
+                last[c.device] = c.event  # events of one stream complete in order: the last one suffices
+        for ev in last.values():
+            ev.synchronize()
+
+    def _finish(self) -> None:
+        for c in self._chunks:  # the tensors may go: their copies are done
+            c.src.clear()
+            c.dst.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._finished.set()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def plan(step: int, names: Sequence[str], items: Sequence[tuple[int, Any, Any]], overlap: Overlap | None,
+         buffers: Sequence[tuple[Any, np.ndarray]]) -> tuple[Copies | None, list[int]]:
+    """Sort a save's tensor copies ``(array index, source, destination view)``: those that run on the copy
+    thread (CUDA tensors, and with ``overlap`` the CPU tensors it names) go into a :class:`Copies`; the
+    indices of the others (CPU tensors, copied by the caller) come back. ``buffers``: the mapped buffers
+    (with their memos) the destinations view, page-locked before the first CUDA copy."""
+    chunks: list[_Chunk] = []
+    here: list[int] = []
+    current: dict[tuple[Any, bool], _Chunk] = {}
+    for j, src, dst in items:
+        cuda = on_cuda(src)
+        later = overlap is not None and overlap.later(src)
+        if not cuda and not later:
+            here.append(j)
+            continue
+        key = (src.device if cuda else None, later)
+        chunk = current.get(key)
+        if chunk is None or chunk.nbytes >= CHUNK or (chunk.nbytes and dst.nbytes >= CHUNK):
+            chunk = current[key] = _Chunk(key[0], later)
+            chunks.append(chunk)
+        chunk.names.append(names[j])
+        chunk.js.append(j)
+        chunk.src.append(src)
+        chunk.dst.append(dst)
+        chunk.nbytes += dst.nbytes
+    if not chunks:
+        return None, here
+    copies = Copies(step)
+    copies._chunks = sorted(chunks, key=lambda c: c.later)  # what save waits for, first
+    copies._of = {j: k for k, c in enumerate(copies._chunks) for j in c.js}
+    if any(c.device is not None for c in chunks):
+        copies._buffers = list(buffers)
+    return copies, here
+
+
+def start(copies: Copies, optimizers: Sequence[Any] = ()) -> None:
+    """Queue the copies on the copy thread, after noting (on the caller's thread) where each device's
+    tensors are produced; ``optimizers`` wait for them in a step pre-hook (removed once they are done)."""
+    torch = _torch()
+    for d in dict.fromkeys(c.device for c in copies._chunks if c.device is not None):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(d))
+        copies._producers.append((d, ev))
+    for opt in optimizers:
+        copies._hooks.append(opt.register_step_pre_hook(lambda *_: copies.wait()))
+    _queue().put(copies)
+
+
+_jobs: "queue.SimpleQueue[Copies] | None" = None
+_jobs_lock = threading.Lock()
+_streams: dict[Any, Any] = {}
+
+
+def _queue() -> "queue.SimpleQueue[Copies]":
+    global _jobs
+    with _jobs_lock:
+        if _jobs is None:
+            _jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_jobs,), name="tierfs-device-copy", daemon=True).start()
+        return _jobs
+
+
+def _serve(jobs: "queue.SimpleQueue[Copies]") -> None:
+    while True:
+        copies = jobs.get()
+        try:
+            _issue(copies)
+        except BaseException as e:  # noqa: BLE001 - raised by whoever waits
+            copies._error = e if isinstance(e, DeviceError) else DeviceError(
+                f"step {copies.step}: copying the state from the device failed ({type(e).__name__}: {e})")
+        finally:
+            for c in copies._chunks:
+                c.issued.set()
+
+
+def side_stream(device: Any) -> Any:
+    """This process's copy stream on ``device`` (made once)."""
+    s = _streams.get(device)
+    if s is None:
+        torch = _torch()
+        with torch.cuda.device(device):
+            s = _streams[device] = torch.cuda.Stream()
+    return s
+
+
+def _issue(copies: Copies) -> None:
+    torch = _torch()
+    for memo, buf in copies._buffers:
+        pin(memo, buf)
+    for d, ev in copies._producers:
+        side_stream(d).wait_event(ev)
+    with torch.no_grad():
+        for c in copies._chunks:
+            if c.device is None:  # an overlapped save's CPU tensors
+                torch._foreach_copy_(c.dst, c.src)
+                c.issued.set()
+                continue
+            stream = side_stream(c.device)
+            with torch.cuda.device(c.device), torch.cuda.stream(stream):
+                for name, d, s in zip(c.names, c.dst, c.src):
+                    try:
+                        d.copy_(s, non_blocking=True)
+                    except torch.OutOfMemoryError:
+                        raise DeviceError(
+                            f"step {copies.step}: {name!r} is not contiguous, and copying it to the host needs "
+                            f"{d.nbytes} bytes of free memory on {c.device}, which it lacks: free that much "
+                            "device memory, or save it .contiguous()") from None
+                c.event = torch.cuda.Event()
+                c.event.record(stream)
+            c.issued.set()
+
+
+# -- restore: host to device ----------------------------------------------------------------------------
+def device_of(device: Any) -> Any:
+    """``device`` (a string or torch.device) as a torch.device a restore can allocate on, or ArgumentError."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ArgumentError(f"device={device!r} is not a torch device ({e}); e.g. 'cuda:0' or 'cpu'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError(f"device={device!r}: this process sees no CUDA device; restore to 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ArgumentError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+class Upload:
+    """The host-to-device copies of one restore: :meth:`block` issues the copy of a verified block (on the
+    checking thread, so the next block is checked while this one copies); :meth:`finish` waits for all."""
+
+    def __init__(self) -> None:
+        self._streams: dict[Any, Any] = {}
+        self._producers_done = False
+        self._lock = threading.Lock()
+
+    def _stream(self, device: Any) -> Any:
+        s = self._streams.get(device)
+        if s is None:
+            with self._lock:
+                s = self._streams.get(device)
+                if s is None:
+                    torch = _torch()
+                    s = side_stream(device)
+                    s.wait_stream(torch.cuda.current_stream(device))  # after what the loop queued on the target
+                    self._streams[device] = s
+        return s
+
+    def job(self, e: Any, file: np.ndarray, target: Any, manifest: Any, verified: bool, memo: Any) -> Any:
+        """The :class:`tierfs._blocks.Job` that verifies entry ``e`` (of ``manifest``) in ``file`` (its
+        mapped bytes; page-locked once, through ``memo``) and copies each block into ``target``."""
+        from . import _blocks
+
+        torch = _torch()
+        pin(memo, file)
+        src = file[e.offset:e.offset + e.length]
+        with warnings.catch_warnings():  # a read-only mapping: only read
+            warnings.simplefilter("ignore", UserWarning)
+            host = torch.from_numpy(src)
+        dst = target.detach().reshape(-1).view(torch.uint8)
+        return _blocks.Job(e.name, src, None, manifest.block_size, None if verified else e.crc32c,
+                           functools.partial(manifest.key, e.name), then=functools.partial(self.block, dst, host))
+
+    def block(self, dst: Any, host: Any, s: int, e: int) -> None:
+        """Copy bytes ``s:e`` of ``host`` (verified) into the same bytes of ``dst`` (a device tensor's)."""
+        torch = _torch()
+        stream = self._stream(dst.device)
+        with torch.cuda.device(dst.device), torch.cuda.stream(stream):
+            dst[s:e].copy_(host[s:e], non_blocking=True)
+
+    def finish(self) -> None:
+        """Wait for every copy, then have each device's current stream wait for them too."""
+        torch = _torch()
+        for d, s in self._streams.items():
+            s.synchronize()
+            torch.cuda.current_stream(d).wait_stream(s)
+        self._streams.clear()
