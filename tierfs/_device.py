@@ -345,6 +345,8 @@ def side_stream(device: Any) -> Any:
 
 
 def _issue(copies: Copies) -> None:
+    from . import _hooks
+
     torch = _torch()
     for memo, buf in copies._buffers:
         pin(memo, buf)
@@ -352,6 +354,7 @@ def _issue(copies: Copies) -> None:
         side_stream(d).wait_event(ev)
     with torch.no_grad():
         for c in copies._chunks:
+            _hooks.at("copy", step=copies.step, nbytes=c.nbytes, later=c.later)
             if c.device is None:  # an overlapped save's CPU tensors
                 torch._foreach_copy_(c.dst, c.src)
                 c.issued.set()

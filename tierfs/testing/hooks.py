@@ -16,6 +16,13 @@ Points (keyword arguments passed):
     ``read``, ``fetch``, ``receive``, ``localize``, ``reseed``, ``retention``, ``open``). A hook that raises fails that
     stage on this rank, as a real failure there would: fault tests use it to check that every rank hears
     of it, naming the rank and the stage, and that the store stays usable.
+``copy`` (``step``, ``nbytes``, ``later``)
+    On tierfs's copy thread, before each chunk of a save's copies that run there (tensors on a GPU, and
+    an overlapped save's); ``later``: the chunk may still be copying when ``save`` returns. A hook that
+    waits holds those copies back (a test of what waits for them).
+``pin`` (``nbytes``)
+    Before a RAM tier buffer is page-locked for copies from a GPU. A hook that raises makes the
+    registration fail, as a low locked-memory limit would: tierfs warns once and copies unpinned.
 ``rename`` (``path``)
     A local file (a manifest, a marker, a file on a ``file://`` tier) is written whole under its temporary
     name and is about to be renamed to ``path``.
@@ -34,7 +41,7 @@ from typing import Any, Callable, Iterator
 
 from .._hooks import _registry
 
-POINTS = ("block", "rename", "stage", "transfer")
+POINTS = ("block", "copy", "pin", "rename", "stage", "transfer")
 
 
 @contextlib.contextmanager
