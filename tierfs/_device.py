@@ -33,6 +33,7 @@ import resource
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -143,10 +144,14 @@ class Overlap:
         if overlap is None or overlap is False:
             return None
         torch = sys.modules.get("torch")
-        if overlap is True or torch is None:
-            raise ArgumentError("overlap= names what only the optimizer step changes: an optimizer, a list of "
-                                "optimizers, or the parameters (model.parameters()); got " + repr(overlap)[:60])
-        items = [overlap] if isinstance(overlap, torch.optim.Optimizer) else list(overlap)
+        what = ("overlap= names what only the optimizer step changes: an optimizer, a list of optimizers, or "
+                "the parameters (model.parameters()); got ")
+        if overlap is True or torch is None or isinstance(overlap, (str, bytes)):
+            raise ArgumentError(what + repr(overlap)[:60])
+        try:
+            items = [overlap] if isinstance(overlap, torch.optim.Optimizer) else list(overlap)
+        except TypeError:
+            raise ArgumentError(what + f"a {type(overlap).__name__}") from None
         optimizers: list[Any] = []
         storages: set[int] = set()
         for x in items:
@@ -196,7 +201,6 @@ class Copies:
         self._buffers: list[tuple[Any, np.ndarray]] = []
         self._producers: list[tuple[Any, Any]] = []
         self._finished = threading.Event()
-        self._hooks: list[Any] = []
 
     def __repr__(self) -> str:
         return f"Copies(step={self.step}, done={self.done()})"
@@ -249,9 +253,6 @@ class Copies:
         for c in self._chunks:  # the tensors may go: their copies are done
             c.src.clear()
             c.dst.clear()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         self._finished.set()
 
     def _raise(self) -> None:
@@ -303,8 +304,22 @@ def start(copies: Copies, optimizers: Sequence[Any] = ()) -> None:
         ev.record(torch.cuda.current_stream(d))
         copies._producers.append((d, ev))
     for opt in optimizers:
-        copies._hooks.append(opt.register_step_pre_hook(lambda *_: copies.wait()))
+        slot = _waiting.get(opt)
+        if slot is None:  # one pre-hook per optimizer, for its lifetime (a hook may not remove itself)
+            slot = _waiting[opt] = [None]
+            opt.register_step_pre_hook(functools.partial(_before_step, slot))
+        slot[0] = copies
     _queue().put(copies)
+
+
+#: each optimizer named by an overlapped save: the copies its next step waits for
+_waiting: "weakref.WeakKeyDictionary[Any, list[Copies | None]]" = weakref.WeakKeyDictionary()
+
+
+def _before_step(slot: list[Copies | None], *_: Any) -> None:
+    copies, slot[0] = slot[0], None
+    if copies is not None:
+        copies.wait()
 
 
 _jobs: "queue.SimpleQueue[Copies] | None" = None
