@@ -45,7 +45,7 @@ log = logging.getLogger("tierfs")
 
 #: bytes of small tensors copied between two CUDA events (a tensor at least this large gets its own)
 CHUNK = 1 << 20
-_PIN_KEY = "page-locked"
+_PIN_KEY, _UNPINNABLE = "page-locked", "not page-lockable"
 _REGISTER_PORTABLE, _REGISTER_READ_ONLY = 1, 8
 _pin_off: str | None = None  # why page-locking is off in this process (TIERFS_PIN=0, or a failed registration)
 _pinned = [0]  # bytes registered now, in this process
@@ -75,6 +75,8 @@ def pin(memo: Any, buf: np.ndarray) -> bool:
         return False
     if _PIN_KEY in memo.held:
         return True
+    if _UNPINNABLE in memo.held:
+        return False
     if _pin_off is None and os.environ.get("TIERFS_PIN", "1") == "0":
         _pin_off = "TIERFS_PIN=0"
     if _pin_off is not None:
@@ -92,6 +94,11 @@ def pin(memo: Any, buf: np.ndarray) -> bool:
         why = f"cudaError {err}"
     if err != 0:
         _clear_cuda_error()
+        if not buf.flags.writeable:  # a restore's read-only mapping (some systems cannot lock those): unpinned
+            memo.held.setdefault(_UNPINNABLE, lambda: None)
+            log.info("tierfs: a read-only mapping of %d bytes could not be page-locked (%s): restoring from "
+                     "pageable memory", n, why)
+            return False
         _pin_off = why
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
@@ -412,7 +419,6 @@ class Upload:
 
     def __init__(self) -> None:
         self._streams: dict[Any, Any] = {}
-        self._producers_done = False
         self._lock = threading.Lock()
 
     def _stream(self, device: Any) -> Any:
@@ -434,6 +440,7 @@ class Upload:
 
         torch = _torch()
         pin(memo, file)
+        self._stream(target.device)  # on the restoring thread: after what its current stream queued
         src = file[e.offset:e.offset + e.length]
         with warnings.catch_warnings():  # a read-only mapping: only read
             warnings.simplefilter("ignore", UserWarning)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ... import _blocks, _device, _hooks, _nogc, state as st
-from ...errors import StateMismatchError, TierfsError
+from ...errors import DeviceError, StateMismatchError, TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands
 from ...tiers.base import Tier
@@ -124,7 +124,12 @@ class NewArrays(Sink):
         if self.device is None or e.lib != "torch" or (self.wanted is not None and e.name not in self.wanted):
             return None
         torch = sys.modules["torch"]
-        t = self.values[e.name] = torch.empty(tuple(e.shape), dtype=getattr(torch, e.dtype), device=self.device)
+        try:
+            t = self.values[e.name] = torch.empty(tuple(e.shape), dtype=getattr(torch, e.dtype), device=self.device)
+        except torch.OutOfMemoryError:
+            key = self._manifest.key(e.name) if self._manifest is not None else repr(e.name)
+            raise DeviceError(f"{key} ({e.length} bytes) does not fit in the free memory of {self.device}: free "
+                              "device memory, or restore to device='cpu' and move what fits") from None
         return t
 
     def check(self, manifest: Manifest) -> None:
