@@ -34,7 +34,8 @@ from ...tiers.base import AnyTier
 from ..context import Context
 from .after import localize, reseed
 from .bundles import WHOLE, holds
-from .sinks import Landing, Shard, Sink
+from .fill import Landing
+from .sinks import Shard, Sink
 from .plan import RestorePlan, error_kind, gather_plan
 from .sources import Attempt, Bundles, Peers, RestoreInfo, Skipped, TierSource
 

@@ -35,7 +35,8 @@ from ...tiers.placement import plan_fetch
 from ..layout import ReadViews
 from ..context import Context
 from .bundles import NONE, OWNED, UNIQUE, WHOLE, complete, holds
-from .sinks import Landing, Shard, Sink, fill
+from .fill import Landing, fill
+from .sinks import Shard, Sink
 
 if TYPE_CHECKING:
     from .plan import RestorePlan
