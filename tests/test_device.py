@@ -139,7 +139,7 @@ def test_overlap_through_the_manager_and_dcp(shm_dir: str) -> None:
             assert_same(m2.state_dict(), want["model"])
 
 
-@pytest.mark.parametrize("overlap", [True, "params", [1], object()])
+@pytest.mark.parametrize("overlap", [True, "params", [1], object(), iter([])])
 def test_overlap_arguments_are_checked(shm_dir: str, overlap: object) -> None:
     m, opt = model_and_optimizer()
     with TieredStore([MemoryTier(shm_dir)]) as store:
@@ -149,6 +149,19 @@ def test_overlap_arguments_are_checked(shm_dir: str, overlap: object) -> None:
         assert store.save(1, state_of(m, opt), overlap=[opt])  # a list of optimizers
     with pytest.raises(ArgumentError, match="overlap="):
         CheckpointManager([MemoryTier(shm_dir)], overlap=True)
+
+
+def test_the_manager_keeps_a_generator_of_parameters_for_every_save(shm_dir: str) -> None:
+    m, opt = model_and_optimizer(4)
+    gate = Gate()
+    with CheckpointManager([MemoryTier(shm_dir)], overlap=m.parameters(), use_dcp=False) as mgr:
+        for step in (1, 2):
+            with hooks.on("copy", gate):
+                mgr.save(step, {"model": m.state_dict()})
+                assert mgr.store.copies is not None and not mgr.store.copies.done()
+                gate.open.set()
+                mgr.store.copies.wait()
+            gate.open.clear()
 
 
 def test_a_failed_copy_is_a_device_error_and_the_step_is_not_committed(shm_dir: str) -> None:

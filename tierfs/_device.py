@@ -1,15 +1,11 @@
-"""Copies between accelerator memory and the RAM tier's pages, with no host buffer in between.
+"""Copies of a save from accelerator memory into the RAM tier's pages, with no host buffer in between.
 
-**Save.** Each CUDA tensor is copied device-to-host straight into its view of the tier's mapped buffer
+Each CUDA tensor is copied device-to-host straight into its view of the tier's mapped buffer
 (:meth:`~tierfs.core.layout.ShardLayout.views`), ``non_blocking``, on a side stream of its device that
 first waits on the stream that produced the tensor. The copies are issued by one copy thread per process,
 in chunks of about :data:`CHUNK` bytes, each followed by a CUDA event: the checksum of a tensor starts as
-soon as its own chunk is copied (:meth:`Copies.ready`), not after the last copy. Before its first copy, a
-mapped buffer is page-locked (``cudaHostRegister`` through ``torch.cuda.cudart()``, portable to every
-device) and it stays registered while the tier reuses it; the registration is released just before the
-mapping is unmapped (:class:`~tierfs.tiers.capabilities.Memo`). Should registration fail (the driver, a
-container's limits), the process warns once and copies into pageable pages instead: correct, slower.
-``TIERFS_PIN=0`` turns page-locking off.
+soon as its own chunk is copied (:meth:`Copies.ready`), not after the last copy. The mapped buffers are
+page-locked before their first copy (:mod:`tierfs._pinning`).
 
 **Overlap.** ``save(..., overlap=...)`` names the tensors that only an optimizer step changes (the
 parameters and the optimizers' state): their copies may still be running when ``save`` returns, and every
@@ -17,38 +13,30 @@ other tensor (a BatchNorm's statistics, which forward changes) is copied first a
 (:class:`Copies`) is what a loop waits on before it changes them; an optimizer named in ``overlap`` waits
 on it in a step pre-hook. CPU tensors named so are copied by the copy thread too.
 
-**Restore.** :func:`upload` copies verified blocks host-to-device: each block of a source is checked and
-its copy issued (``non_blocking`` from the page-locked mapping) while the next block is checked.
-
-Nothing here touches CUDA unless a tensor is on a CUDA device: importing tierfs initialises no CUDA state.
+Restores to a device are :mod:`tierfs._upload`'s. Nothing here touches CUDA unless a tensor is on a CUDA
+device: importing tierfs initialises no CUDA state.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
-import resource
 import sys
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ._pinning import pin, pinned_bytes
 from .errors import ArgumentError, DeviceError
 
 log = logging.getLogger("tierfs")
 
 #: bytes of small tensors copied between two CUDA events (a tensor at least this large gets its own)
 CHUNK = 1 << 20
-_PIN_KEY, _UNPINNABLE = "page-locked", "not page-lockable"
-_REGISTER_PORTABLE, _REGISTER_READ_ONLY = 1, 8
-_pin_off: str | None = None  # why page-locking is off in this process (TIERFS_PIN=0, or a failed registration)
-_pinned = [0]  # bytes registered now, in this process
 
 
 def _torch() -> Any:
@@ -58,76 +46,6 @@ def _torch() -> Any:
 def on_cuda(t: Any) -> bool:
     """Whether tensor ``t`` is in CUDA memory (read from the tensor: initialises no CUDA state)."""
     return t.device.type == "cuda"
-
-
-def pinned_bytes() -> int:
-    """Bytes of the RAM tier's buffers page-locked by this process (already counted in the tier's budget)."""
-    return _pinned[0]
-
-
-# -- page-locking ---------------------------------------------------------------------------------------
-def pin(memo: Any, buf: np.ndarray) -> bool:
-    """Page-lock ``buf`` (a whole mapped buffer) once; ``memo`` (its :class:`~tierfs.tiers.capabilities.Memo`)
-    holds the registration until the mapping goes. False when it is not page-locked (then copies still
-    work, at pageable speed)."""
-    global _pin_off
-    if buf.size == 0 or memo is None or not hasattr(memo, "held"):
-        return False
-    if _PIN_KEY in memo.held:
-        return True
-    if _UNPINNABLE in memo.held:
-        return False
-    if _pin_off is None and os.environ.get("TIERFS_PIN", "1") == "0":
-        _pin_off = "TIERFS_PIN=0"
-    if _pin_off is not None:
-        return False
-    from . import _hooks
-
-    ptr, n = buf.ctypes.data, buf.nbytes
-    flags = _REGISTER_PORTABLE | (0 if buf.flags.writeable else _REGISTER_READ_ONLY)
-    try:
-        _hooks.at("pin", nbytes=n)  # a test makes registration fail here
-        err = int(_torch().cuda.cudart().cudaHostRegister(ptr, n, flags))
-    except Exception as e:  # noqa: BLE001 - any failure is the documented fallback
-        err, why = -1, f"{type(e).__name__}: {e}"
-    else:
-        why = f"cudaError {err}"
-    if err != 0:
-        _clear_cuda_error()
-        if not buf.flags.writeable:  # a restore's read-only mapping (some systems cannot lock those): unpinned
-            memo.held.setdefault(_UNPINNABLE, lambda: None)
-            log.info("tierfs: a read-only mapping of %d bytes could not be page-locked (%s): restoring from "
-                     "pageable memory", n, why)
-            return False
-        _pin_off = why
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        log.warning("tierfs: could not page-lock %d bytes of the RAM tier for device copies (%s; RLIMIT_MEMLOCK "
-                    "is %s): copying through pageable memory instead, which is slower. To fix: raise the locked-memory "
-                    "limit (ulimit -l unlimited; docker --ulimit memlock=-1) and check the CUDA driver; "
-                    "TIERFS_PIN=0 skips page-locking without this warning", n, why, limit)
-        return False
-
-    def release(ptr: int = ptr, n: int = n) -> None:
-        _pinned[0] -= n
-        err = int(_torch().cuda.cudart().cudaHostUnregister(ptr))
-        if err != 0:
-            _clear_cuda_error()
-            log.warning("tierfs: could not release the page-lock of %d bytes (cudaError %d)", n, err)
-
-    memo.held[_PIN_KEY] = release
-    _pinned[0] += n
-    return True
-
-
-def _clear_cuda_error() -> None:
-    """Reset CUDA's last error on this thread, so a failed registration is not reported by a later launch."""
-    fn = getattr(_torch().cuda.cudart(), "cudaGetLastError", None)
-    if fn is not None:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - nothing more to do
-            pass
 
 
 # -- what an overlapped save may leave running ----------------------------------------------------------
@@ -172,6 +90,9 @@ class Overlap:
                 storages.add(storage_of(x))
             else:
                 raise ArgumentError(f"overlap= takes optimizers or tensors, got a {type(x).__name__}")
+        if not items:
+            raise ArgumentError("overlap= names no optimizer or tensor (a generator such as model.parameters() "
+                                "used up already?); pass a list: list(model.parameters())")
         return cls(optimizers, storages)
 
     def later(self, value: Any) -> bool:
@@ -396,70 +317,4 @@ def _issue(copies: Copies) -> None:
             c.issued.set()
 
 
-# -- restore: host to device ----------------------------------------------------------------------------
-def device_of(device: Any) -> Any:
-    """``device`` (a string or torch.device) as a torch.device a restore can allocate on, or ArgumentError."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ArgumentError(f"device={device!r} is not a torch device ({e}); e.g. 'cuda:0' or 'cpu'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ArgumentError(f"device={device!r}: this process sees no CUDA device; restore to 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ArgumentError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA devices")
-    return dev
-
-
-class Upload:
-    """The host-to-device copies of one restore: :meth:`block` issues the copy of a verified block (on the
-    checking thread, so the next block is checked while this one copies); :meth:`finish` waits for all."""
-
-    def __init__(self) -> None:
-        self._streams: dict[Any, Any] = {}
-        self._lock = threading.Lock()
-
-    def _stream(self, device: Any) -> Any:
-        s = self._streams.get(device)
-        if s is None:
-            with self._lock:
-                s = self._streams.get(device)
-                if s is None:
-                    torch = _torch()
-                    s = side_stream(device)
-                    s.wait_stream(torch.cuda.current_stream(device))  # after what the loop queued on the target
-                    self._streams[device] = s
-        return s
-
-    def job(self, e: Any, file: np.ndarray, target: Any, manifest: Any, verified: bool, memo: Any) -> Any:
-        """The :class:`tierfs._blocks.Job` that verifies entry ``e`` (of ``manifest``) in ``file`` (its
-        mapped bytes; page-locked once, through ``memo``) and copies each block into ``target``."""
-        from . import _blocks
-
-        torch = _torch()
-        pin(memo, file)
-        self._stream(target.device)  # on the restoring thread: after what its current stream queued
-        src = file[e.offset:e.offset + e.length]
-        with warnings.catch_warnings():  # a read-only mapping: only read
-            warnings.simplefilter("ignore", UserWarning)
-            host = torch.from_numpy(src)
-        dst = target.detach().reshape(-1).view(torch.uint8)
-        return _blocks.Job(e.name, src, None, manifest.block_size, None if verified else e.crc32c,
-                           functools.partial(manifest.key, e.name), then=functools.partial(self.block, dst, host))
-
-    def block(self, dst: Any, host: Any, s: int, e: int) -> None:
-        """Copy bytes ``s:e`` of ``host`` (verified) into the same bytes of ``dst`` (a device tensor's)."""
-        torch = _torch()
-        stream = self._stream(dst.device)
-        with torch.cuda.device(dst.device), torch.cuda.stream(stream):
-            dst[s:e].copy_(host[s:e], non_blocking=True)
-
-    def finish(self) -> None:
-        """Wait for every copy, then have each device's current stream wait for them too."""
-        torch = _torch()
-        for d, s in self._streams.items():
-            s.synchronize()
-            torch.cuda.current_stream(d).wait_stream(s)
-        self._streams.clear()
+__all__ = ["CHUNK", "Copies", "Overlap", "on_cuda", "pin", "pinned_bytes", "plan", "side_stream", "start"]

@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import _args, _exit, _lifecycle, state as st
 from ._calls import Calls, serial
-from ._device import Copies, device_of
+from ._device import Copies
+from ._upload import device_of
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
@@ -265,9 +266,9 @@ class TieredStore(ShardReads, Upkeep):
 
     @property
     def copies(self) -> Copies | None:
-        """The newest save's copies from device memory (or an overlapped save's), None before any: ``wait()``
-        returns once they are complete (raising :class:`~tierfs.errors.DeviceError` if one failed), ``done()``
-        says whether they are."""
+        """The newest save's copies from GPU memory (and an overlapped save's), or None when that save left
+        none to tierfs's copy thread: ``wait()`` returns once they are complete (raising
+        :class:`~tierfs.errors.DeviceError` if one failed), ``done()`` says whether they are."""
         copies: Copies | None = self._saving.copies
         return copies
 

@@ -125,6 +125,11 @@ class CheckpointManager:
         if use_dcp is not None and type(use_dcp) is not bool:
             raise ArgumentError(f"use_dcp must be None (torch states through DCP), True or False, got {use_dcp!r}")
         self.use_dcp = use_dcp
+        if overlap is not None and not isinstance(overlap, (bool, str, bytes)) and not hasattr(overlap, "param_groups"):
+            try:  # model.parameters() is a generator: kept as a list, for every save
+                overlap = list(overlap)
+            except TypeError:
+                pass  # (refused just below)
         _device.Overlap.of(overlap)  # (an ArgumentError now, not at the first save)
         self.overlap = overlap
         self.options = _args.instance(options or CheckpointManagerOptions(), "options", CheckpointManagerOptions,

@@ -77,6 +77,9 @@ class TieredWriter(StorageWriter):
     timeout:
         Seconds (or a ``timedelta``) the save waits for the other ranks (default: the store's timeout);
         past it a RankWaitError names the stage and the rank(s) waited for.
+    overlap:
+        ``store.save``'s: the optimizer(s) whose parameters and state may still be copying from GPU
+        memory when the save returns (with ``blocking=False``); see the GPU guide.
 
     Notes
     -----

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _blocks, _device, _hooks, _nogc
+from ... import _blocks, _hooks, _nogc, _upload
 from ...errors import TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands
@@ -81,7 +81,7 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
     sources: list[Any] = []
     small: list[tuple[Entry, np.ndarray]] = []
     memos: dict[str, dict[Any, Any] | None] = {}
-    upload: _device.Upload | None = None
+    upload: _upload.Upload | None = None
     wanted = sink.wanted
     entries = manifest.entries
     if wanted is not None and len(wanted) * 4 < len(entries):  # a few entries of many: look them up
@@ -99,7 +99,7 @@ def _fill(tier: Tier | None, step: int, shard: Shard, sink: Sink | None, threads
         if on_device is not None:  # each block copied to the device as soon as it is verified
             if e.length:
                 if upload is None:
-                    upload = _device.Upload()
+                    upload = _upload.Upload()
                 jobs.append(upload.job(e, raw[e.file], on_device, manifest, verified, _memo(tier, step, e.file)))
             continue
         target = sink.direct(e)
