@@ -278,12 +278,15 @@ def _serve(jobs: "queue.SimpleQueue[Copies]") -> None:
 
 
 def side_stream(device: Any) -> Any:
-    """This process's copy stream on ``device`` (made once)."""
+    """This process's copy stream on ``device`` (made once: a save's chunks are ordered on one stream)."""
     s = _streams.get(device)
     if s is None:
-        torch = _torch()
-        with torch.cuda.device(device):
-            s = _streams[device] = torch.cuda.Stream()
+        with _jobs_lock:
+            s = _streams.get(device)
+            if s is None:
+                torch = _torch()
+                with torch.cuda.device(device):
+                    s = _streams[device] = torch.cuda.Stream()
     return s
 
 
@@ -304,16 +307,18 @@ def _issue(copies: Copies) -> None:
                 continue
             stream = side_stream(c.device)
             with torch.cuda.device(c.device), torch.cuda.stream(stream):
-                for name, d, s in zip(c.names, c.dst, c.src):
-                    try:
-                        d.copy_(s, non_blocking=True)
-                    except torch.OutOfMemoryError:
-                        raise DeviceError(
-                            f"step {copies.step}: {name!r} is not contiguous, and copying it to the host needs "
-                            f"{d.nbytes} bytes of free memory on {c.device}, which it lacks: free that much "
-                            "device memory, or save it .contiguous()") from None
-                c.event = torch.cuda.Event()
-                c.event.record(stream)
+                try:
+                    for name, d, s in zip(c.names, c.dst, c.src):
+                        try:
+                            d.copy_(s, non_blocking=True)
+                        except torch.OutOfMemoryError:
+                            raise DeviceError(
+                                f"step {copies.step}: {name!r} is not contiguous, and copying it to the host needs "
+                                f"{d.nbytes} bytes of free memory on {c.device}, which it lacks: free that much "
+                                "device memory, or save it .contiguous()") from None
+                finally:  # also after a failure: what was queued is waited for before the buffers go
+                    c.event = torch.cuda.Event()
+                    c.event.record(stream)
             c.issued.set()
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..._stages import stage
-from ...errors import (ArgumentError, CheckpointLostError, StateMismatchError, StepNotFoundError, TierfsError)
+from ...errors import (ArgumentError, CheckpointLostError, DeviceError, StateMismatchError, StepNotFoundError,
+                       TierfsError)
 from ...protocol import common_steps
 from ...ranks import Group, agreement
 from ...ranks.agree import views as rank_views
@@ -120,8 +121,8 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
 
 def error_kind(e: BaseException) -> type[TierfsError]:
     """How other ranks raise a rank's restore failure: a target that does not match stays a mismatch, a bad
-    argument an ArgumentError."""
-    for cls in (StateMismatchError, ArgumentError):
+    argument an ArgumentError, a device without room a DeviceError."""
+    for cls in (StateMismatchError, ArgumentError, DeviceError):
         if isinstance(e, cls):
             return cls
     return TierfsError

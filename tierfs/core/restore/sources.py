@@ -26,7 +26,7 @@ from ... import _blocks, _readable
 from ..._stages import stage
 from ...ranks import Group
 from ...ranks.agree import views
-from ...errors import ArgumentError, StateMismatchError, TierfsError
+from ...errors import ArgumentError, DeviceError, StateMismatchError, TierfsError
 from ...format import MARKER, Marker
 from ...protocol import checked_manifest
 from ...tiers.base import Replicator, Tier
@@ -45,6 +45,9 @@ log = logging.getLogger("tierfs")
 T = TypeVar("T")
 #: errors that make one tier's copy unusable (the next source is tried)
 UNUSABLE = (TierfsError, OSError, ValueError, KeyError)
+#: failures of the caller's side, not of the copy (a target that does not fit, a device without room): no
+#: other source does better, so they are raised, not tried past
+THE_CALLERS = (StateMismatchError, ArgumentError, DeviceError)
 Skipped = list[tuple[str, int, str]]  # (tier, step, reason)
 #: how a peer's copy that is itself bad fails at its receiver (not the receiver's own trouble): checksums,
 #: a manifest that does not match its marker, files the holder can no longer read
@@ -195,7 +198,7 @@ def first_verified(tiers: Sequence[Tier], step: int, read: Callable[[Tier], T], 
     for t in tiers:
         try:
             return t, read(t)
-        except (StateMismatchError, ArgumentError):  # the caller's mistake: no other copy does better
+        except THE_CALLERS:  # the caller's mistake: no other copy does better
             raise
         except UNUSABLE as e:
             why = f"{type(e).__name__}: {e}"
@@ -273,7 +276,7 @@ class Peers:
                     info.peer = assign[g.rank]
                     a.got = (info, shard)
                 except (TierfsError, ValueError, KeyError) as e:
-                    if isinstance(e, (StateMismatchError, ArgumentError)):  # the target is wrong, not the copy
+                    if isinstance(e, THE_CALLERS):  # the target is wrong, not the copy
                         a.mismatch = e
                     res = f"{type(e).__name__}: {e}"
                 except Exception as e:  # noqa: BLE001 - filling the target failed: raised by all ranks
@@ -349,7 +352,7 @@ class Bundles:
                 info.seconds += time.perf_counter() - t0
                 a.got = (info, shard)
                 return
-            except (StateMismatchError, ArgumentError) as e:  # the target is wrong, not the copy
+            except THE_CALLERS as e:  # the target is wrong, not the copy
                 a.got, a.mismatch = None, e
                 return
             except UNUSABLE as e:
