@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ram.py
 	$(BIN)/python benchmarks/bench_object.py
+
+# one CUDA GPU, under 8 minutes: the gpu-marked tests (tests/test_gpu.py), then benchmarks/bench_gpu.py, with
+# the machine's own python3 and torch: no .venv, nothing from the network (fastcrc, when missing, from the
+# wheel in benchmarks/wheels/). Device, versions, logs and results go to $(GPU_CHECK_OUT). Exits 2 without
+# a CUDA device, 1 when the tests or the benchmark failed (benchmarks/gpu_check.sh says more).
+GPU_CHECK_OUT ?= benchmarks/results
+gpu-check:
+	GPU_CHECK_OUT='$(GPU_CHECK_OUT)' bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
