@@ -5,10 +5,11 @@ interfaces, :mod:`.capabilities` what only some tiers do, :mod:`.registry` the k
 from . import kinds as _kinds  # noqa: F401 - registers the built-in kinds
 from .base import Capacity, AnyTier, Replicator, Tier
 from .capabilities import LocalFiles, SharedDirectory, Staging, ZeroCopy
+from .erasure import ErasureCodedTier
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
 from .registry import Kind, register
 
-__all__ = ["Capacity", "AnyTier", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
+__all__ = ["Capacity", "AnyTier", "ErasureCodedTier", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
            "SharedDirectory", "Staging", "Tier", "ZeroCopy", "register"]

@@ -248,6 +248,13 @@ class Replicator(ABC):
         bytes in those files are undefined. Returns, on a receiving rank, the shard (every block
         checked as it landed) or the reason it failed; None on other ranks."""
 
+    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]]
+                    ) -> dict[tuple[int, int], list[int]]:
+        """A restore's ``holders`` (``{(step, rank): [ranks keeping a copy of its shard]}``, the same on every
+        rank) without the shards this replicator cannot give back, given the steps each rank holds in the
+        tiers before it (``fast``). A replicator whose copies stand alone (a replica) gives them all."""
+        return holders
+
     def drop(self, step: int, rank: int) -> None:
         """Stop offering the copy of ``rank``'s shard of ``step`` kept here: its receiver could not use it,
         and a later restore must not pick it again."""

@@ -6,6 +6,7 @@ command-line TARGETs name one.
 - ``object``: ``"url"`` (required), ``"storage_options"`` (passed to fsspec); default name: the URL's
   protocol, keep everything. A TARGET that is a URL is one.
 - ``peer``: ``"replicas"`` (default 1), ``"strategy"`` (``"ring"`` or ``"pairwise"``), ``"connections"``.
+- ``erasure``: ``"data"`` (default 4), ``"parity"`` (default 1), ``"connections"``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .._args import object_url
 from .._rootdir import check_local_url
 from ..errors import FormatError
 from .base import AnyTier
+from .erasure import ErasureCodedTier
 from .memory import MemoryTier
 from .object import ObjectTier
 from .peer import PeerTier
@@ -61,9 +63,16 @@ def _peer(entry: Entry, common: dict[str, Any]) -> AnyTier:
                     **common)
 
 
+def _erasure(entry: Entry, common: dict[str, Any]) -> AnyTier:
+    return ErasureCodedTier(_int(entry, "data", 4) or 4, _int(entry, "parity", 1) or 1,
+                            connections=_int(entry, "connections", 2) or 2, **common)
+
+
 MEMORY = register(Kind("memory", MemoryTier, frozenset({"path", "budget"}), _memory,
                        '"path" (a directory on tmpfs), "budget" (bytes)', _memory_target))
 OBJECT = register(Kind("object", ObjectTier, frozenset({"url", "storage_options"}), _object,
                        '"url" (an fsspec URL such as s3://bucket/run), "storage_options"', _object_target))
 PEER = register(Kind("peer", PeerTier, frozenset({"replicas", "strategy", "connections"}), _peer,
                      '"replicas", "strategy" ("ring" or "pairwise"), "connections"'))
+ERASURE = register(Kind("erasure", ErasureCodedTier, frozenset({"data", "parity", "connections"}), _erasure,
+                        '"data", "parity" (each group of data + parity nodes survives parity lost), "connections"'))

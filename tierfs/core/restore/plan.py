@@ -102,6 +102,7 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
     n = g.world_size
     view: list[list[Any]] = []
     local: dict[str, set[int]] = {}
+    rep = None
     ctx.refresh(shared=g)  # collective, so before the agreement a rank may leave early: every rank takes part
     with agreement(g, "restore", outcome="nothing restored", classify=error_kind):
         with stage("planning"):
@@ -116,7 +117,10 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
     for h, (_, kept, _) in enumerate(views):
         for s, off in kept:
             holders.setdefault((s, (h - off) % n), []).append(h)
-    return RestorePlan([set(v[0]) for v in views], holders, local, [set(v[2]) for v in views])
+    fast = [set(v[2]) for v in views]
+    if rep is not None:  # (a copy that needs several ranks, as erasure coding's, says which it can rebuild)
+        holders = rep.rebuildable(holders, fast)
+    return RestorePlan([set(v[0]) for v in views], holders, local, fast)
 
 
 def error_kind(e: BaseException) -> type[TierfsError]:

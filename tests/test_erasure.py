@@ -1,0 +1,133 @@
+"""The erasure-coded tier: its groups and stripes (pure functions), and real jobs of 5 and 6 gloo ranks on
+localhost, each its own node with its own RAM directory. Nodes are lost by deleting their RAM directory,
+parity damaged by flipping a byte in the file that keeps it; every restored shard is compared bit for bit
+with what was saved."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import gloo_job
+from tierfs.errors import ArgumentError, TierfsError
+from tierfs.format import step_dirname
+from tierfs.tiers import ErasureCodedTier
+from tierfs.tiers._stripes import Stripes, ec_groups
+
+HERE = Path(__file__).parent
+CHILD = HERE / "children" / "erasure_child.py"
+
+
+# -- groups and stripes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes, data, parity, sizes", [
+    (5, 4, 1, [5]), (4, 4, 1, [4]), (2, 4, 1, [2]), (10, 4, 1, [5, 5]), (11, 4, 1, [5, 6]), (14, 4, 1, [7, 7]),
+    (6, 4, 2, [6]), (13, 4, 2, [6, 7]), (3, 4, 2, [3])])
+def test_nodes_form_groups_of_data_plus_parity_the_remainder_spread_over_the_last(nodes, data, parity, sizes):
+    groups = ec_groups(list(range(nodes)), data, parity)
+    assert [len(g) for g in groups] == sizes
+    assert sorted(r for g in groups for r in g) == list(range(nodes))
+
+
+def test_ranks_of_a_group_are_on_distinct_nodes_with_the_same_local_index():
+    nodes = [n for n in range(5) for _ in range(3)]  # 5 nodes of 3 ranks
+    groups = ec_groups(nodes, 4, 1)
+    assert groups == [[0, 3, 6, 9, 12], [1, 4, 7, 10, 13], [2, 5, 8, 11, 14]]
+
+
+def test_too_few_nodes_is_a_clear_error():
+    with pytest.raises(TierfsError, match="at least 3 nodes"):
+        ec_groups([0, 0, 1, 1], 4, 2)
+    with pytest.raises(ArgumentError):
+        ErasureCodedTier(data=0)
+    for block in (1001, 0):
+        with pytest.raises(ArgumentError):
+            ErasureCodedTier(block=block)
+
+
+@pytest.mark.parametrize("m, parity", [(5, 1), (6, 2), (3, 1), (7, 3)])
+def test_every_member_keeps_parity_pieces_and_gives_each_chunk_once(m, parity):
+    s = Stripes(tuple(range(m)), parity, tuple(1000 + 7 * i for i in range(m)), block=64)
+    d = m - parity
+    assert s.chunk % 8 == 0 and s.chunk * d >= max(s.lengths)
+    for i in range(m):
+        assert len(s.kept(i)) == parity  # parity/d of a payload
+        assert len(s.stripes_of(i)) == d  # each of its d chunks in one stripe
+    for j in range(m):
+        assert len(s.data_members(j)) == d and not set(s.data_members(j)) & set(s.holders(j))
+
+
+# -- real jobs ------------------------------------------------------------------------------------
+def job(world: int, shm: Path, obj: Path | str, mode: str, code: str, *extra: str) -> list[dict]:
+    return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, code, *extra)
+
+
+def fresh(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved / "shm", tmp_path / "shm")
+    return tmp_path / "shm"
+
+
+@pytest.fixture(scope="module")
+def saved_4_1(tmp_path_factory):
+    """5 ranks, one group of 4 data + 1 parity, steps 1 and 2 in RAM, parity and a file:// object tier."""
+    root = tmp_path_factory.mktemp("ec41")
+    outs = job(5, root / "shm", root / "obj", "save", "4:1")
+    for o in outs:
+        assert o["group"] == [0, 1, 2, 3, 4]
+        assert o["steps"]["2"] == ["ram", "erasure", "file"]
+        assert o["held"] == {"2": [r for r in range(5) if r != o["rank"]]}  # the newest step's parity
+    return root
+
+
+def test_4_1_parity_costs_a_quarter_of_a_shard(saved_4_1):
+    node = saved_4_1 / "shm" / "node0"
+    shard = sum(f.stat().st_size for f in (node / step_dirname(2)).glob("*.bin"))
+    parity = sum(f.stat().st_size for f in (node / "erasure" / "rank_00000" / step_dirname(2)).glob("*.bin"))
+    assert 0.25 * shard <= parity <= 0.25 * shard * 1.1 + 64  # the group's longest shard over 4, rounded
+
+
+def test_4_1_a_lost_node_is_rebuilt_bit_exact(saved_4_1, tmp_path):
+    shm = fresh(saved_4_1, tmp_path)
+    shutil.rmtree(shm / "node2")
+    outs = job(5, shm, saved_4_1 / "obj", "restore", "4:1")
+    assert all(o.get("exact") and o["step"] == 2 for o in outs), outs
+    assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "ram", "erasure", "ram", "ram"]
+
+
+def test_4_1_damaged_parity_is_detected_and_the_object_tier_serves(saved_4_1, tmp_path):
+    shm = fresh(saved_4_1, tmp_path)
+    shutil.rmtree(shm / "node2")
+    for n in (0, 1, 3, 4):  # every parity piece the rebuild reads is damaged
+        f = shm / f"node{n}" / "erasure" / f"rank_{n:05d}" / step_dirname(2) / "parity.bin"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        f.write_bytes(bytes(data))
+    outs = job(5, shm, saved_4_1 / "obj", "restore", "4:1")
+    assert all(o.get("exact") and o["step"] == 2 for o in outs), outs
+    assert outs[2]["tier"] == "file"
+    assert any("erasure" in str(s) and "could not read" in str(s) for s in outs[2]["skipped"]), outs[2]["skipped"]
+
+
+@pytest.fixture(scope="module")
+def saved_4_2(tmp_path_factory):
+    """6 ranks, one group of 4 data + 2 parity, steps 1 and 2 in RAM and parity, no slower tier."""
+    root = tmp_path_factory.mktemp("ec42")
+    outs = job(6, root / "shm", "-", "save", "4:2")
+    assert all(o["steps"]["2"] == ["ram", "erasure"] for o in outs)
+    return root
+
+
+def test_4_2_two_lost_nodes_are_rebuilt_and_three_are_an_error_naming_the_loss(saved_4_2, tmp_path):
+    shm = fresh(saved_4_2, tmp_path)
+    shutil.rmtree(shm / "node1")
+    shutil.rmtree(shm / "node4")
+    outs = job(6, shm, "-", "restore", "4:2")
+    assert all(o.get("exact") and o["step"] == 2 for o in outs), outs
+    assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "erasure", "ram", "ram", "erasure", "ram"]
+    shm = tmp_path / "three"
+    shutil.copytree(saved_4_2 / "shm", shm)
+    for n in (0, 2, 5):
+        shutil.rmtree(shm / f"node{n}")
+    outs = job(6, shm, "-", "restore", "4:2")
+    assert all("CheckpointLostError" in o.get("error", "") for o in outs), outs

@@ -1,0 +1,214 @@
+"""The erasure-coded tier's two exchanges within a group: computing parity (a save) and rebuilding a lost
+member's shard (a restore). See :mod:`tierfs.tiers.erasure` for what they keep and why.
+
+Both move pieces block by block in rounds of :meth:`~tierfs.ranks.groups.TorchGroup.exchange`, each block
+followed by a tail (:func:`~tierfs.tiers.erasure.seal`) its receiver checks. A member that cannot read a
+piece still sends its blocks, marked bad, so every round keeps its shape and no rank waits for bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from .. import _blocks
+from .._stages import stage
+from ..errors import FormatError, TierfsError
+from ..format import MARKER, Manifest, crc32c, manifest_filename
+from . import _erasure
+from ._stripes import Payload, Stripes, pack, split, unpack
+from .base import Fetched, Pace
+
+if TYPE_CHECKING:
+    from .erasure import ErasureCodedTier
+
+
+def swap(g: Any, sends: Mapping[int, bytes], sources: list[int]) -> dict[int, bytes]:
+    """Byte strings to other ranks (``sends``: ``{rank: bytes}``) and from ``sources``: lengths, then bytes."""
+    lens = [(r, np.zeros(8, np.uint8)) for r in sources]
+    g.exchange([(r, np.frombuffer(len(b).to_bytes(8, "little"), np.uint8).copy()) for r, b in sends.items()], lens)
+    got = [(r, np.empty(int(n.view(np.int64)[0]), np.uint8)) for r, n in lens]
+    g.exchange([(r, np.frombuffer(b, np.uint8).copy()) for r, b in sends.items() if b], [x for x in got if x[1].size])
+    return {r: buf.tobytes() for r, buf in got}
+
+
+def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any],
+                 only: set[int] | None, pace: Pace | None, error: str | None) -> tuple[dict[int, str | None], bool]:
+    """This rank's part of computing its group's parity of ``step``; returns ``({member: error}, whether this
+    rank wrote pieces)``. ``only``: the ranks that compute theirs (None: all)."""
+    from .erasure import PARITY, STRIPES, TAIL, check_block, seal
+
+    members = tier.members()
+    if only is not None and not only & set(members):
+        return {}, False  # a re-seed of another group
+    me, p = members.index(tier.rank), tier.parity
+    payload = None
+    if error is None:
+        try:
+            payload = Payload(files)
+        except (ValueError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+    head = pack({"error": error, "length": payload.length if payload is not None else 0}, manifest)
+    others = [r for r in members if r != tier.rank]
+    heads = {tier.rank: head, **swap(g, {r: head for r in others}, others)}
+    records = {r: unpack(heads[r]) for r in members}
+    bad = {r: rec["error"] for r, (rec, _) in records.items() if rec.get("error")}
+    if bad:
+        r, why = next(iter(bad.items()))
+        return {r: f"rank {r} of this group could not read its shard: {why}"}, False
+    stripes = Stripes(tuple(members), p, tuple(int(records[r][0]["length"]) for r in members), tier.block)
+    receivers = set(range(stripes.m)) if only is None else {members.index(t) for t in only if t in members}
+    c, blocks = stripes.chunk, stripes.blocks()
+    kept = stripes.kept(me) if me in receivers else []
+    mine = stripes.stripes_of(me)
+    width = max((b - a for a, b in blocks), default=0) + TAIL
+    sbuf = [np.zeros(width, np.uint8) for _ in mine]
+    rbuf = {(j, x): np.zeros(width, np.uint8) for j, _ in kept for x in stripes.data_members(j)}
+    errors: dict[int, str | None] = {}
+    parity = np.empty(0, np.uint8)
+    if kept:
+        if step in tier.local.list_steps():  # a re-seed replaces what this rank kept
+            tier.local.delete_step(step)
+        parity = tier.local.buffers(step, {PARITY: len(kept) * c})[PARITY]
+    crcs: list[list[int]] = [[] for _ in kept]
+    with stage("replication", step, tier.name):
+        for a, b in blocks:
+            n = b - a
+            sends = []
+            for k, j in enumerate(mine):
+                assert payload is not None
+                payload.read(k * c + a, sbuf[k][:n])
+                seal(sbuf[k], n, True)
+                sends += [(members[h], sbuf[k][:n + TAIL]) for h in stripes.holders(j) if h in receivers]
+            recvs = [(members[x], rbuf[j, x][:n + TAIL]) for j, _ in kept for x in stripes.data_members(j)]
+            g.exchange(sends, recvs, pace=pace)
+            for q, (j, t) in enumerate(kept):
+                if errors.get(tier.rank):
+                    break
+                try:
+                    pieces = []
+                    for x in stripes.data_members(j):
+                        buf = rbuf[j, x]
+                        check_block(buf[:n], buf[n:n + TAIL], f"step {step}: bytes {a}-{b} of rank {members[x]}'s "
+                                    f"chunk for stripe {j}")
+                        pieces.append(buf[:n])
+                    dst = parity[q * c + a:q * c + b]
+                    dst[:] = _erasure.encode(pieces, p)[t]
+                    crcs[q].append(crc32c(dst))
+                except (TierfsError, ValueError) as e:
+                    errors[tier.rank] = f"{type(e).__name__}: {e}"
+    if not kept or errors.get(tier.rank):
+        if kept:
+            tier.local.discard(step)
+        return errors, False
+    try:
+        tier.local.persist(step)
+        tier.local.write_file(step, STRIPES, json.dumps({"stripes": stripes.to_json(), "crcs": crcs}).encode())
+        for r in members:
+            tier.local.write_file(step, manifest_filename(r), records[r][1][0])
+    except (TierfsError, OSError) as e:
+        errors[tier.rank] = f"{type(e).__name__}: {e}"
+    return errors, True
+
+
+def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int, int]) -> Fetched | str | None:
+    """This rank's part of rebuilding its group's members in ``assign``: the rebuilt shard on such a
+    member (or why it failed), None on the others."""
+    from .erasure import TAIL, check_block, seal
+
+    members = tier.members()
+    lost = sorted(q for q in assign if q in members)
+    if not lost:
+        return None
+    me, p = tier.rank, tier.parity
+    if len(lost) > p:
+        return (f"ranks {lost} of group {members} lost their shards: more than parity={p} of a group cannot be "
+                "rebuilt") if me in lost else None
+    sender = assign[lost[0]]  # sends the stripes record, the lost members' manifests and its marker
+    others = [r for r in members if r != sender]
+    head = b""
+    if me == sender:
+        try:
+            stripes, _, _ = tier.kept(step)
+            blobs = [bytes(tier.local.read_file(step, manifest_filename(q))) for q in lost]
+            head = pack({"stripes": stripes.to_json()}, bytes(tier.local.read_file(step, MARKER)), *blobs)
+        except (TierfsError, OSError, ValueError) as e:
+            head = pack({"error": f"rank {me}: {type(e).__name__}: {e}"})
+    got = swap(g, {r: head for r in others} if me == sender else {}, [] if me == sender else [sender])
+    rec, blobs = unpack(head if me == sender else got[sender])
+    if rec.get("error") or tuple(rec.get("stripes", {}).get("members", ())) != tuple(members):
+        return (rec.get("error") or f"rank {sender} keeps stripes of another group") if me in lost else None
+    stripes = Stripes.from_json(rec["stripes"])
+    c, blocks, d = stripes.chunk, stripes.blocks(), stripes.d
+    li = [members.index(q) for q in lost]
+    moves = []  # (sender index, receiver index, stripe, position among the stripe's pieces)
+    for lx in li:
+        for j in stripes.stripes_of(lx):
+            data = [(pos, x) for pos, x in enumerate(stripes.data_members(j)) if x not in li]
+            par = [(d + t, h) for t, h in enumerate(stripes.holders(j)) if h not in li]
+            moves += [(x, lx, j, pos) for pos, x in (data + par)[:d]]
+    i = members.index(me)
+    width = max((b - a for a, b in blocks), default=0) + TAIL
+    outs = [(mv, np.zeros(width, np.uint8)) for mv in moves if mv[0] == i]
+    ins = [(mv, np.zeros(width, np.uint8)) for mv in moves if mv[1] == i]
+    payload, own, kept, parity, why = None, None, None, None, None
+    try:
+        if any(pos < d for (_, _, _, pos), _ in outs):
+            own = tier.own_payload(step)
+        if any(pos >= d for (_, _, _, pos), _ in outs):
+            mine, record, parity = tier.kept(step)
+            if mine != stripes:
+                raise FormatError(f"rank {me} keeps other stripes of step {step}")
+            kept = {jt: (q, record["crcs"][q]) for q, jt in enumerate(stripes.kept(i))}
+    except (TierfsError, OSError, ValueError, KeyError) as e:
+        why = f"rank {me}: {type(e).__name__}: {e}"
+    if i in li:
+        payload = np.zeros(d * c, np.uint8)
+    failed: str | None = None
+    with stage("fetch", step, tier.name):
+        for bi, (a, b) in enumerate(blocks):
+            n = b - a
+            for (x, lx, j, pos), buf in outs:
+                ok = why is None
+                if ok and pos < d:
+                    assert own is not None
+                    own.read(stripes.stripes_of(x).index(j) * c + a, buf[:n])
+                elif ok:
+                    assert kept is not None and parity is not None
+                    q, sums = kept[j, pos - d]
+                    buf[:n] = parity[q * c + a:q * c + b]
+                    ok = crc32c(buf[:n]) == sums[bi]  # a damaged parity block is not sent as good
+                seal(buf, n, ok)
+            g.exchange([(members[lx], buf[:n + TAIL]) for (_, lx, _, _), buf in outs],
+                       [(members[x], buf[:n + TAIL]) for (x, _, _, _), buf in ins])
+            if payload is None or failed:
+                continue
+            try:
+                for j in stripes.stripes_of(i):
+                    pieces = {}
+                    for (x, _, jj, pos), buf in ins:
+                        if jj == j:
+                            check_block(buf[:n], buf[n:n + TAIL], f"step {step}: bytes {a}-{b} of stripe {j} from "
+                                        f"rank {members[x]}")
+                            pieces[pos] = buf[:n]
+                    k, want = stripes.stripes_of(i).index(j), stripes.data_members(j).index(i)
+                    payload[k * c + a:k * c + b] = _erasure.decode(pieces, d, p, [want])[want]
+            except (TierfsError, ValueError) as e:
+                failed = f"{type(e).__name__}: {e}"
+    if payload is None:
+        return None
+    if failed:
+        return failed
+    try:
+        marker, mbytes = blobs[0], blobs[1 + lost.index(me)]
+        manifest = Manifest.from_bytes(mbytes)
+        sizes = manifest.replica_files
+        if sum(sizes.values()) != stripes.lengths[i]:
+            raise FormatError(f"the stripes record says {stripes.lengths[i]} bytes, the manifest {sum(sizes.values())}")
+        files = split(payload, sizes)
+        _blocks.verify(manifest, files)  # the rebuilt shard, against the checksums it was saved with
+    except (TierfsError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return manifest, mbytes, marker, files

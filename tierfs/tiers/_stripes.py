@@ -1,0 +1,167 @@
+"""The erasure-coded tier's layout: which ranks form a group, and how a group's shards are cut into stripes.
+
+**Groups.** Nodes in order of their number form groups of ``data + parity`` nodes; when the node count is
+not a multiple of that, the last ``n mod (data + parity)`` groups take one node more each (their data
+count is one more: the RAM a rank spends on parity is then less than ``parity/data`` of its shard), and a
+job of fewer nodes is one group of all of them (it needs ``parity + 1`` nodes). The ranks with the same
+local index on a group's nodes are a group of ranks: every member on a node of its own.
+
+**Stripes.** In a group of ``m`` members, each member's *payload* (the bytes of its shard files that no
+other node holds, in name order, zero-padded to the group's longest) is cut into ``d = m - parity`` chunks
+of ``chunk`` bytes. There are ``m`` stripes; stripe ``j``'s parity pieces are kept by members ``j, j+1, ...,
+j+parity-1`` (mod ``m``), and its ``d`` data pieces are one chunk of each other member, in member order. So
+every member keeps ``parity`` pieces of ``chunk`` bytes: ``parity/d`` of a payload.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import FormatError, TierfsError
+
+#: bytes of a piece moved (and checksummed) at a time: the working buffers are a few of these per stripe
+BLOCK = 4 << 20
+
+
+def ec_groups(nodes: Sequence[int], data: int, parity: int) -> list[list[int]]:
+    """The groups of ranks (each in rank order of its nodes), every rank in one; see the module docstring."""
+    order = sorted(set(nodes))
+    k = data + parity
+    if len(order) < parity + 1:
+        raise TierfsError(f"an erasure-coded tier with parity={parity} needs ranks on at least {parity + 1} nodes; "
+                          f"this job has {len(order)} (set TIERFS_NODE_RANK per node, or run on more nodes)")
+    if len(order) < k:
+        node_groups = [order]
+    else:
+        full = len(order) // k
+        node_groups = [order[i * k:(i + 1) * k] for i in range(full)]
+        for x, node in enumerate(order[full * k:]):  # the remainder: one more node in each of the last groups
+            node_groups[full - 1 - x].append(node)
+    members = {n: [r for r, x in enumerate(nodes) if x == n] for n in order}
+    out: list[list[int]] = []
+    for ng in node_groups:
+        for i in range(max(len(members[n]) for n in ng)):
+            ranks = [members[n][i] for n in ng if i < len(members[n])]
+            if len(ranks) < parity + 1:
+                raise TierfsError(f"ranks {ranks} (local index {i} on nodes {ng}) are too few for parity={parity}: "
+                                  "start the same number of processes on every node")
+            out.append(ranks)
+    return out
+
+
+@dataclass(frozen=True)
+class Stripes:
+    """One step's stripes in one group (the same on every member): ``members`` (ranks), ``parity``, each
+    member's payload ``lengths`` and the ``chunk`` size."""
+
+    members: tuple[int, ...]
+    parity: int
+    lengths: tuple[int, ...]
+    block: int = BLOCK
+
+    @property
+    def m(self) -> int:
+        return len(self.members)
+
+    @property
+    def d(self) -> int:
+        return self.m - self.parity
+
+    @property
+    def chunk(self) -> int:
+        """Bytes per piece: the longest payload over ``d``, rounded up to 8."""
+        per = -(-(max(self.lengths) if self.lengths else 0) // self.d)
+        return -(-per // 8) * 8
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """The ``(start, end)`` of each block of a piece."""
+        c = self.chunk
+        return [(a, min(a + self.block, c)) for a in range(0, c, self.block)]
+
+    def holders(self, j: int) -> list[int]:
+        """The members (indices) keeping stripe ``j``'s parity pieces, in piece order."""
+        return [(j + t) % self.m for t in range(self.parity)]
+
+    def data_members(self, j: int) -> list[int]:
+        """The members (indices) whose chunks are stripe ``j``'s data pieces, in piece order."""
+        held = set(self.holders(j))
+        return [i for i in range(self.m) if i not in held]
+
+    def stripes_of(self, i: int) -> list[int]:
+        """The stripes member ``i`` gives a data piece to; its chunk ``k`` goes to the ``k``-th of them."""
+        return [j for j in range(self.m) if i not in self.holders(j)]
+
+    def kept(self, i: int) -> list[tuple[int, int]]:
+        """The parity pieces member ``i`` keeps, ``(stripe, piece index among the parity)``, in file order."""
+        return sorted((j, t) for j in range(self.m) for t, h in enumerate(self.holders(j)) if h == i)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"members": list(self.members), "parity": self.parity, "lengths": list(self.lengths),
+                "block": self.block}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Stripes":
+        try:
+            s = cls(tuple(int(x) for x in d["members"]), int(d["parity"]), tuple(int(x) for x in d["lengths"]),
+                    int(d["block"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"malformed stripes record: {e}") from None
+        if not (0 < s.parity < s.m and len(s.lengths) == s.m and s.block > 0 and s.block % 8 == 0
+                and all(x >= 0 for x in s.lengths)):
+            raise FormatError(f"malformed stripes record: {d}")
+        return s
+
+
+class Payload:
+    """A member's payload: its files (name order) as one padded byte string, read piece by piece."""
+
+    def __init__(self, files: Mapping[str, Any]) -> None:
+        self.names = sorted(files)
+        self.parts = [np.asarray(files[n]).reshape(-1).view(np.uint8) for n in self.names]
+        self.starts = list(np.cumsum([0] + [p.size for p in self.parts]))
+        self.length = int(self.starts[-1])
+
+    def read(self, start: int, out: np.ndarray) -> np.ndarray:
+        """Copy payload bytes ``start:start+len(out)`` into ``out`` (zeros past the end)."""
+        end = start + out.size
+        for p, s0 in zip(self.parts, self.starts):
+            a, b = max(start, s0), min(end, s0 + p.size)
+            if a < b:
+                out[a - start:b - start] = p[a - s0:b - s0]
+        out[max(0, min(out.size, self.length - start)):] = 0
+        return out
+
+
+def split(payload: np.ndarray, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """A rebuilt payload as its files (``sizes``: the manifest's, cut in name order)."""
+    out, at = {}, 0
+    for name in sorted(sizes):
+        out[name] = payload[at:at + sizes[name]]
+        at += sizes[name]
+    return out
+
+
+def pack(record: Mapping[str, Any], *blobs: bytes) -> bytes:
+    """A JSON record and byte strings as one message (the record says each blob's length)."""
+    head = json.dumps({**record, "blobs": [len(b) for b in blobs]}).encode()
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """What :func:`pack` made; FormatError when it is malformed."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        record = json.loads(data[8:8 + n])
+        at, blobs = 8 + n, []
+        for size in record.pop("blobs"):
+            blobs.append(data[at:at + int(size)])
+            at += int(size)
+        if at != len(data):
+            raise ValueError("trailing bytes")
+        return record, blobs
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"malformed message from a group member: {e}") from None

@@ -1,0 +1,273 @@
+"""The erasure-coded peer tier: a lost node's shard rebuilt from its group's other shards and parity.
+
+A replica costs a whole shard of RAM on another node; parity costs ``parity/data`` of one. Ranks form
+groups of ``data + parity`` members, each on a node of its own (:func:`~tierfs.tiers._stripes.ec_groups`),
+and every step's payloads are cut into stripes (:class:`~tierfs.tiers._stripes.Stripes`): each member
+keeps ``parity`` pieces of ``chunk = payload/data`` bytes, computed from the chunks the other members send
+it, block by block (:data:`~tierfs.tiers._stripes.BLOCK` bytes, each checked by its receiver against the
+crc32c its sender appended) so that the working buffers stay a few blocks per stripe. A step counts as
+saved only once every parity piece of the job is computed from verified blocks; then every member writes
+its marker, as the peer tier does.
+
+A member keeps beside its parity the stripes record (payload lengths, each parity block's crc32c) and the
+manifests of its group, so a member that lost its RAM gets its shard back: in each stripe it gave a chunk
+to, ``data`` of the surviving pieces come to it block by block, a parity block checked against its crc
+before it is sent, and it decodes its chunk (XOR for ``parity=1``); the rebuilt shard is verified against
+its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
+plan finds the step not gettable from this tier (:meth:`ErasureCodedTier.rebuildable`) and falls back to a
+slower tier, or raises CheckpointLostError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import _args, _blocks
+from .._fileio import make_private_dir
+from .._stages import describe, operation, stage
+from .._worker import BACKGROUND_NICE
+from ..errors import ArgumentError, ChecksumError, TierfsError
+from ..format import MARKER, Manifest, crc32c, manifest_filename
+from ..policies import LatestN, PreservationPolicy, SavePolicy
+from ..ranks.agree import any_rank
+from . import _erasure
+from ._stripes import BLOCK, Payload, Stripes, ec_groups
+from .base import Capacity, FailedCopy, Fetched, Pace, ReceiveInto, Replicator, Tier
+from .memory import MemoryTier
+from .peer import _Replicas
+
+log = logging.getLogger("tierfs")
+
+PARITY, STRIPES = "parity.bin", "stripes.json"
+TAIL = 8  # bytes after every block on the wire: its crc32c (uint32), whether it is good (1), padding
+
+__all__ = ["ErasureCodedTier"]
+
+
+class ErasureCodedTier(Replicator):
+    """Parity of each group's shards in its members' RAM: any ``parity`` lost nodes of a group are rebuilt.
+
+    Place it after the RAM tier, where a :class:`~tierfs.tiers.PeerTier` would go:
+    ``TieredStore([MemoryTier(...), ErasureCodedTier(data=4, parity=1), ObjectTier(url)])``.
+
+    Parameters
+    ----------
+    data, parity:
+        Each group has ``data + parity`` members on distinct nodes and survives the loss of any ``parity``
+        of them, for ``parity/data`` of a shard of RAM per rank and kept step (a replica costs a whole
+        shard). ``parity=1`` is XOR; more needs the ``erasure`` extra. See the module docstring for the
+        groups when the node count is not a multiple of ``data + parity``.
+    save, keep:
+        Policies. By default the tier follows the RAM tier's save policy and keeps the latest step.
+    backend, connections, node_rank, name:
+        As for :class:`~tierfs.tiers.PeerTier`.
+    block:
+        Bytes of a piece moved, checked and encoded at a time (the working buffers are a few per stripe).
+    """
+
+    def __init__(self, data: int = 4, parity: int = 1, *, save: SavePolicy | None = None,
+                 keep: PreservationPolicy | None = None, backend: str = "gloo", connections: int = 2,
+                 node_rank: int | None = None, name: str = "erasure", block: int = BLOCK) -> None:
+        super().__init__(name, save, keep if keep is not None else LatestN(1))
+        _args.integer(data, "data")
+        _args.integer(parity, "parity")
+        _erasure.check_parity(data, parity)
+        _args.integer(connections, "connections")
+        _args.optional_integer(node_rank, "node_rank", minimum=0)
+        _args.name(backend, "backend")
+        _args.integer(block, "block (bytes)")
+        if block % 8:
+            raise ArgumentError(f"block must be a multiple of 8 bytes, got {block}")
+        self.data, self.parity, self.backend, self.connections = data, parity, backend, connections
+        self.block = block  # bytes of a piece moved and checked at a time
+        self._follow_ram = save is None
+        self._node_rank = node_rank
+        self._local: _Replicas | None = None
+        self._ram: MemoryTier | None = None
+        self.targets: list[list[int]] = []
+        self.nodes: list[int] = []
+        self.groups: list[list[int]] = []
+        self.group_of: list[int] = []
+
+    # -- binding ------------------------------------------------------------------------------------
+    def bind(self, first: Tier, group: Any) -> None:
+        if not isinstance(first, MemoryTier):
+            raise TierfsError("ErasureCodedTier keeps its parity in the RAM tier: put a MemoryTier first, e.g. "
+                              "TieredStore([MemoryTier(path), ErasureCodedTier(), ObjectTier(url)])")
+        if group.world_size < 2:
+            raise TierfsError("ErasureCodedTier needs a job of several processes on several nodes (torchrun with "
+                              "torch.distributed initialised); this process is alone")
+        nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
+        self.nodes = [int(n) for n in nodes]
+        self.groups = ec_groups(self.nodes, self.data, self.parity)
+        self.group_of = [0] * len(self.nodes)
+        for k, g in enumerate(self.groups):
+            for r in g:
+                self.group_of[r] = k
+        self.targets = [[x for x in self.groups[self.group_of[r]] if x != r] for r in range(len(self.nodes))]
+        self.rank = group.rank
+        if self._follow_ram:
+            self.save_policy = first.save_policy
+        self._ram = first
+        self._local = _Replicas(first.path / "erasure" / f"rank_{group.rank:05d}", first, self.name)
+        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
+                        "main": group.fork(self.backend, lanes=self.connections)}
+
+    def _group(self, role: str) -> Any:
+        groups = getattr(self, "_groups", None)
+        if groups is None:
+            raise TierfsError("ErasureCodedTier is used only through a TieredStore, which binds it to the job's ranks")
+        return groups[role]
+
+    def transfer_group(self) -> Any:
+        return self._group("main")
+
+    @property
+    def local(self) -> MemoryTier:
+        """The parity, stripes records and manifests this rank keeps, inside the RAM tier's directory."""
+        if self._local is None:
+            raise TierfsError("ErasureCodedTier is used only through a TieredStore, which binds it to the RAM tier")
+        return self._local
+
+    @property
+    def location(self) -> str:
+        return self.local.location if self._local is not None else "(not bound)"
+
+    def members(self, rank: int | None = None) -> list[int]:
+        """The ranks of ``rank``'s group (default: this rank's)."""
+        return self.groups[self.group_of[self.rank if rank is None else rank]]
+
+    # -- what this rank keeps -----------------------------------------------------------------------
+    def local_dirs(self) -> list[Path]:
+        return [self._local.path] if self._local is not None else []
+
+    def live_users(self) -> list[int]:
+        return self._local.live_users() if self._local is not None else []
+
+    def capacity(self) -> Capacity:
+        return self.local.capacity()
+
+    def open(self) -> None:
+        make_private_dir(self.local.path.parent)
+        self.local.open()
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+
+    def list_steps(self) -> dict[int, bool]:
+        return self.local.list_steps()
+
+    def delete_step(self, step: int) -> None:
+        self.local.delete_step(step)
+
+    def drop(self, step: int, rank: int) -> None:
+        log.warning("%s step %d: the rebuild of rank %d's shard failed with this rank's pieces; keeping them "
+                    "(a later save replaces them)", self.name, step, rank)
+
+    def holdings(self) -> dict[int, list[int]]:
+        """``{step: [the other members of this rank's group]}``: the shards this rank helps rebuild."""
+        others = [r for r in self.members() if r != self.rank]
+        return {s: others for s in self.local.committed_steps()}
+
+    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]]
+                    ) -> dict[tuple[int, int], list[int]]:
+        """``holders`` of a restore's plan without the shards this tier cannot rebuild: those of a group where
+        more than ``parity`` members lack the step in RAM or lack their pieces of it."""
+        out = {}
+        for (s, r), hs in holders.items():
+            group = self.members(r)
+            whole = [x for x in group if x != r and x in hs and s in fast[x]]
+            if len(group) - len(whole) <= self.parity:
+                out[(s, r)] = hs
+        return out
+
+    # -- saving: parity from the group's chunks -------------------------------------------------------
+    def replicate(self, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any], *,
+                  pairs: Sequence[tuple[int, int]] | None = None, pace: Pace | None = None,
+                  role: str = "copy", error: str | None = None) -> list[FailedCopy]:
+        """Compute and keep this rank's parity pieces of ``step`` from its group's chunks (collective).
+        ``pairs`` (a restore re-seeding a replaced node): only the members they name as receivers compute
+        theirs again. Returns the failed ``(member, receiver, reason)``, the same on every rank."""
+        from ._encoding import encode_group
+
+        g = self._group(role)
+        only = None if pairs is None else {t for _, t in pairs}
+        with operation(describe("reseed" if pairs is not None else "replication", step, self.name)), g.bounded():
+            errors, wrote = encode_group(self, g, step, marker, manifest, files, only, pace, error)
+            failed = _agree(g, errors)
+            if not failed and wrote:  # every piece of the job is in: the markers
+                try:
+                    self.local.write_marker(step, marker)
+                except (TierfsError, OSError) as e:
+                    errors = {self.rank: f"marker: {type(e).__name__}: {e}"}
+            else:
+                errors = {}
+            failed = failed or _agree(g, errors)
+            if failed and wrote:
+                self._forget(step)
+        return failed
+
+    def _forget(self, step: int) -> None:
+        try:
+            self.local.discard(step)
+            self.local.delete_step(step)
+        except Exception as e:  # noqa: BLE001 - not kept either way; logged
+            log.warning("%s step %d: could not take back the parity computed (%s)", self.name, step, e)
+
+    # -- restoring: a lost member's shard from its group's pieces -------------------------------------
+    def fetch(self, step: int, assign: Mapping[int, int], role: str = "main",
+              landing: ReceiveInto | None = None) -> Fetched | str | None:
+        """Rebuild the shards of the ranks in ``assign`` (collective): the ranks of their groups send the
+        pieces, ``assign``'s holder the stripes record and manifests. Returns, on a rebuilt rank, its shard
+        (verified against its manifest) or the reason it failed; None on other ranks."""
+        from ._encoding import rebuild_group
+
+        g = self._group(role)
+        with operation(describe("fetch", step, self.name)), g.bounded():
+            got = rebuild_group(self, g, step, assign)
+            g.barrier()  # a rank lost on the way fails the fetch here, on every rank, naming it
+        return got
+
+    # -- this rank's own pieces ------------------------------------------------------------------------
+    def own_payload(self, step: int) -> Payload:
+        """This rank's payload of ``step``, from its RAM tier."""
+        assert self._ram is not None
+        m = Manifest.from_bytes(bytes(self._ram.read_file(step, manifest_filename(self.rank))))
+        return Payload(self._ram.read_files(step, list(m.replica_files)))
+
+    def kept(self, step: int) -> tuple[Stripes, dict[str, Any], np.ndarray]:
+        """This rank's stripes record, the rest of that record (parity crcs) and its parity pieces of ``step``."""
+        record = json.loads(bytes(self.local.read_file(step, STRIPES)))
+        return Stripes.from_json(record["stripes"]), record, _blocks.as_u8(self.local.read_file(step, PARITY))
+
+
+def _agree(g: Any, errors: Mapping[int, str | None]) -> list[FailedCopy]:
+    """Every rank's failures, ``(member, receiver, reason)``, the same on every rank (one number when none)."""
+    mine = [(s, g.rank, why) for s, why in errors.items() if why]
+    if not any_rank(g, bool(mine)):
+        return []
+    return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
+
+
+def check_block(data: np.ndarray, tail: np.ndarray, what: str) -> None:
+    """Raise ChecksumError unless a received block's tail says it is good and its crc32c matches."""
+    if tail[4] != 1:
+        raise ChecksumError(f"{what}: its sender could not read it")
+    want = int(tail[:4].view(np.uint32)[0])
+    got = crc32c(data)
+    if got != want:
+        raise ChecksumError(f"{what}: checksum mismatch (sent {want:#010x}, received {got:#010x})")
+
+
+def seal(buf: np.ndarray, n: int, ok: bool) -> None:
+    """Write the tail of a block of ``n`` bytes at the start of ``buf``: its crc32c and whether it is good."""
+    buf[n:n + TAIL] = 0
+    buf[n:n + 4].view(np.uint32)[0] = crc32c(buf[:n]) if ok else 0
+    buf[n + 4] = 1 if ok else 0
+
