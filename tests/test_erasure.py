@@ -131,3 +131,5 @@ def test_4_2_two_lost_nodes_are_rebuilt_and_three_are_an_error_naming_the_loss(s
         shutil.rmtree(shm / f"node{n}")
     outs = job(6, shm, "-", "restore", "4:2")
     assert all("CheckpointLostError" in o.get("error", "") for o in outs), outs
+    assert "group [0, 1, 2, 3, 4, 5] lost 3 members [0, 2, 5], more than parity=2" in outs[0]["error"]
+    assert "step 2" in outs[0]["error"] and "'erasure'" in outs[0]["error"]  # the steps and the tiers tried

@@ -248,11 +248,12 @@ class Replicator(ABC):
         bytes in those files are undefined. Returns, on a receiving rank, the shard (every block
         checked as it landed) or the reason it failed; None on other ranks."""
 
-    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]]
-                    ) -> dict[tuple[int, int], list[int]]:
+    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]],
+                    notes: dict[int, str]) -> dict[tuple[int, int], list[int]]:
         """A restore's ``holders`` (``{(step, rank): [ranks keeping a copy of its shard]}``, the same on every
         rank) without the shards this replicator cannot give back, given the steps each rank holds in the
-        tiers before it (``fast``). A replicator whose copies stand alone (a replica) gives them all."""
+        tiers before it (``fast``); ``notes[step]`` says why, for the error should no step be left. A
+        replicator whose copies stand alone (a replica) gives them all."""
         return holders
 
     def drop(self, step: int, rank: int) -> None:

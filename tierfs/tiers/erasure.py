@@ -175,16 +175,19 @@ class ErasureCodedTier(Replicator):
         others = [r for r in self.members() if r != self.rank]
         return {s: others for s in self.local.committed_steps()}
 
-    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]]
-                    ) -> dict[tuple[int, int], list[int]]:
+    def rebuildable(self, holders: dict[tuple[int, int], list[int]], fast: Sequence[set[int]],
+                    notes: dict[int, str]) -> dict[tuple[int, int], list[int]]:
         """``holders`` of a restore's plan without the shards this tier cannot rebuild: those of a group where
-        more than ``parity`` members lack the step in RAM or lack their pieces of it."""
+        more than ``parity`` members lack the step in RAM or lack their pieces of it (``notes`` name them)."""
         out = {}
         for (s, r), hs in holders.items():
             group = self.members(r)
-            whole = [x for x in group if x != r and x in hs and s in fast[x]]
-            if len(group) - len(whole) <= self.parity:
+            missing = [x for x in group if s not in fast[x] or (x != r and x not in hs)]
+            if len(missing) <= self.parity:
                 out[(s, r)] = hs
+            elif s not in fast[r]:
+                notes[s] = (f"{self.name} group {group[:8]}{' ...' if len(group) > 8 else ''} lost {len(missing)} "
+                            f"members {missing[:8]}, more than parity={self.parity}")
         return out
 
     # -- saving: parity from the group's chunks -------------------------------------------------------

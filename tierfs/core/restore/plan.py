@@ -35,6 +35,8 @@ class RestorePlan:
     holders: dict[tuple[int, int], list[int]]
     local: dict[str, set[int]]
     fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
+    #: why the replicator cannot give back shards of a step (e.g. a group that lost more than its parity)
+    notes: dict[int, str] = field(default_factory=dict)
 
     @property
     def every(self) -> set[int]:
@@ -57,7 +59,7 @@ class RestorePlan:
                                         f"{lacking[:8]} lack it); available: {sorted(common)[-10:]}")
             return [step]
         if not common:
-            lost = lost_steps(gettable, tiers)
+            lost = lost_steps(gettable, tiers, self.notes)
             if lost is not None:
                 raise lost
             raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
@@ -75,7 +77,8 @@ class RestorePlan:
                 if t not in self.holders.get((step, r), [])]
 
 
-def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLostError | None:
+def lost_steps(held: Sequence[set[int]], tiers: Sequence[str],
+               notes: dict[int, str] | None = None) -> CheckpointLostError | None:
     """The error of a job whose ranks hold steps (``held[r]``: what rank ``r`` can get) none of which every
     rank can get, naming the newest of them and the ranks lacking each; None when no rank holds any or
     some step is held by every rank."""
@@ -84,7 +87,8 @@ def lost_steps(held: Sequence[set[int]], tiers: Sequence[str]) -> CheckpointLost
         return None
     newest = sorted(every, reverse=True)[:4]
     lacking = {x: [r for r, g in enumerate(held) if x not in g] for x in newest}
-    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}" for x, rs in lacking.items())
+    said = "; ".join(f"step {x}: rank(s) {rs[:8]}{' ...' if len(rs) > 8 else ''}"
+                     + (f", {notes[x]}" if notes and x in notes else "") for x, rs in lacking.items())
     return CheckpointLostError(
         f"the checkpoint is lost: steps {sorted(every)[-8:]} are held by only some ranks on {list(tiers)} and no "
         f"step by every rank (lacking {said}): those ranks' shards and every copy of them are gone (e.g. nodes "
@@ -118,9 +122,10 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
         for s, off in kept:
             holders.setdefault((s, (h - off) % n), []).append(h)
     fast = [set(v[2]) for v in views]
+    notes: dict[int, str] = {}
     if rep is not None:  # (a copy that needs several ranks, as erasure coding's, says which it can rebuild)
-        holders = rep.rebuildable(holders, fast)
-    return RestorePlan([set(v[0]) for v in views], holders, local, fast)
+        holders = rep.rebuildable(holders, fast, notes)
+    return RestorePlan([set(v[0]) for v in views], holders, local, fast, notes)
 
 
 def error_kind(e: BaseException) -> type[TierfsError]:
