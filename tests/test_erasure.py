@@ -93,6 +93,7 @@ def test_4_1_a_lost_node_is_rebuilt_bit_exact(saved_4_1, tmp_path):
     outs = job(5, shm, saved_4_1 / "obj", "restore", "4:1")
     assert all(o.get("exact") and o["step"] == 2 for o in outs), outs
     assert [r["tier"] for r in outs[0]["ranks"]] == ["ram", "ram", "erasure", "ram", "ram"]
+    assert outs[2]["held"] == {"2": [0, 1, 3, 4]}  # the replaced node keeps its parity pieces again
 
 
 def test_4_1_damaged_parity_is_detected_and_the_object_tier_serves(saved_4_1, tmp_path):

@@ -57,8 +57,9 @@ def main() -> None:
             out.update(step=info.step, tier=info.tier, skipped=[list(x) for x in info.skipped],
                        exact=all(target[k].tobytes() == want[k].tobytes() for k in ("w", "b", "h"))
                        and target["step"] == info.step)
-            store.wait_until_finished()
+            store.wait_until_finished()  # the replaced node's parity pieces are computed again meanwhile
             out["ranks"] = info.ranks
+            out["held"] = {str(k): v for k, v in ec.holdings().items()}
         except TierfsError as e:
             out["error"] = f"{type(e).__name__}: {e}"
     store.close()
