@@ -43,6 +43,17 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _parities(text: str) -> list[pl.Erasure]:
+    """``--parity 4+1,4+2``: erasure codes, DATA+PARITY each."""
+    out: list[pl.Erasure] = []
+    for item in text.split(","):
+        try:
+            out.append(pl.parse_erasure(item))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return out
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The job, its failures, the tiers' bandwidths and the RAM tier: ``plan``'s and ``simulate``'s arguments."""
     g = p.add_argument_group("model and cluster")
@@ -98,7 +109,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replicas", type=nonneg_int, default=1, metavar="N",
                    help="peer copies of each host's shard (default 1; 0: no peer tier)")
     r.add_argument("--replica-keep", type=positive_int, default=1, metavar="N",
-                   help="steps of each replica a host keeps (default 1)")
+                   help="steps of each replica (or of parity) a host keeps (default 1)")
+    r.add_argument("--parity", type=_parities, action="extend", metavar="D+P[,D+P...]",
+                   help="compare an erasure-coded peer tier, ErasureCodedTier(data=D, parity=P), e.g. 4+1, with "
+                        "replicas=1 and 2: RAM per host, bytes sent per save, probability of losing a step")
     r.add_argument("--headroom", type=_nonneg_float, default=0.15, metavar="F",
                    help="RAM headroom fraction (default 0.15)")
     r.add_argument("--background-slowdown", type=parse_fraction, default=pl.DEFAULT_BACKGROUND_SLOWDOWN,
@@ -149,7 +163,7 @@ def inputs_from_args(args: argparse.Namespace) -> pl.PlanInputs:
         object_total=args.object_total_bw, keep=args.keep, in_flight=args.in_flight, replicas=args.replicas,
         replica_keep=args.replica_keep, headroom=args.headroom, background_slowdown=args.background_slowdown,
         intervals=intervals, saves_per_mttf=args.saves_per_mttf, max_object_interval=args.max_object_interval,
-        data_parallel=args.data_parallel, **bw)
+        data_parallel=args.data_parallel, erasure=tuple(dict.fromkeys(args.parity or ())), **bw)
 
 
 def intervals_from_config(path: str, step_time: float | None) -> dict[str, float]:
@@ -236,7 +250,8 @@ def add_commands(sub: Any) -> None:
         "(measured with 'tierfs bench' or given): RAM per host for the RAM tier (own steps, steps in flight, "
         "replicas held for others), each tier's save interval (Young/Daly, then the goodput maximum), the "
         "expected goodput of object storage alone, RAM + object and RAM + peers + object, and the write "
-        "bandwidth each tier needs. Sizes take units: 70B params, 5TB, 5GB/s, 124min."))
+        "bandwidth each tier needs; with --parity, the peer tier as replicas against erasure coding (RAM, "
+        "network, probability of losing a step). Sizes take units: 70B params, 5TB, 5GB/s, 124min."))
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_plan)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Any
 
 from .. import planning as pl
-from ..planning import coordination
+from ..planning import coordination, layouts
+from ..planning.losses import LossCount, count_losses
 from .._readable import duration, rate, size
 from .plan import add_model_args, inputs_from_args, usage_errors
 from .numbers import int_at_least, parse_count, parse_duration
@@ -47,6 +49,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sizes = args.sizes or [base.accelerators]
     rows: list[tuple[int, sim.SimResult, float]] = []
     stores: list[tuple[int, int, float, float, float]] = []  # the object store at each size
+    losses: list[tuple[int, layouts.Comparison, int, list[LossCount]]] = []  # the peer tier's layouts at each size
     for i, n in enumerate(sizes):
         p = pl.scaled(base, n, args.accelerator_mttf, args.accelerators_per_host) if args.sizes else base
         if p.mttf is None:
@@ -60,10 +63,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         best = max(plan.strategies, key=lambda sp: sp.goodput)
         write = max((t.bandwidth_total for t in best.tiers if t.name == "object"), default=0.0)
         stores.append((n, p.hosts, p.checkpoint, p.checkpoint * p.data_parallel, write))
+        if p.erasure:
+            losses.append(_losses(n, plan, args, args.seed + i))
     if args.json:
         store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write,
                         "coordination_per_save": dataclasses.asdict(coordination.per_save(n))}
                     for n, _, once, _, write in stores}
+        for n, c, per_run, counts in losses:
+            store_of[n]["peer_layouts"] = {**layouts.layouts_to_dict(c), "intervals_per_run": per_run, "simulated": [
+                {"layout": k.layout, "intervals": k.intervals, "lost": k.lost, "ci95": list(k.ci95)} for k in counts]}
         print(json.dumps([{"accelerators": n, "plan_goodput": g, **store_of[n], **r.as_dict()} for n, r, g in rows],
                          indent=2))
     else:
@@ -81,6 +89,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print()
         print(_coordination([n for n, *_ in stores]))
         print()
+        if losses:
+            print(_format_losses(losses, args.runs))
+            print()
         print(sim.LEGEND)
     if args.plot:
         try:
@@ -91,6 +102,45 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _losses(n: int, plan: pl.Plan, args: argparse.Namespace,
+            seed: int) -> tuple[int, layouts.Comparison, int, list[LossCount]]:
+    """The peer tier's layouts at one size: the formula's probability of losing a step, and a Monte-Carlo of
+    node losses over ``--runs`` x ``--work`` in save intervals counting the steps each layout loses."""
+    c = layouts.compare(plan)
+    if c.interval is None or c.node_mtbf is None:
+        return n, c, 0, []
+    per_run = max(1, math.ceil(args.work / c.interval))
+    counts = count_losses(c.hosts, [lay.spec for lay in c.layouts], c.node_mtbf, c.interval, args.runs * per_run,
+                          seed=seed)
+    return n, c, per_run, counts
+
+
+def _format_losses(losses: list[tuple[int, layouts.Comparison, int, list[LossCount]]], runs: int) -> str:
+    """The layouts' lost steps at each size: the formula next to the Monte-Carlo."""
+    table = [("accelerators", "hosts", "interval", "layout", "P(step lost)", "simulated [95% CI]", "lost/run",
+              "simulated")]
+    for n, c, per_run, counts in losses:
+        if not counts:
+            table.append((str(n), str(c.hosts), "-", "-", "-", f"needs a save interval: {c.interval_from}", "-", "-"))
+            continue
+        for i, (lay, k) in enumerate(zip(c.layouts, counts)):
+            lo, hi = k.ci95
+            loss = lay.loss or 0.0
+            table.append((str(n) if i == 0 else "", str(c.hosts) if i == 0 else "",
+                          duration(c.interval or 0.0) if i == 0 else "", lay.name, layouts.probability(lay.loss),
+                          f"{k.lost:,} in {k.intervals:,} [{layouts.probability(lo)}, {layouts.probability(hi)}]",
+                          f"{loss * per_run:.2g}", f"{k.lost / runs:.2g}"))
+    widths = [max(len(r[col]) for r in table) for col in range(len(table[0]))]
+    lines = ["  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(
+        ["peer tier: steps lost within a save interval (a node and all its replica holders, or more than parity "
+         "nodes of one group,", "lose their RAM in it), the formula and a Monte-Carlo of independent node losses "
+         "over --runs x --work in save intervals"] + lines
+        + ["  P(step lost): the formula, as 'tierfs plan --parity' prints it; simulated: intervals that lost their "
+           "step, of those simulated,", "  with a 95% interval (Clopper-Pearson); lost/run: steps lost per run of "
+           "--work, P(step lost) x intervals per run, then simulated"])
 
 
 def _coordination(sizes: list[int]) -> str:
@@ -130,7 +180,8 @@ def add_commands(sub: Any) -> None:
         "recovery from RAM, peer or object tier) with the intervals 'tierfs plan' chooses, for one cluster "
         "(--hosts/--accelerators) or several sizes (--sizes with --accelerator-mttf). Needs a failure rate "
         "(--mttf or --accelerator-mttf) and at least the object store's bandwidth. Prints goodput, job time, "
-        "work lost and time recovering with 95% confidence intervals, next to the plan's goodput."))
+        "work lost and time recovering with 95% confidence intervals, next to the plan's goodput; with --parity, "
+        "the steps each peer-tier layout loses to node losses, formula and simulated."))
     add_model_args(p)
     add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .erasure import Erasure, group_sizes
+
 #: the slowdown of training while a background copy runs, as a fraction of the copy's duration: tierfs's
 #: default throttle measured +3.5% (-0.8% to +5.7%) on a training loop (docs/performance.md); 5% is the
 #: bound it is held to
@@ -54,6 +56,9 @@ class PlanInputs:
         ``checkpoint * data_parallel / hosts``, the object store takes each distinct byte once (the upload
         spread over every host), and a lost node's state is in the RAM of the hosts holding the same
         part, so peers replicate nothing.
+    erasure : tuple of Erasure
+        Erasure codes (``4+1``: ``ErasureCodedTier(data=4, parity=1)``) to compare with replicas=1 and 2
+        (:mod:`.layouts`): RAM per host and the probability of losing a step; empty: no comparison.
     """
 
     checkpoint: float
@@ -81,6 +86,7 @@ class PlanInputs:
     saves_per_mttf: float | None = None
     max_object_interval: float = 3600.0
     data_parallel: int = 1
+    erasure: tuple[Erasure, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.checkpoint > 0:
@@ -109,6 +115,8 @@ class PlanInputs:
             raise ValueError("saves per MTTF must be positive")
         if not 1 <= self.data_parallel <= self.hosts:
             raise ValueError(f"data-parallel degree {self.data_parallel} must be from 1 to the hosts ({self.hosts})")
+        for code in self.erasure:
+            group_sizes(self.hosts, code.data, code.parity)  # ValueError when too few hosts
 
     @property
     def shard(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .layouts import compare, format_layouts, layouts_to_dict
 from .optimise import Plan
 from .._readable import duration, rate, size
 
@@ -88,6 +89,8 @@ def format_plan(plan: Plan) -> str:
                              duration(c.recovery)))
         out += _table(rows)
         out += ["", "columns"] + _table([(name, text) for name, text in _LEGEND])
+    if p.erasure:
+        out += [""] + format_layouts(compare(plan))
     notes = list(plan.notes) + [n for sp in plan.strategies for n in sp.strategy.notes]
     if notes:
         out += [""] + [f"note: {n}" for n in notes]
@@ -120,6 +123,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "classes": [{"name": c.name, "probability": c.probability, "tier": c.tier, "recovery_s": c.recovery}
                         for c in sp.strategy.classes],
             "notes": list(sp.strategy.notes)})
+    if p.erasure:
+        out["peer_layouts"] = layouts_to_dict(compare(plan))
     return out
 
 
