@@ -263,3 +263,17 @@ print(torch.cuda.is_initialized())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_an_optimizer_loaded_again_is_read_again(shm_dir: str) -> None:
+    """What an overlapped save leaves running is found by address; a load of the optimizer's state makes new
+    state tensors, whose copies must still be left running (and nothing else)."""
+    from tierfs._device import Overlap
+
+    m, opt = model_and_optimizer(6)
+    before = Overlap.of(opt)
+    opt.load_state_dict(snapshot(opt.state_dict()))  # new exp_avg / exp_avg_sq tensors
+    after = Overlap.of(opt)
+    assert all(after.later(v) for s in opt.state.values() for v in s.values() if v.numel())
+    assert all(after.later(p.detach()) for p in m.parameters())
+    assert not after.later(m[1].running_mean) and not before.later(m[1].running_mean)

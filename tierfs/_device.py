@@ -49,19 +49,45 @@ def on_cuda(t: Any) -> bool:
 
 
 # -- what an overlapped save may leave running ----------------------------------------------------------
-def storage_of(t: Any) -> int:
-    """The address of tensor ``t``'s storage (a DTensor's local shard's)."""
+def address_of(t: Any) -> int:
+    """Where tensor ``t``'s first element is (a DTensor's local shard's): a state dict's tensors are views of
+    the parameters and optimizer state at their start, so they share it."""
     local = getattr(t, "_local_tensor", None)
-    return int((local if local is not None else t).untyped_storage().data_ptr())
+    return int((local if local is not None else t).data_ptr())
+
+
+def _optimizer_addresses(opt: Any) -> set[int]:
+    """The addresses of an optimizer's parameters and state tensors, worked out again only when its
+    parameters or the tensors of its state change (kept with the optimizer)."""
+    torch = _torch()
+    groups = opt.param_groups
+    key = (len(opt.state), tuple((len(g["params"]), address_of(g["params"][0]) if g["params"] else 0)
+                                 for g in groups))
+    got = _addresses.get(opt)
+    if got is not None and got[0] == key:
+        return got[1]
+    if opt not in _hooked and hasattr(opt, "register_load_state_dict_post_hook"):  # a load: new state tensors
+        opt.register_load_state_dict_post_hook(lambda o: _addresses.pop(o, None))
+        _hooked.add(opt)
+    out = {address_of(p) for g in groups for p in g["params"] if p.numel()}
+    for st in opt.state.values():
+        out.update(address_of(v) for v in st.values() if isinstance(v, torch.Tensor) and v.numel())
+    _addresses[opt] = (key, out)
+    return out
+
+
+#: each optimizer's addresses, with what they were worked out from
+_addresses: "weakref.WeakKeyDictionary[Any, tuple[Any, set[int]]]" = weakref.WeakKeyDictionary()
+_hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 @dataclass
 class Overlap:
     """What ``save(..., overlap=...)`` names: the optimizers (a step pre-hook waits for the copies) and the
-    storages of the tensors whose copies may run on after ``save`` returns."""
+    addresses of the tensors whose copies may run on after ``save`` returns."""
 
     optimizers: list[Any]
-    storages: set[int]
+    addresses: set[int]
 
     @classmethod
     def of(cls, overlap: Any) -> "Overlap | None":
@@ -78,26 +104,24 @@ class Overlap:
         except TypeError:
             raise ArgumentError(what + f"a {type(overlap).__name__}") from None
         optimizers: list[Any] = []
-        storages: set[int] = set()
+        addresses: set[int] = set()
         for x in items:
             if isinstance(x, torch.optim.Optimizer):
                 optimizers.append(x)
-                for g in x.param_groups:
-                    storages.update(storage_of(p) for p in g["params"])
-                for s in x.state.values():
-                    storages.update(storage_of(v) for v in s.values() if isinstance(v, torch.Tensor))
+                addresses |= _optimizer_addresses(x)
             elif isinstance(x, torch.Tensor):
-                storages.add(storage_of(x))
+                if x.numel():
+                    addresses.add(address_of(x))
             else:
                 raise ArgumentError(f"overlap= takes optimizers or tensors, got a {type(x).__name__}")
         if not items:
             raise ArgumentError("overlap= names no optimizer or tensor (a generator such as model.parameters() "
                                 "used up already?); pass a list: list(model.parameters())")
-        return cls(optimizers, storages)
+        return cls(optimizers, addresses)
 
     def later(self, value: Any) -> bool:
         """Whether the copy of ``value`` may still run when ``save`` returns."""
-        return storage_of(value) in self.storages
+        return value.data_ptr() in self.addresses
 
 
 # -- save: device to host -------------------------------------------------------------------------------
