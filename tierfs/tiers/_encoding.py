@@ -66,6 +66,7 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
     width = max((b - a for a, b in blocks), default=0) + TAIL
     sbuf = [np.zeros(width, np.uint8) for _ in mine]
     rbuf = {(j, x): np.zeros(width, np.uint8) for j, _ in kept for x in stripes.data_members(j)}
+    spare = [np.empty(width, np.uint8) for _ in range(p)]  # the parity pieces others keep, computed alongside
     errors: dict[int, str | None] = {}
     parity = np.empty(0, np.uint8)
     if kept:
@@ -95,7 +96,7 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
                                     f"chunk for stripe {j}")
                         pieces.append(buf[:n])
                     dst = parity[q * c + a:q * c + b]
-                    dst[:] = _erasure.encode(pieces, p)[t]
+                    _erasure.encode(pieces, p, out=[dst if u == t else spare[u][:n] for u in range(p)])
                     crcs[q].append(crc32c(dst))
                 except (TierfsError, ValueError) as e:
                     errors[tier.rank] = f"{type(e).__name__}: {e}"
@@ -194,7 +195,7 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
                                         f"rank {members[x]}")
                             pieces[pos] = buf[:n]
                     k, want = stripes.stripes_of(i).index(j), stripes.data_members(j).index(i)
-                    payload[k * c + a:k * c + b] = _erasure.decode(pieces, d, p, [want])[want]
+                    _erasure.decode(pieces, d, p, [want], out={want: payload[k * c + a:k * c + b]})
             except (TierfsError, ValueError) as e:
                 failed = f"{type(e).__name__}: {e}"
     if payload is None:
