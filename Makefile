@@ -29,7 +29,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet -d $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d $(VENV)/site
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
 
 # the docs site (mkdocs, material theme, API reference from the docstrings) in site/

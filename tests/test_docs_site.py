@@ -44,7 +44,7 @@ def site(tmp_path_factory) -> Path:
     if (made / "index.html").is_file() and (made / "index.html").stat().st_mtime > _newest_source():
         return made
     out = tmp_path_factory.mktemp("site")
-    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(out)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
                        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"mkdocs build --strict failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return out
