@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _blocks
 from .._stages import stage
-from ..errors import FormatError, TierfsError
+from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
 from . import _erasure
 from ._stripes import Payload, Stripes, pack, split, unpack
@@ -144,6 +144,9 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
     stripes = Stripes.from_json(rec["stripes"])
     c, blocks, d = stripes.chunk, stripes.blocks(), stripes.d
     li = [members.index(q) for q in lost]
+    if p == 1:
+        got_back = _rebuild_xor(tier, g, step, stripes, members.index(me), li[0])
+        return _shard(got_back, stripes, blobs, lost, members.index(me))
     moves = []  # (sender index, receiver index, stripe, position among the stripe's pieces)
     for lx in li:
         for j in stripes.stripes_of(lx):
@@ -198,10 +201,15 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
                     _erasure.decode(pieces, d, p, [want], out={want: payload[k * c + a:k * c + b]})
             except (TierfsError, ValueError) as e:
                 failed = f"{type(e).__name__}: {e}"
-    if payload is None:
-        return None
-    if failed:
-        return failed
+    return _shard(failed if failed else payload, stripes, blobs, lost, i)
+
+
+def _shard(got: np.ndarray | str | None, stripes: Stripes, blobs: list[bytes], lost: list[int], i: int
+           ) -> Fetched | str | None:
+    """A rebuilt payload as the shard it was (verified against its manifest), or why not; None: not rebuilt here."""
+    if got is None or isinstance(got, str):
+        return got
+    payload, me = got, stripes.members[i]
     try:
         marker, mbytes = blobs[0], blobs[1 + lost.index(me)]
         manifest = Manifest.from_bytes(mbytes)
@@ -213,3 +221,73 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
     except (TierfsError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return manifest, mbytes, marker, files
+
+
+def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i: int, lost: int
+                 ) -> np.ndarray | str | None:
+    """``parity=1``: each stripe's parity holder XORs the survivors' chunks into its parity block and sends
+    the lost member only the result, so that member takes in its shard's bytes once (not ``data`` times).
+    Returns the lost member's payload (or why not) on it, None elsewhere."""
+    from .erasure import TAIL, check_block, seal
+
+    members, c, blocks = stripes.members, stripes.chunk, stripes.blocks()
+    mine = stripes.stripes_of(lost)  # the stripes the lost member gave a chunk to, in chunk order
+    combiner = {j: stripes.holders(j)[0] for j in mine}
+    feeds = [(x, j) for j in mine for x in stripes.data_members(j) if x != lost]  # (survivor, stripe)
+    width = max((b - a for a, b in blocks), default=0) + TAIL
+    outs = {(x, j): np.zeros(width, np.uint8) for x, j in feeds if x == i}
+    ins = {(x, j): np.zeros(width, np.uint8) for x, j in feeds if combiner[j] == i}
+    comb = {j: np.zeros(width, np.uint8) for j in mine if combiner[j] == i}
+    back = {j: np.zeros(width, np.uint8) for j in mine} if i == lost else {}
+    own, parity, sums, why = None, None, {}, None
+    try:
+        if outs:
+            own = tier.own_payload(step)
+        if comb:
+            kept, record, parity = tier.kept(step)
+            if kept != stripes:
+                raise FormatError(f"rank {members[i]} keeps other stripes of step {step}")
+            sums = {jt[0]: (q, record["crcs"][q]) for q, jt in enumerate(stripes.kept(i))}
+    except (TierfsError, OSError, ValueError, KeyError) as e:
+        why = f"rank {members[i]}: {type(e).__name__}: {e}"
+    payload = np.zeros(stripes.d * c, np.uint8) if i == lost else None
+    failed: str | None = None
+    with stage("fetch", step, tier.name):
+        for bi, (a, b) in enumerate(blocks):
+            n = b - a
+            for (x, j), buf in outs.items():
+                if why is None:
+                    assert own is not None
+                    own.read(stripes.stripes_of(x).index(j) * c + a, buf[:n])
+                seal(buf, n, why is None)
+            g.exchange([(members[combiner[j]], buf[:n + TAIL]) for (_, j), buf in outs.items()],
+                       [(members[x], buf[:n + TAIL]) for (x, _), buf in ins.items()])
+            for j, buf in comb.items():  # this holder's parity block, XORed with the survivors' chunks
+                ok = why is None
+                try:
+                    if ok:
+                        assert parity is not None
+                        q, crcs = sums[j]
+                        buf[:n] = parity[q * c + a:q * c + b]
+                        if crc32c(buf[:n]) != crcs[bi]:
+                            raise ChecksumError(f"rank {members[i]}'s parity of stripe {j} (bytes {a}-{b}) is damaged")
+                        for (x, jj), got in ins.items():
+                            if jj == j:
+                                check_block(got[:n], got[n:n + TAIL], f"bytes {a}-{b} of stripe {j} from rank {members[x]}")
+                                acc = buf[:n].view(np.uint64)  # (blocks are whole multiples of 8 bytes)
+                                np.bitwise_xor(acc, got[:n].view(np.uint64), out=acc)
+                except ChecksumError:
+                    ok = False
+                seal(buf, n, ok)
+            g.exchange([(members[lost], buf[:n + TAIL]) for buf in comb.values()],
+                       [(members[combiner[j]], buf[:n + TAIL]) for j, buf in back.items()])
+            if payload is None or failed:
+                continue
+            for k, j in enumerate(mine):
+                try:
+                    check_block(back[j][:n], back[j][n:n + TAIL], f"step {step}: bytes {a}-{b} of stripe {j}, "
+                                f"combined by rank {members[combiner[j]]}")
+                    payload[k * c + a:k * c + b] = back[j][:n]
+                except TierfsError as e:
+                    failed = f"{type(e).__name__}: {e}"
+    return failed if failed else payload
