@@ -10,10 +10,11 @@ saved only once every parity piece of the job is computed from verified blocks; 
 its marker, as the peer tier does.
 
 A member keeps beside its parity the stripes record (payload lengths, each parity block's crc32c) and the
-manifests of its group, so a member that lost its RAM gets its shard back: in each stripe it gave a chunk
-to, ``data`` of the surviving pieces come to it block by block, a parity block checked against its crc
-before it is sent, and it decodes its chunk (XOR for ``parity=1``); the rebuilt shard is verified against
-its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
+manifests of its group, so a member that lost its RAM gets its shard back, each chunk block by block: with
+``parity=1`` the stripe's parity holder XORs the survivors' chunks into its parity block (checked against
+its crc first) and sends the result, so the lost member takes in its shard's bytes once; with more,
+``data`` of the surviving pieces come to it and it decodes its chunk. The rebuilt shard is verified
+against its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
 plan finds the step not gettable from this tier (:meth:`ErasureCodedTier.rebuildable`) and falls back to a
 slower tier, or raises CheckpointLostError.
 """
