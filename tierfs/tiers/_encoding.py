@@ -74,16 +74,22 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
             tier.local.delete_step(step)
         parity = tier.local.buffers(step, {PARITY: len(kept) * c})[PARITY]
     crcs: list[list[int]] = [[] for _ in kept]
+    def sent(x: int, j: int, a: int) -> bool:  # blocks wholly past a payload's end are zeros: not sent
+        return stripes.stripes_of(x).index(j) * c + a < stripes.lengths[x]
+
     with stage("replication", step, tier.name):
         for a, b in blocks:
             n = b - a
             sends = []
             for k, j in enumerate(mine):
+                if not sent(me, j, a):
+                    continue
                 assert payload is not None
                 payload.read(k * c + a, sbuf[k][:n])
                 seal(sbuf[k], n, True)
                 sends += [(members[h], sbuf[k][:n + TAIL]) for h in stripes.holders(j) if h in receivers]
-            recvs = [(members[x], rbuf[j, x][:n + TAIL]) for j, _ in kept for x in stripes.data_members(j)]
+            recvs = [(members[x], rbuf[j, x][:n + TAIL]) for j, _ in kept for x in stripes.data_members(j)
+                     if sent(x, j, a)]
             g.exchange(sends, recvs, pace=pace)
             for q, (j, t) in enumerate(kept):
                 if errors.get(tier.rank):
@@ -92,8 +98,11 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
                     pieces = []
                     for x in stripes.data_members(j):
                         buf = rbuf[j, x]
-                        check_block(buf[:n], buf[n:n + TAIL], f"step {step}: bytes {a}-{b} of rank {members[x]}'s "
-                                    f"chunk for stripe {j}")
+                        if not sent(x, j, a):
+                            buf[:n] = 0
+                        else:
+                            check_block(buf[:n], buf[n:n + TAIL], f"step {step}: bytes {a}-{b} of rank "
+                                        f"{members[x]}'s chunk for stripe {j}")
                         pieces.append(buf[:n])
                     dst = parity[q * c + a:q * c + b]
                     _erasure.encode(pieces, p, out=[dst if u == t else spare[u][:n] for u in range(p)])
