@@ -175,6 +175,14 @@ class Copies:
             self._finish()
         self._raise()
 
+    def settle(self) -> None:
+        """Wait until every copy has ended, failed or not (no copy may write into a buffer that goes), raising
+        nothing: whoever waits with :meth:`wait` hears of a failure."""
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - raised by wait() to its callers
+            pass
+
     def wait_first(self) -> None:
         """Wait for the copies that ``save`` waits for in an overlapped save (all but the ``later`` ones)."""
         self._wait([c for c in self._chunks if not c.later])

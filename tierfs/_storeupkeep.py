@@ -1,6 +1,6 @@
 """The part of :class:`~tierfs.TieredStore`'s interface that looks after its background work and its steps'
-retention: waiting for the commits and copies, raising their failures, applying the keep policies now,
-deleting a step."""
+retention: waiting for the commits and copies (a save's from GPU memory too), raising their failures,
+applying the keep policies now, deleting a step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from typing import Sequence
 
 from . import _args
 from ._calls import Calls, serial
+from ._device import Copies
 from .core.context import Context
 from .core.retention import Retention
+from .core.saving import SavePath
 from .errors import TierfsError
 
 log = logging.getLogger("tierfs")
@@ -23,6 +25,7 @@ class Upkeep:
     _ctx: Context
     _retention: Retention
     _calls: Calls
+    _saving: SavePath
 
     # -- background ---------------------------------------------------------------------------------
     def raise_background_errors(self) -> None:
@@ -36,6 +39,14 @@ class Upkeep:
     def wait_until_finished(self) -> None:
         """Block until every background commit, copy and deletion is done; raise the first failure."""
         self._ctx.work.finish()
+
+    @property
+    def copies(self) -> Copies | None:
+        """The newest save's copies from GPU memory (and an overlapped save's), or None when that save left
+        none to tierfs's copy thread: ``wait()`` returns once they are complete (raising
+        :class:`~tierfs.errors.DeviceError` if one failed), ``done()`` says whether they are."""
+        copies: Copies | None = self._saving.copies
+        return copies
 
     # -- retention ----------------------------------------------------------------------------------
     @serial

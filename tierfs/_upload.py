@@ -86,3 +86,18 @@ class Upload:
             s.synchronize()
             torch.cuda.current_stream(d).wait_stream(s)
         self._streams.clear()
+
+
+def restore_device(device: Any, zero_copy: Any) -> Any:
+    """``restore``'s ``device=`` as the CUDA device new tensors go to (None: the host)."""
+    if device is None:
+        return None
+    dev = device_of(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ArgumentError(f"device={device!r}: restore makes tensors on a CUDA device or the CPU")
+    if zero_copy:
+        raise ArgumentError("zero_copy=True gives views of the RAM tier's host pages: it cannot be combined with "
+                            f"device={device!r}")
+    return dev

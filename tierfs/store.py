@@ -16,8 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from . import _args, _exit, _lifecycle, state as st
 from ._calls import Calls, serial
-from ._device import Copies
-from ._upload import device_of
+from ._upload import restore_device
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
@@ -247,12 +246,10 @@ class TieredStore(ShardReads, Upkeep):
         ranks check, from their checksums, that they do hold the same values (else the step is not
         committed).
 
-        GPU tensors are copied straight into the RAM tier's page-locked buffers, and ``save`` waits for those
-        copies alone (CUDA events), never for the whole device. ``overlap`` (an optimizer, a list of them,
-        or tensors such as ``model.parameters()``) with ``blocking=False``: the copies of the tensors it
-        names (the parameters and the optimizers' state) may still run when ``save`` returns; each named
-        optimizer's next ``step()`` waits for them first, and :attr:`copies` is the handle to wait on
-        otherwise. Every other tensor is copied before ``save`` returns. See the GPU guide.
+        GPU tensors are copied straight into the RAM tier's page-locked buffers; ``save`` waits for those
+        copies alone. ``overlap`` (optimizers, or tensors such as ``model.parameters()``) with
+        ``blocking=False``: the copies of what it names may run on after ``save`` returns, each named
+        optimizer's next ``step()`` waiting for them (:attr:`copies` otherwise). See the GPU guide.
         """
         self._check_open()
         self._check_order(step)
@@ -263,14 +260,6 @@ class TieredStore(ShardReads, Upkeep):
         if saved:
             self._calls.saved(_args.step(step), self._ctx.ledger.restored)
         return saved
-
-    @property
-    def copies(self) -> Copies | None:
-        """The newest save's copies from GPU memory (and an overlapped save's), or None when that save left
-        none to tierfs's copy thread: ``wait()`` returns once they are complete (raising
-        :class:`~tierfs.errors.DeviceError` if one failed), ``done()`` says whether they are."""
-        copies: Copies | None = self._saving.copies
-        return copies
 
     # -- restore (collective) -----------------------------------------------------------------------
     def restore(self, step: int | None = None, *, tiers: Sequence[str] | None = None, zero_copy: bool = False,
@@ -283,7 +272,7 @@ class TieredStore(ShardReads, Upkeep):
         peers keep the store's). ``device`` (e.g. ``"cuda:0"``): torch tensors are made there, each block
         copied from the verified RAM tier's pages as the next is verified (numpy arrays stay on the host).
         """
-        sink = NewArrays(zero_copy, _restore_device(device, zero_copy))
+        sink = NewArrays(zero_copy, restore_device(device, zero_copy))
         info = self._restore(step, tiers, sink, timeout, lambda: _args.flag(zero_copy, "zero_copy"))
         return st.unflatten(sink.values), info
 
@@ -407,17 +396,3 @@ class TieredStore(ShardReads, Upkeep):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _restore_device(device: Any, zero_copy: Any) -> Any:
-    """``restore``'s ``device=`` as the CUDA device new tensors go to (None: the host)."""
-    if device is None:
-        return None
-    dev = device_of(device)
-    if dev.type == "cpu":
-        return None
-    if dev.type != "cuda":
-        raise ArgumentError(f"device={device!r}: restore makes tensors on a CUDA device or the CPU")
-    if zero_copy:
-        raise ArgumentError("zero_copy=True gives views of the RAM tier's host pages: it cannot be combined with "
-                            f"device={device!r}")
-    return dev

@@ -55,6 +55,11 @@ class Staged:
     commit: str | None = None  # the save's id (in its marker and manifest)
     copies: Any = None  # the copies still running on the copy thread (tierfs._device.Copies), or None
 
+    def settle(self) -> None:
+        """Wait for the copies into the buffers to end, failed or not, before the buffers go."""
+        if self.copies is not None:
+            self.copies.settle()
+
     def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
         """The manifest (built off the caller's thread), without checksums."""
         m = self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
@@ -275,7 +280,7 @@ class SavePath:
                     vote.maxes = [int(bool(held))]
                     vote.sums = [manifest.nbytes, *manifest_digest(rank, crc32c(mbytes))]
                 except BaseException:
-                    _settle(staged)
+                    staged.settle()
                     p.staging.discard(step)
                     raise
             if vote.max[0]:  # on every rank alike: all raise, or none
@@ -285,7 +290,7 @@ class SavePath:
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)
-            _settle(staged)
+            staged.settle()
             p.staging.discard(step)
             p.ledger.abandon(step)
             raise
@@ -393,13 +398,3 @@ class SavePath:
         log.info("step %d replicated to peers: %s sent in %s", step, _readable.Bytes(nbytes),
                  _readable.Seconds(time.perf_counter() - t0))
         return True
-
-
-def _settle(staged: Staged) -> None:
-    """Wait for a staged step's copies to end (failed or not) before its buffers go: no copy may write into
-    a buffer that is unmapped or given to another step."""
-    if staged.copies is not None:
-        try:
-            staged.copies.wait()
-        except BaseException:  # noqa: BLE001 - the caller raises its own error
-            pass
