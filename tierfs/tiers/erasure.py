@@ -23,24 +23,21 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import _args, _blocks
-from .._fileio import make_private_dir
-from .._stages import describe, operation, stage
-from .._worker import BACKGROUND_NICE
+from .._stages import describe, operation
 from ..errors import ArgumentError, ChecksumError, TierfsError
-from ..format import MARKER, Manifest, crc32c, manifest_filename
+from ..format import Manifest, crc32c, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from ..ranks.agree import any_rank
 from . import _erasure
 from ._stripes import BLOCK, Payload, Stripes, ec_groups
-from .base import Capacity, FailedCopy, Fetched, Pace, ReceiveInto, Replicator, Tier
+from ._kept import KeptInRam
+from .base import FailedCopy, Fetched, Pace, ReceiveInto, Tier
 from .memory import MemoryTier
-from .peer import _Replicas
 
 log = logging.getLogger("tierfs")
 
@@ -50,7 +47,7 @@ TAIL = 8  # bytes after every block on the wire: its crc32c (uint32), whether it
 __all__ = ["ErasureCodedTier"]
 
 
-class ErasureCodedTier(Replicator):
+class ErasureCodedTier(KeptInRam):
     """Parity of each group's shards in its members' RAM: any ``parity`` lost nodes of a group are rebuilt.
 
     Place it after the RAM tier, where a :class:`~tierfs.tiers.PeerTier` would go:
@@ -88,7 +85,6 @@ class ErasureCodedTier(Replicator):
         self.block = block  # bytes of a piece moved and checked at a time
         self._follow_ram = save is None
         self._node_rank = node_rank
-        self._local: _Replicas | None = None
         self._ram: MemoryTier | None = None
         self.targets: list[list[int]] = []
         self.nodes: list[int] = []
@@ -97,9 +93,6 @@ class ErasureCodedTier(Replicator):
 
     # -- binding ------------------------------------------------------------------------------------
     def bind(self, first: Tier, group: Any) -> None:
-        if not isinstance(first, MemoryTier):
-            raise TierfsError("ErasureCodedTier keeps its parity in the RAM tier: put a MemoryTier first, e.g. "
-                              "TieredStore([MemoryTier(path), ErasureCodedTier(), ObjectTier(url)])")
         if group.world_size < 2:
             raise TierfsError("ErasureCodedTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
@@ -114,59 +107,15 @@ class ErasureCodedTier(Replicator):
         self.rank = group.rank
         if self._follow_ram:
             self.save_policy = first.save_policy
+        self.keep_beside(first, group, "erasure")  # (a MemoryTier: else an error, before any group is made)
+        assert isinstance(first, MemoryTier)
         self._ram = first
-        self._local = _Replicas(first.path / "erasure" / f"rank_{group.rank:05d}", first, self.name)
-        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
-                        "main": group.fork(self.backend, lanes=self.connections)}
-
-    def _group(self, role: str) -> Any:
-        groups = getattr(self, "_groups", None)
-        if groups is None:
-            raise TierfsError("ErasureCodedTier is used only through a TieredStore, which binds it to the job's ranks")
-        return groups[role]
-
-    def transfer_group(self) -> Any:
-        return self._group("main")
-
-    @property
-    def local(self) -> MemoryTier:
-        """The parity, stripes records and manifests this rank keeps, inside the RAM tier's directory."""
-        if self._local is None:
-            raise TierfsError("ErasureCodedTier is used only through a TieredStore, which binds it to the RAM tier")
-        return self._local
-
-    @property
-    def location(self) -> str:
-        return self.local.location if self._local is not None else "(not bound)"
 
     def members(self, rank: int | None = None) -> list[int]:
         """The ranks of ``rank``'s group (default: this rank's)."""
         return self.groups[self.group_of[self.rank if rank is None else rank]]
 
     # -- what this rank keeps -----------------------------------------------------------------------
-    def local_dirs(self) -> list[Path]:
-        return [self._local.path] if self._local is not None else []
-
-    def live_users(self) -> list[int]:
-        return self._local.live_users() if self._local is not None else []
-
-    def capacity(self) -> Capacity:
-        return self.local.capacity()
-
-    def open(self) -> None:
-        make_private_dir(self.local.path.parent)
-        self.local.open()
-
-    def close(self) -> None:
-        if self._local is not None:
-            self._local.close()
-
-    def list_steps(self) -> dict[int, bool]:
-        return self.local.list_steps()
-
-    def delete_step(self, step: int) -> None:
-        self.local.delete_step(step)
-
     def drop(self, step: int, rank: int) -> None:
         log.warning("%s step %d: the rebuild of rank %d's shard failed with this rank's pieces; keeping them "
                     "(a later save replaces them)", self.name, step, rank)

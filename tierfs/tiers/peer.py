@@ -20,23 +20,20 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import _args
-from .._fileio import make_private_dir
 from .._stages import describe, operation, stage
-from .._worker import BACKGROUND_NICE
 from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from ..ranks.agree import any_rank, views as rank_views
 from . import _wire
 from ._wire import Wire
-from .base import Capacity, FailedCopy, Fetched, Pace, ReceiveInto, Replicator, Tier
-from .memory import MemoryTier
+from ._kept import KeptInRam
+from .base import FailedCopy, Fetched, Pace, ReceiveInto, Tier
 from .placement import Strategy, plan_fetch, replica_targets
 
 log = logging.getLogger("tierfs")
@@ -46,24 +43,7 @@ _MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
 __all__ = ["PeerTier", "Wire", "plan_fetch", "replica_targets"]
 
 
-class _Replicas(MemoryTier):
-    """The directory of replicas this rank keeps; it shares the RAM tier's budget, and its pool of spare
-    buffers (one spare set serves both: the buffers of this rank's step that retention frees when the
-    next one commits take the next replica, and the replica's old buffers the next step)."""
-
-    #: replicas are read only to be sent: their pages are mapped as the wire reads them, not all up front
-    _populate_reads = False
-
-    def __init__(self, path: Any, ram: MemoryTier, name: str) -> None:
-        super().__init__(path, name=name)
-        self._ram = ram
-        self._pool, self._lock = ram._pool, ram._lock  # one pool, used under one lock
-
-    def capacity(self) -> Capacity:
-        return self._ram.capacity()  # counts this directory too: it lies inside the RAM tier's
-
-
-class PeerTier(Replicator):
+class PeerTier(KeptInRam):
     """Copies of each rank's shard in the RAM of ``replicas`` ranks on other nodes.
 
     Place it after the RAM tier: ``TieredStore([MemoryTier(...), PeerTier(replicas=1), ObjectTier(url)])``.
@@ -113,7 +93,6 @@ class PeerTier(Replicator):
         self.replicas, self.strategy, self.backend, self.connections = replicas, strategy, backend, connections
         self.wire = wire if wire is not None else Wire()
         self._node_rank = node_rank
-        self._local: _Replicas | None = None
         self.targets: list[list[int]] = []
         self.nodes: list[int] = []
         self.sources: list[list[int]] = []
@@ -122,9 +101,6 @@ class PeerTier(Replicator):
     def bind(self, first: Tier, group: Any) -> None:
         """Keep replicas in ``first``'s directory (the RAM tier) and exchange them among ``group``'s ranks
         (collective)."""
-        if not isinstance(first, MemoryTier):
-            raise TierfsError("PeerTier keeps replicas in the RAM tier: put a MemoryTier first, e.g. "
-                              "TieredStore([MemoryTier(path), PeerTier(), ObjectTier(url)])")
         if group.world_size < 2:
             raise TierfsError("PeerTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
@@ -141,64 +117,9 @@ class PeerTier(Replicator):
         self.rank = group.rank
         if self._follow_ram:
             self.save_policy = first.save_policy
-        self._local = _Replicas(first.path / "peers" / f"rank_{group.rank:05d}", first, self.name)
-        # one set of groups per thread role, made (or taken from the process's pool) now, never on a save's
-        # or a restore's path. "copy": replication runs in a background worker, its transfer threads give
-        # way to training too; "main": restores (a node's loss, re-seeding peers). An idle group costs its
-        # gloo threads (under 1 ms of CPU a second) and a listening socket, whether or not a restore ever
-        # needs it; its connections come when first used
-        self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
-                        "main": group.fork(self.backend, lanes=self.connections)}
-
-    def _group(self, role: str) -> Any:
-        """The groups of a thread role: "copy" (the replicating worker) or "main" (restores)."""
-        if role not in ("copy", "main"):
-            raise ValueError(f"unknown role {role!r}: 'copy' or 'main'")
-        groups = getattr(self, "_groups", None)
-        if groups is None:
-            raise TierfsError("PeerTier is used only through a TieredStore, which binds it to the job's ranks")
-        return groups[role]
-
-    def transfer_group(self) -> Any:
-        """The restore's groups (``connections`` of them): a restore's bulk transfers use them too."""
-        return self._group("main")
-
-    @property
-    def local(self) -> MemoryTier:
-        """The replicas this rank keeps, as a RAM tier of their own (inside the RAM tier's directory)."""
-        if self._local is None:
-            raise TierfsError("PeerTier is used only through a TieredStore, which binds it to the RAM tier")
-        return self._local
-
-    @property
-    def location(self) -> str:
-        return self.local.location if self._local is not None else "(not bound)"
+        self.keep_beside(first, group, "peers")
 
     # -- the replicas this rank keeps ---------------------------------------------------------------
-    def local_dirs(self) -> list[Path]:
-        """The replicas' directory, inside the RAM tier's (none before ``bind``)."""
-        return [self._local.path] if self._local is not None else []
-
-    def live_users(self) -> list[int]:
-        return self._local.live_users() if self._local is not None else []
-
-    def capacity(self) -> Capacity:
-        return self.local.capacity()
-
-    def open(self) -> None:
-        make_private_dir(self.local.path.parent)
-        self.local.open()
-
-    def close(self) -> None:
-        if self._local is not None:
-            self._local.close()
-
-    def list_steps(self) -> dict[int, bool]:
-        return self.local.list_steps()
-
-    def delete_step(self, step: int) -> None:
-        self.local.delete_step(step)
-
     def drop(self, step: int, rank: int) -> None:
         log.warning("%s step %d: dropping the copy of rank %d's shard kept here (its receiver could not use it)",
                     self.name, step, rank)
