@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gloo_job
@@ -134,3 +135,18 @@ def test_4_2_two_lost_nodes_are_rebuilt_and_three_are_an_error_naming_the_loss(s
     assert all("CheckpointLostError" in o.get("error", "") for o in outs), outs
     assert "group [0, 1, 2, 3, 4, 5] lost 3 members [0, 2, 5], more than parity=2" in outs[0]["error"]
     assert "step 2" in outs[0]["error"] and "'erasure'" in outs[0]["error"]  # the steps and the tiers tried
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 8])
+def test_parity_checksum_is_the_chunks_checksums_xored_so_one_damaged_chunk_shows(d):
+    """How a parity=1 receiver checks every chunk it gets with one pass over the parity it computed."""
+    from tierfs.format import crc32c
+    from tierfs.tiers._encoding import xor_crc
+
+    rng = np.random.default_rng(d)
+    chunks = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(d)]
+    parity = np.bitwise_xor.reduce(chunks)
+    sums = [crc32c(c) for c in chunks]
+    assert crc32c(parity) == xor_crc(sums, 4096)
+    chunks[-1][100] ^= 0x08  # damaged on its way: its sender's checksum no longer matches
+    assert crc32c(np.bitwise_xor.reduce(chunks)) != xor_crc(sums, 4096)

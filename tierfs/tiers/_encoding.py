@@ -8,6 +8,7 @@ piece still sends its blocks, marked bad, so every round keeps its shape and no 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -23,6 +24,21 @@ from .base import Fetched, Pace
 
 if TYPE_CHECKING:
     from .erasure import ErasureCodedTier
+
+
+@functools.lru_cache(maxsize=8)
+def zeros(n: int) -> int:
+    """The crc32c of ``n`` zero bytes."""
+    return crc32c(np.zeros(n, np.uint8))
+
+
+def xor_crc(sums: list[int], n: int) -> int:
+    """The crc32c of the XOR of ``n``-byte blocks whose crc32c are ``sums``, without their bytes: crc32c is
+    affine over XOR (``crc(a ^ b) = crc(a) ^ crc(b) ^ crc(zeros)``)."""
+    out = zeros(n) if len(sums) % 2 == 0 else 0
+    for x in sums:
+        out ^= x
+    return out
 
 
 def swap(g: Any, sends: Mapping[int, bytes], sources: list[int]) -> dict[int, bytes]:
@@ -95,18 +111,25 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
                 if errors.get(tier.rank):
                     break
                 try:
-                    pieces = []
+                    pieces, sums = [], []
                     for x in stripes.data_members(j):
                         buf = rbuf[j, x]
+                        what = f"step {step}: bytes {a}-{b} of rank {members[x]}'s chunk for stripe {j}"
                         if not sent(x, j, a):
                             buf[:n] = 0
+                            sums.append(zeros(n))
+                        elif p == 1:  # checked through the parity's checksum below
+                            check_block(buf[:n], buf[n:n + TAIL], what, crc=False)
+                            sums.append(int(buf[n:n + 4].view(np.uint32)[0]))
                         else:
-                            check_block(buf[:n], buf[n:n + TAIL], f"step {step}: bytes {a}-{b} of rank "
-                                        f"{members[x]}'s chunk for stripe {j}")
+                            check_block(buf[:n], buf[n:n + TAIL], what)
                         pieces.append(buf[:n])
                     dst = parity[q * c + a:q * c + b]
                     _erasure.encode(pieces, p, out=[dst if u == t else spare[u][:n] for u in range(p)])
                     crcs[q].append(crc32c(dst))
+                    if p == 1 and crcs[q][-1] != xor_crc(sums, n):  # one pass checks every chunk it came from
+                        raise ChecksumError(f"step {step}: a chunk for stripe {j} (bytes {a}-{b}, from ranks "
+                                            f"{[members[x] for x in stripes.data_members(j)]}) was damaged on its way")
                 except (TierfsError, ValueError) as e:
                     errors[tier.rank] = f"{type(e).__name__}: {e}"
     if not kept or errors.get(tier.rank):
