@@ -16,9 +16,11 @@ import torch
 
 import tierfs
 from tierfs import ArgumentError, CheckpointManager, DeviceError, TieredStore, TierfsError
-from tierfs.testing import hooks
 from tierfs.policies import LatestN
+from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier
+
+from _copygate import Gate
 
 
 def model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -57,19 +59,6 @@ def assert_same(got: dict, want: dict, where: str = "") -> None:
             g = got[str(k)] if str(k) in got else got[k]
             assert g.dtype == v.dtype and g.shape == v.shape, key
             assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), key  # bit-exact
-
-
-class Gate:
-    """A ``copy`` hook that holds back the copies that may run on after ``save`` returns, until opened."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.held = 0
-
-    def __call__(self, step: int, nbytes: int, later: bool) -> None:
-        if later:
-            self.held += 1
-            self.open.wait()
 
 
 def test_overlap_save_returns_before_the_optimizer_copies_and_step_waits_for_them(shm_dir: str) -> None:

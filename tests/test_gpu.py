@@ -40,6 +40,8 @@ from tierfs.policies import LatestN  # noqa: E402
 from tierfs.testing import hooks  # noqa: E402
 from tierfs.tiers import MemoryTier  # noqa: E402
 
+from _copygate import Gate  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -230,18 +232,6 @@ def tensors(state: Any) -> list[Any]:
         return [t for v in state.values() for t in tensors(v)]
     return [state] if isinstance(state, torch.Tensor) else []
 
-
-class Gate:
-    """A ``copy`` hook that holds back the copies that may run on after ``save`` returns, until opened."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.held = 0
-
-    def __call__(self, step: int, nbytes: int, later: bool) -> None:
-        if later:
-            self.held += 1
-            assert self.open.wait(120), "the gate was never opened"
 
 
 # -- save and restore, bit-exact ---------------------------------------------------------------------------
