@@ -152,23 +152,29 @@ class ErasureCodedTier(KeptInRam):
         g = self._group(role)
         only = None if pairs is None else {t for _, t in pairs}
         with operation(describe("reseed" if pairs is not None else "replication", step, self.name)), g.bounded():
-            errors, wrote = encode_group(self, g, step, marker, manifest, files, only, pace, error)
-            failed = _agree(g, errors)
-            if not failed and wrote:  # every piece of the job is in: the markers
-                try:
-                    self.local.write_marker(step, marker)
-                except (TierfsError, OSError) as e:
-                    errors = {self.rank: f"marker: {type(e).__name__}: {e}"}
-            else:
-                errors = {}
-            failed = failed or _agree(g, errors)
-            if failed and wrote:
-                self._forget(step)
+            wrote, agreed, failed = False, False, []
+            try:
+                errors, wrote = encode_group(self, g, step, marker, manifest, files, only, pace, error)
+                failed = _agree(g, errors)
+                if not failed and wrote:  # every piece of the job is in: the markers
+                    try:
+                        self.local.write_marker(step, marker)
+                    except (TierfsError, OSError) as e:
+                        errors = {self.rank: f"marker: {type(e).__name__}: {e}"}
+                else:
+                    errors = {}
+                failed = failed or _agree(g, errors)
+                agreed = True
+            finally:  # not saved, or a rank lost on the way (raised): nothing computed here is kept
+                if failed or not agreed:
+                    self._forget(step, wrote)
         return failed
 
-    def _forget(self, step: int) -> None:
+    def _forget(self, step: int, wrote: bool = True) -> None:
         try:
-            self.local.discard(step)
+            self.local.discard(step)  # (buffers of a step still being computed)
+            if not wrote:
+                return
             self.local.delete_step(step)
         except Exception as e:  # noqa: BLE001 - not kept either way; logged
             log.warning("%s step %d: could not take back the parity computed (%s)", self.name, step, e)
