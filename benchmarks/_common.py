@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 GB = 1e9
 MiB = 1 << 20
@@ -369,3 +369,34 @@ def rss_gib() -> float:
     except OSError:
         pass
     return float("nan")
+
+
+# -- nested states --------------------------------------------------------------------------------------
+def tensors(state: Any) -> Iterator[Any]:
+    """Every tensor of a nested dict/list/tuple, depth first."""
+    import torch
+
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from tensors(v)
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
+def nested_like(state: Any) -> Any:
+    """Same structure, on the same devices; tensors preallocated and zero-filled (pages faulted in), other
+    leaves copied."""
+    import copy
+
+    import torch
+
+    if isinstance(state, dict):
+        return {k: nested_like(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(nested_like(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state).fill_(0)
+    return copy.deepcopy(state)

@@ -73,10 +73,10 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import GB, log, mem_available  # noqa: E402
+from _common import GB, log, mem_available, nested_like, tensors  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -199,33 +199,6 @@ class Env:
 
 
 # -- nested states --------------------------------------------------------------------------------------
-def tensors(state: Any) -> Iterator[Any]:
-    import torch
-
-    if isinstance(state, dict):
-        for v in state.values():
-            yield from tensors(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from tensors(v)
-    elif isinstance(state, torch.Tensor):
-        yield state
-
-
-def zeros_like_nested(state: Any) -> Any:
-    import copy
-
-    import torch
-
-    if isinstance(state, dict):
-        return {k: zeros_like_nested(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(zeros_like_nested(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    return copy.deepcopy(state)
-
-
 def equal_nested(a: Any, b: Any) -> bool:
     import torch
 
@@ -467,7 +440,7 @@ def bench_tierfs(case: Case, env: Env) -> None:
             f"copies done {rows['ocopied'].median * 1e3:.1f} ms")
         last = step - 1
 
-        target = zeros_like_nested(state)  # checked once, bit-exact, into zeroed tensors
+        target = nested_like(state)  # checked once, bit-exact, into zeroed tensors
         store.restore_into(target, last)
         env.sync()
         if not equal_nested(target, state):

@@ -68,10 +68,10 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import GB, GiB, MiB, Scratch, log, machine_note, mem_available, prefault  # noqa: E402
+from _common import GB, GiB, MiB, Scratch, log, machine_note, mem_available, nested_like, prefault, tensors  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -126,31 +126,6 @@ def is_tensor(x: Any) -> bool:
     import torch
 
     return isinstance(x, torch.Tensor)
-
-
-def tensors(state: Any) -> Iterator[Any]:
-    """Every tensor of a nested dict/list/tuple, depth first."""
-    if isinstance(state, dict):
-        for v in state.values():
-            yield from tensors(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from tensors(v)
-    elif is_tensor(state):
-        yield state
-
-
-def nested_like(state: Any) -> Any:
-    """Same structure; tensors preallocated and filled (pages faulted in), other leaves copied."""
-    import torch
-
-    if isinstance(state, dict):
-        return {k: nested_like(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(nested_like(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        return torch.empty_like(state).fill_(0)
-    return copy.deepcopy(state)
 
 
 def copy_nested(dst: Any, src: Any) -> None:
