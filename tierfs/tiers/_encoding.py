@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -24,6 +25,8 @@ from .base import Fetched, Pace
 
 if TYPE_CHECKING:
     from .erasure import ErasureCodedTier
+
+log = logging.getLogger("tierfs")
 
 
 @functools.lru_cache(maxsize=8)
@@ -259,18 +262,26 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
                  ) -> np.ndarray | str | None:
     """``parity=1``: each stripe's parity holder XORs the survivors' chunks into its parity block and sends
     the lost member only the result, so that member takes in its shard's bytes once (not ``data`` times).
-    Returns the lost member's payload (or why not) on it, None elsewhere."""
-    from .erasure import TAIL, check_block, seal
 
+    The bytes move as they are: survivors send views of their mapped files, the results land in the
+    lost member's payload, and one exchange per block carries that block's chunks and the previous block's
+    results. A holder checks its parity block against the crc32c it kept; every other byte is checked once,
+    end to end, when the rebuilt shard is verified against its manifest (:func:`_shard`). Whether a
+    survivor could read its pieces travels beside them (one flag per pair and block), so a rebuild from
+    unreadable or damaged pieces says where. Returns the lost member's payload (or why not) on it, None
+    elsewhere."""
     members, c, blocks = stripes.members, stripes.chunk, stripes.blocks()
     mine = stripes.stripes_of(lost)  # the stripes the lost member gave a chunk to, in chunk order
     combiner = {j: stripes.holders(j)[0] for j in mine}
     feeds = [(x, j) for j in mine for x in stripes.data_members(j) if x != lost]  # (survivor, stripe)
-    width = max((b - a for a, b in blocks), default=0) + TAIL
-    outs = {(x, j): np.zeros(width, np.uint8) for x, j in feeds if x == i}
-    ins = {(x, j): np.zeros(width, np.uint8) for x, j in feeds if combiner[j] == i}
-    comb = {j: np.zeros(width, np.uint8) for j in mine if combiner[j] == i}
-    back = {j: np.zeros(width, np.uint8) for j in mine} if i == lost else {}
+    width = max((b - a for a, b in blocks), default=0)
+    outs = [(x, j) for x, j in feeds if x == i]
+    ins = {(x, j): np.empty(width, np.uint8) for x, j in feeds if combiner[j] == i}
+    comb = {j: np.empty(width, np.uint8) for j in mine if combiner[j] == i}
+    spare = {j: np.empty(width, np.uint8) for _, j in outs}  # a block across files or past the payload
+    flags_out = {j: np.zeros(8, np.uint8) for j in [j for _, j in outs] + list(comb)}
+    flags_in = {(x, j): np.zeros(8, np.uint8) for x, j in ins}
+    back = {j: np.zeros(8, np.uint8) for j in mine} if i == lost else {}
     own, parity, sums, why = None, None, {}, None
     try:
         if outs:
@@ -283,43 +294,54 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
     except (TierfsError, OSError, ValueError, KeyError) as e:
         why = f"rank {members[i]}: {type(e).__name__}: {e}"
     payload = np.zeros(stripes.d * c, np.uint8) if i == lost else None
-    failed: str | None = None
+    bad: list[str] = []  # on the lost member: what its combiners could not read
     with stage("fetch", step, tier.name):
-        for bi, (a, b) in enumerate(blocks):
+        done: tuple[int, int] | None = None  # the block whose results go with the next exchange
+        for bi, ab in enumerate([*blocks, None]):
+            sends, recvs = [], []
+            if done is not None:  # the previous block's results, combiner -> lost member, with their flags
+                pa, pb = done
+                for j, buf in comb.items():
+                    sends += [(members[lost], buf[:pb - pa]), (members[lost], flags_out[j])]
+                if payload is not None:
+                    recvs += [r for k, j in enumerate(mine)
+                              for r in ((members[combiner[j]], payload[k * c + pa:k * c + pb]),
+                                        (members[combiner[j]], back[j]))]
+            if ab is not None:  # this block's chunks, survivor -> combiner
+                a, b = ab
+                for x, j in outs:
+                    flags_out[j][0] = why is None
+                    view = spare[j][:b - a] if why is not None or own is None else \
+                        own.view(stripes.stripes_of(x).index(j) * c + a, b - a, spare[j])
+                    sends += [(members[combiner[j]], flags_out[j]), (members[combiner[j]], view)]
+                recvs += [r for (x, j), buf in ins.items()
+                          for r in ((members[x], flags_in[x, j]), (members[x], buf[:b - a]))]
+            g.exchange(sends, recvs)
+            if i == lost and done is not None:
+                bad += [f"bytes {done[0]}-{done[1]} of stripe {j} (rank {members[combiner[j]]} could not read "
+                        "its pieces or was sent unreadable ones)" for j in mine if back[j][0] != 1]
+            done = ab
+            if ab is None:
+                break
+            a, b = ab
             n = b - a
-            for (x, j), buf in outs.items():
-                if why is None:
-                    assert own is not None
-                    own.read(stripes.stripes_of(x).index(j) * c + a, buf[:n])
-                seal(buf, n, why is None)
-            g.exchange([(members[combiner[j]], buf[:n + TAIL]) for (_, j), buf in outs.items()],
-                       [(members[x], buf[:n + TAIL]) for (x, _), buf in ins.items()])
-            for j, buf in comb.items():  # this holder's parity block, XORed with the survivors' chunks
-                ok = why is None
-                try:
-                    if ok:
-                        assert parity is not None
-                        q, crcs = sums[j]
-                        buf[:n] = parity[q * c + a:q * c + b]
-                        if crc32c(buf[:n]) != crcs[bi]:
-                            raise ChecksumError(f"rank {members[i]}'s parity of stripe {j} (bytes {a}-{b}) is damaged")
-                        for (x, jj), got in ins.items():
-                            if jj == j:
-                                check_block(got[:n], got[n:n + TAIL], f"bytes {a}-{b} of stripe {j} from rank {members[x]}")
-                                acc = buf[:n].view(np.uint64)  # (blocks are whole multiples of 8 bytes)
-                                np.bitwise_xor(acc, got[:n].view(np.uint64), out=acc)
-                except ChecksumError:
-                    ok = False
-                seal(buf, n, ok)
-            g.exchange([(members[lost], buf[:n + TAIL]) for buf in comb.values()],
-                       [(members[combiner[j]], buf[:n + TAIL]) for j, buf in back.items()])
-            if payload is None or failed:
-                continue
-            for k, j in enumerate(mine):
-                try:
-                    check_block(back[j][:n], back[j][n:n + TAIL], f"step {step}: bytes {a}-{b} of stripe {j}, "
-                                f"combined by rank {members[combiner[j]]}")
-                    payload[k * c + a:k * c + b] = back[j][:n]
-                except TierfsError as e:
-                    failed = f"{type(e).__name__}: {e}"
-    return failed if failed else payload
+            for j, buf in comb.items():  # this holder's parity block XORed with the survivors' chunks
+                ok = why is None and all(flags_in[x, jj][0] == 1 for x, jj in ins if jj == j)
+                if ok:
+                    assert parity is not None
+                    q, crcs = sums[j]
+                    block = parity[q * c + a:q * c + b]
+                    if crc32c(block) != crcs[bi]:
+                        log.warning("%s step %d: rank %d's parity of stripe %d (bytes %d-%d) is damaged",
+                                    tier.name, step, members[i], j, a, b)
+                        ok = False
+                    else:
+                        acc = buf[:n].view(np.uint64)  # (blocks are whole multiples of 8 bytes)
+                        feeds_j = [got[:n].view(np.uint64) for (x, jj), got in ins.items() if jj == j]
+                        np.bitwise_xor(block.view(np.uint64), feeds_j[0], out=acc)
+                        for f in feeds_j[1:]:
+                            np.bitwise_xor(acc, f, out=acc)
+                flags_out[j][0] = ok
+    if bad:
+        return f"ChecksumError: step {step}: {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+    return payload

@@ -135,6 +135,14 @@ class Payload:
         out[max(0, min(out.size, self.length - start)):] = 0
         return out
 
+    def view(self, start: int, n: int, spare: np.ndarray) -> np.ndarray:
+        """Payload bytes ``start:start+n``: a view of the file that holds them all, else (across files or
+        past the end) a copy in ``spare``."""
+        for p, s0 in zip(self.parts, self.starts):
+            if s0 <= start and start + n <= s0 + p.size:
+                return p[start - s0:start - s0 + n]
+        return self.read(start, spare[:n])
+
 
 def split(payload: np.ndarray, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
     """A rebuilt payload as its files (``sizes``: the manifest's, cut in name order)."""
