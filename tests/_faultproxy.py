@@ -24,6 +24,10 @@ and otherwise pass byte for byte, so signatures and checksums stay valid. A requ
     403 ``AccessDenied`` (a permanent error, for checking that it is not retried). Never drawn by
     :meth:`FaultProxy.set_faults` unless named.
 
+A throttling store: :meth:`FaultProxy.set_bucket` gives every key prefix (:func:`prefix_of`) a token
+bucket of ``rate`` requests per second, shared by every client; a request finding its prefix's bucket
+empty gets ``slowdown`` (as S3 answers beyond a partition's rate).
+
 Determinism: whether a request is faulted at random, and how, depends only on the seed, the request
 (method, path, query without the server-chosen ``uploadId``, ``Range``) and how many times that same
 request came before, never on thread interleaving or timing. :meth:`FaultProxy.fail_next` faults the next
@@ -37,11 +41,12 @@ import select
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["KINDS", "FaultProxy", "Request"]
+__all__ = ["KINDS", "FaultProxy", "Request", "prefix_of"]
 
 #: the faults drawn at random (``denied`` is only injected when asked for by name)
 KINDS = ("slowdown", "internal", "reset", "slow")
@@ -76,6 +81,14 @@ class Request:
 Match = Callable[[Request], bool]
 
 
+def prefix_of(r: Request) -> str:
+    """The key prefix a request falls under: its key's folder, or a listing's ``prefix`` parameter."""
+    if r.is_listing:
+        q = urllib.parse.parse_qs(r.query, keep_blank_values=True)
+        return r.path.strip("/") + "/" + q.get("prefix", [""])[0].rstrip("/")
+    return r.path.strip("/").rsplit("/", 1)[0]
+
+
 class _Closed(Exception):
     """The other side closed the connection."""
 
@@ -103,6 +116,8 @@ class FaultProxy:
         self._rate, self._kinds = 0.0, KINDS
         self._match: Match | None = None
         self._scripted: list[tuple[int, str, Match | None]] = []  # [remaining, kind, match]
+        self._bucket: tuple[float, float] | None = None  # (requests per second, burst) per prefix
+        self._buckets: dict[str, tuple[float, float]] = {}  # prefix: (tokens, when)
         self._seen: dict[tuple[str, ...], int] = {}
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -137,10 +152,17 @@ class FaultProxy:
         with self._lock:
             return sum(n for n, _, _ in self._scripted)
 
-    def clear(self) -> None:
-        """No more faults; the log stays."""
+    def set_bucket(self, rate: float | None, burst: float | None = None) -> None:
+        """Serve each prefix at most ``rate`` requests per second (bursts of ``burst``, default ``rate``),
+        answering ``slowdown`` beyond it; None: no limit."""
         with self._lock:
-            self._rate, self._scripted = 0.0, []
+            self._bucket = None if rate is None else (float(rate), float(burst if burst is not None else rate))
+            self._buckets = {}
+
+    def clear(self) -> None:
+        """No more faults (nor a bucket); the log stays."""
+        with self._lock:
+            self._rate, self._scripted, self._bucket = 0.0, [], None
 
     def requests(self, *, fault: str | None | bool = True, match: Match | None = None) -> list[Request]:
         """Logged requests: ``fault=True`` any, ``False`` only faulted, None only passed, or one kind."""
@@ -169,6 +191,14 @@ class FaultProxy:
                 rng = random.Random(f"{self.seed}|{'|'.join(key)}|{n_before}")
                 if rng.random() < self._rate:
                     fault = rng.choice(self._kinds)
+            if fault is None and self._bucket is not None:
+                rate, burst = self._bucket
+                pre, now = prefix_of(plain), time.monotonic()
+                tokens, when = self._buckets.get(pre, (burst, now))
+                tokens = min(burst, tokens + (now - when) * rate)
+                if tokens < 1:
+                    fault = "slowdown"
+                self._buckets[pre] = (tokens - (tokens >= 1), now)
             req = Request(method, plain.path, query, rng_header, fault)
             self.log.append(req)
         return req

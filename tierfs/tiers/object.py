@@ -4,18 +4,18 @@ Nothing is renamed here (a rename is a copy on S3/GCS): files go to their final 
 marker, written last, alone makes the step exist. Files upload concurrently; large files download as
 concurrent ranged reads into one buffer, so a restore moves exactly the step's bytes.
 
-Every request is retried on transient errors (:func:`tierfs._retry.retry`); one still failing after the
-last attempt is raised as a :class:`~tierfs.errors.TierUnavailableError` naming the tier, the step and the
-file, whatever the client raised (botocore and aiohttp raise connection errors that are neither
-``OSError`` nor tierfs errors). Permanent errors (404, 403) are raised at once.
+Every request spends this rank's share of the job's request budget, if one is set, and is retried on
+transient errors (:func:`tierfs._retry.retry`; throttling is waited out, not counted); one still failing
+after the last attempt is a :class:`~tierfs.errors.TierUnavailableError` naming the tier, the step and the
+file, whatever the client raised. Permanent errors (404, 403) are raised at once.
 
 The S3 client retries too, and the layers multiply. With default settings one attempt of ObjectTier is,
 by botocore (5 tries, jittered backoff) and s3fs (5 more around them for 503 and cut-off bodies): 5
 requests (about 3 s) when every answer is a 500, 5 (about 9 s) when connections are refused, 10 (about
 8 s) when they are reset, 25 (about 45 s) when every answer is 503 SlowDown, and 25 of 15 s each (s3fs's
-read timeout, about 7 min) when the server does not answer. ObjectTier's ``retries=4`` makes a save's
-upload give up after about 15 s, 35 s, 30 s, 3 min and 27 min. To fail sooner on a store that hangs,
-pass ``storage_options={"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}``.
+read timeout, about 7 min) when the server does not answer; ``retries=4`` gives up after about 15 s, 35 s,
+30 s, ``throttle_patience`` and 27 min. To fail sooner on a store that hangs, pass
+``storage_options={"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ import numpy as np
 from .. import _args
 from .._blocks import as_u8
 from .._fileio import atomic_write, is_tmp_name, make_private_dir
-from .._retry import PERMANENT, retry, short
+from .._retry import PATIENCE, PERMANENT, retry, short
 from .._rootdir import check_local_url, check_root
 from ..errors import TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
+from ._budget import JobBudget, upload_requests
 from ._pool import DaemonPool
 from .base import Bytes, Capacity, Pace, Tier
 
@@ -67,9 +68,16 @@ class ObjectTier(Tier):
         Larger files move in parts of this size: ranged reads on download, multipart upload on S3 (in
         parts of at least 5 MiB, the smallest S3 accepts).
     retries:
-        Attempts per request on transient errors (connection resets, timeouts, 5xx), with backoff, on top
+        Attempts per request on transient errors (connection resets, timeouts, 500s), with backoff, on top
         of the client's own retries (see the module docstring); after the last one the request raises
-        ``TierUnavailableError``.
+        ``TierUnavailableError``. A store refusing requests for the rate (503 SlowDown, 429) is waited
+        out instead, with jittered backoff, for up to ``throttle_patience`` seconds: the step's copy here
+        lags (the log says so), and the save does not fail.
+    requests_per_second:
+        The whole job's budget of requests to this store; each rank takes an equal share and spends it
+        before every request (retries included), so the job never asks for more. Default: no budget.
+    throttle_patience:
+        Seconds a request refused for the rate keeps being retried (default half an hour).
     name:
         Label in listings (default: the URL's protocol, e.g. ``"s3"``).
     """
@@ -79,6 +87,7 @@ class ObjectTier(Tier):
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *,
                  save: SavePolicy | None = None, keep: PreservationPolicy | None = None,
                  concurrency: int = 8, part_size: int = 16 << 20, retries: int = 4,
+                 requests_per_second: float | None = None, throttle_patience: float = PATIENCE,
                  name: str | None = None) -> None:
         _args.object_url(url, "ObjectTier url")  # a typo (s3:/bucket) never becomes a local directory
         check_local_url(url, "ObjectTier url")  # a file:// tier never takes over a system directory
@@ -95,6 +104,11 @@ class ObjectTier(Tier):
         self.concurrency = _args.integer(concurrency, "ObjectTier concurrency")
         self.part_size = max(1 << 20, _args.integer(part_size, "ObjectTier part_size"))
         self.retries = _args.integer(retries, "ObjectTier retries")
+        if requests_per_second is not None:
+            _args.number(requests_per_second, "ObjectTier requests_per_second")
+        self.requests_per_second = requests_per_second
+        self.throttle_patience = _args.number(throttle_patience, "ObjectTier throttle_patience")
+        self._budget = JobBudget(requests_per_second)
         self._pool: DaemonPool | None = None
 
     # -- capabilities -------------------------------------------------------------------------------
@@ -147,10 +161,15 @@ class ObjectTier(Tier):
         p = f"{self.root}/{step_dirname(step)}"
         return p if name is None else f"{p}/{validate_filename(name)}"
 
-    def _retry(self, fn: Callable[[], T], what: str = "request") -> T:
-        """``fn()`` with retries; a transient error that outlasts them becomes one TierUnavailableError."""
+    def _retry(self, fn: Callable[[], T], what: str = "request", requests: int = 1) -> T:
+        """``fn()`` with retries, each try spending ``requests`` of the budget; a transient error that
+        outlasts them becomes one TierUnavailableError (as does throttling outlasting the patience)."""
+        def attempt() -> T:
+            self._budget.take(requests)
+            return fn()
         try:
-            return retry(fn, attempts=self.retries, what=what, label=f"tier {self.name}")
+            return retry(attempt, attempts=self.retries, what=what, label=f"tier {self.name}",
+                         patience=self.throttle_patience)
         except PERMANENT as e:  # the same type (callers tell a missing file by it), naming the tier and URL
             named = _named(e, f"tier {self.name!r} ({self.url}): {what}: {short(e)}")
             if named is e:
@@ -245,7 +264,8 @@ class ObjectTier(Tier):
         payload = data if isinstance(data, bytes) else as_u8(data).tobytes()
         # multipart parts: S3 refuses parts under 5 MiB (EntityTooSmall) once the upload completes
         kw = {"chunksize": max(self.part_size, S3_MIN_PART)} if self.protocol in ("s3", "s3a") else {}
-        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), self._what(step, "upload", name))
+        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), self._what(step, "upload", name),
+                    upload_requests(len(payload), max(self.part_size, S3_MIN_PART)))
 
     def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         def put(kv: tuple[str, Bytes]) -> None:

@@ -1,0 +1,165 @@
+"""A throttling object store is lag, never failure: requests refused for the rate (S3's 503 SlowDown, GCS's
+429) are waited out with jittered backoff, outside the retry count, and a job-wide request budget keeps
+every rank within its share.
+
+The store is real (moto) behind the fault proxy (tests/_faultproxy.py) in its token-bucket mode: each key
+prefix serves a fixed number of requests per second, shared by every client, and answers 503 SlowDown
+beyond it. The client is the real s3fs, its own retries turned down so that tierfs's are the ones tested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import botocore.exceptions
+import numpy as np
+import pytest
+from gcsfs.retry import HttpError
+from s3fs.errors import translate_boto_error
+
+from _faultproxy import FaultProxy
+from tierfs import TieredStore, TierUnavailableError
+from tierfs._retry import Throttled, retry, throttled
+from tierfs.policies import LatestN
+from tierfs.testing import assert_states_equal
+from tierfs.tiers import MemoryTier, ObjectTier
+from tierfs.tiers._budget import RequestBudget, upload_requests
+
+
+def slowdown() -> Exception:
+    """What s3fs raises for S3's answer once its own retries are spent."""
+    err = botocore.exceptions.ClientError(
+        {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+         "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+    return translate_boto_error(err)
+
+
+def internal() -> Exception:
+    err = botocore.exceptions.ClientError(
+        {"Error": {"Code": "InternalError", "Message": "We encountered an internal error."},
+         "ResponseMetadata": {"HTTPStatusCode": 500}}, "PutObject")
+    return translate_boto_error(err)
+
+
+class Clock:
+    """A fake clock that sleeping moves on."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+# -- recognising throttling and waiting it out --------------------------------------------------------
+def test_throttling_is_told_from_other_failures_for_s3_and_gcs():
+    assert throttled(slowdown())
+    assert throttled(HttpError({"code": 429, "message": "rate limit exceeded"}))
+    assert throttled(HttpError({"code": 503, "message": "Service Unavailable"}))
+    assert not throttled(internal())
+    assert not throttled(HttpError({"code": 500, "message": "backend error"}))
+    assert not throttled(ConnectionResetError("connection reset by peer"))
+
+
+def test_throttled_tries_do_not_count_and_other_failures_do():
+    clock = Clock()
+    answers = [slowdown()] * 12 + [internal()] + [slowdown()] * 3 + ["done"]
+
+    def request():
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert retry(request, attempts=2, what="upload", label="tier s3", sleep=clock.sleep, clock=clock) == "done"
+    assert not answers and len(clock.slept) == 16  # 15 throttled tries waited out, one 500 retried
+    waits = clock.slept[:12]
+    assert max(waits) <= 20.0 and len(set(waits)) > 1  # jittered, bounded
+
+    def failing():
+        raise internal()
+    with pytest.raises(OSError, match="internal error"):
+        retry(failing, attempts=2, what="upload", label="tier s3", sleep=clock.sleep, clock=clock)
+
+
+def test_throttling_past_the_patience_is_one_error_saying_what_to_do():
+    clock = Clock()
+
+    def request():
+        raise slowdown()
+    with pytest.raises(Throttled) as e:
+        retry(request, attempts=3, what="step 7: upload rank_00001.bin", label="tier s3", sleep=clock.sleep,
+              clock=clock, patience=120.0)
+    assert isinstance(e.value, TierUnavailableError)
+    msg = str(e.value)
+    assert "\n" not in msg and "step 7: upload rank_00001.bin" in msg and "requests_per_second" in msg, msg
+    assert 120.0 <= clock.now <= 141.0
+
+
+def test_a_request_budget_keeps_to_its_rate_in_bursts_and_large_uploads():
+    clock = Clock()
+    b = RequestBudget(10.0, clock=clock, sleep=clock.sleep)
+    for _ in range(10):  # a full bucket: one second's worth at once
+        assert b.take() == 0.0
+    for _ in range(20):
+        b.take()
+    assert clock.now == pytest.approx(2.0)  # 30 requests at 10/s, 10 of them up front
+    clock.now += 5.0  # idle: refills to the burst, no more
+    assert b.take(10) == 0.0 and b.take(1) == pytest.approx(0.1)
+    assert b.take(25) == pytest.approx(2.5)  # larger than the burst: waits its whole share, never forever
+    assert upload_requests(1 << 20, 5 << 20) == 1 and upload_requests(12 << 20, 5 << 20) == 5
+
+
+# -- a real store that throttles ----------------------------------------------------------------------
+def state_for(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"model": {f"layer{i}.weight": rng.standard_normal(20_000).astype(np.float32) for i in range(6)},
+            "opt": {"exp_avg": rng.standard_normal(30_000)}, "step": step}
+
+
+@pytest.fixture
+def throttling(s3_url):
+    url, opts = s3_url
+    with FaultProxy(opts["endpoint_url"]) as p:
+        yield url, opts, p
+
+
+def via(proxy: FaultProxy, opts: dict) -> dict:
+    # botocore's own retries off: s3fs still retries a SlowDown a few times, tierfs does the rest
+    return {**opts, "endpoint_url": proxy.url, "skip_instance_cache": True,
+            "config_kwargs": {"connect_timeout": 2.0, "read_timeout": 10.0, "retries": {"max_attempts": 0}}}
+
+
+def test_every_save_reaches_a_throttling_store_and_restores_bit_exact(throttling, shm_dir):
+    url, opts, proxy = throttling
+    proxy.set_bucket(4.0, burst=4.0)  # 4 requests per second per prefix: far below what the saves ask
+    obj = ObjectTier(url, via(proxy, opts), retries=2)
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(1)), obj], file_size=64 << 10) as store:
+        for step in (1, 2, 3):
+            store.save(step, state_for(step), blocking=False)
+        store.wait_until_finished()  # raises if any upload failed
+        assert all("s3" in tiers for s, tiers in store.steps().items() if s in (1, 2, 3)), store.steps()
+    refused = proxy.requests(fault="slowdown")
+    assert refused, "the bucket never refused a request: the test does not throttle"
+    proxy.clear()
+    with TieredStore([MemoryTier(Path(shm_dir) / "fresh"), ObjectTier(url, opts)]) as store:
+        for step in (1, 2, 3):
+            got, info = store.restore(step, tiers=["s3"])
+            assert_states_equal(got, state_for(step))
+
+
+def test_a_request_budget_within_the_store_s_rate_is_never_refused(throttling, shm_dir):
+    url, opts, proxy = throttling
+    proxy.set_bucket(12.0, burst=12.0)
+    obj = ObjectTier(url, via(proxy, opts), requests_per_second=8.0)  # this one-process job's whole budget
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(1)), obj], file_size=64 << 10) as store:
+        for step in (1, 2):
+            store.save(step, state_for(step))
+            store.wait_until_finished()
+        assert store.steps()[2] == ["ram", "s3"]
+    assert not proxy.requests(fault="slowdown")
+    assert obj._budget.share is not None and obj._budget.share.waited > 0  # it did pace the requests
