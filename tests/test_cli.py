@@ -129,6 +129,7 @@ def test_ls_and_verify_s3_url_and_config(shm_dir, s3_url, tmp_path, capsys):
     ]}))
     code, out, err = run(capsys, "ls", str(cfg))
     assert code == 0, err
+    assert "newest committed step: ram 4, s3 4\n" in out, out
     ram_part, s3_part = out.split("tier s3 ")
     assert ram_part.startswith("tier ram ")
     assert sorted(rows(ram_part)) == [1, 2, 3, 4]
@@ -156,6 +157,20 @@ def test_ls_and_verify_s3_url_and_config(shm_dir, s3_url, tmp_path, capsys):
     assert code == 1
     assert "ram (memory): step 4: OK" in out
     assert "s3 (object): FAILED: step 4 rank 0 on s3: rank_00000.0000.bin bytes " in out and "'weights'" in out
+
+
+def test_ls_says_how_far_a_slower_tier_lags(shm_dir, tmp_path, capsys):
+    obj = tmp_path / "obj"
+    tiers = [MemoryTier(shm_dir, keep=PreserveAll()), ObjectTier(str(obj), save=FixedIntervalPolicy(5))]
+    with TieredStore(tiers) as store:
+        for s in (5, 6, 7, 8):
+            store.save(s, state(s))
+    cfg = tmp_path / "tiers.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "memory", "path": shm_dir, "budget": None, "name": "ram"},
+                                         {"kind": "object", "url": str(obj), "name": "durable"}]}))
+    code, out, err = run(capsys, "ls", str(cfg))
+    assert code == 0, err
+    assert out.rstrip().endswith("newest committed step: ram 8, durable 5 (3 steps behind)"), out
 
 
 # -- verify -----------------------------------------------------------------------------------------

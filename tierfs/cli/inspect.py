@@ -79,6 +79,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``tierfs ls``: a table of steps per tier; 1 if a tier cannot be read."""
     tiers = select(tiers_from_target(args.target, storage_options_from_args(args)), args.tier)
     status = 0
+    newest: dict[str, int | None] = {}
     for i, tier in enumerate(tiers):
         if i:
             print()
@@ -92,11 +93,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
             continue
         finally:
             tier.close()
+        newest[tier.name] = max((r.step for r in rows if r.state == "committed"), default=None)
         if rows:
             _print_rows(rows)
         else:
             print("  (no steps)")
+    _print_lag(newest)
     return status
+
+
+def _print_lag(newest: dict[str, int | None]) -> None:
+    """With several tiers: each one's newest committed step, and how far behind the newest it is (a
+    slower tier's copy lagging: uploads in flight, throttled, or failing)."""
+    top = max((s for s in newest.values() if s is not None), default=None)
+    if len(newest) < 2 or top is None:
+        return
+    parts = [f"{n} {'-' if s is None else s}" + ("" if s == top else " (no step)" if s is None else
+                                                  f" ({top - s} steps behind)") for n, s in newest.items()]
+    print(f"\nnewest committed step: {', '.join(parts)}")
 
 
 # -- verify -----------------------------------------------------------------------------------------
