@@ -20,7 +20,6 @@ read timeout, about 7 min) when the server does not answer; ``retries=4`` gives 
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import logging
 import os
@@ -39,6 +38,7 @@ from ..errors import TierfsError, TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
 from ._budget import JobBudget, upload_requests
+from ._listing import by_prefix, common_prefix, files_in, is_dir_entry, mtime
 from ._pool import DaemonPool
 from .base import Bytes, Capacity, Pace, Tier
 
@@ -224,13 +224,19 @@ class ObjectTier(Tier):
         d = self._path(step)
         self.fs.invalidate_cache(d)
         infos = self._retry(lambda: self.fs.ls(d, detail=True), self._what(step, "list"))
-        names = {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
-                 for i in infos if i.get("type") == "file" and not _is_dir_entry(i["name"], d)}
-        return {n: size for n, size in names.items() if not is_tmp_name(n)}
+        return {n: size for n, size in files_in(infos, d).items() if not is_tmp_name(n)}
 
     def sizes_of(self, step: int, names: Iterable[str]) -> dict[str, int]:
+        """What one rank wrote, whatever the job's size: several files (a shard's, ``rank_00003.*``) by one
+        listing of their common prefix on S3 and GCS, else a request per file."""
+        wanted = list(names)
+        if len(wanted) > 1:
+            got = by_prefix(self.fs, self._path(step), wanted,
+                            lambda fn: self._retry(fn, self._what(step, "list", common_prefix(wanted) + "*")))
+            if got is not None:
+                return got
         out = {}
-        for n in names:  # a request per file: what one rank wrote, whatever the job's size
+        for n in wanted:
             path = self._path(step, n)
             self.fs.invalidate_cache(path)
             try:
@@ -249,7 +255,7 @@ class ObjectTier(Tier):
             entries = self._retry(lambda: self.fs.ls(path, detail=True), self._what(step, "list"))
         except FileNotFoundError:
             return None
-        times = [_mtime(e) for e in entries if not _is_dir_entry(e["name"], path)]
+        times = [mtime(e) for e in entries if not is_dir_entry(e["name"], path)]
         if not times or any(t is None for t in times):
             return None  # the backend does not say: the age is unknown
         return max(t for t in times if t is not None)
@@ -375,26 +381,3 @@ def _named(e: BaseException, message: str) -> BaseException:
     except Exception:  # noqa: BLE001 - a type built otherwise: the original says less, but says it
         return e
     return named if str(named) == message else e
-
-
-def _is_dir_entry(name: str, directory: str) -> bool:
-    """Whether a listing entry is ``directory`` itself (a placeholder object ``dir/``), not a file in it."""
-    return name.rstrip("/") == directory.rstrip("/")
-
-
-def _mtime(info: dict[str, Any]) -> float | None:
-    """A file's modification time from an fsspec ``info``/``ls`` entry (keys differ per backend)."""
-    for key in ("mtime", "LastModified", "updated", "last_modified", "created"):
-        v = info.get(key)
-        if v is None:
-            continue
-        if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-        if isinstance(v, str):
-            try:
-                return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None

@@ -1,6 +1,7 @@
-"""A throttling object store is lag, never failure: requests refused for the rate (S3's 503 SlowDown, GCS's
-429) are waited out with jittered backoff, outside the retry count, and a job-wide request budget keeps
-every rank within its share.
+"""What the object tier asks of the store: a save's requests are its uploads plus a few small ones (no
+request per file beyond its upload); requests refused for the rate (S3's 503 SlowDown, GCS's 429) are
+waited out with jittered backoff, outside the retry count, and a job-wide request budget keeps every rank
+within its share.
 
 The store is real (moto) behind the fault proxy (tests/_faultproxy.py) in its token-bucket mode: each key
 prefix serves a fixed number of requests per second, shared by every client, and answers 503 SlowDown
@@ -114,7 +115,7 @@ def test_a_request_budget_keeps_to_its_rate_in_bursts_and_large_uploads():
     assert upload_requests(1 << 20, 5 << 20) == 1 and upload_requests(12 << 20, 5 << 20) == 5
 
 
-# -- a real store that throttles ----------------------------------------------------------------------
+# -- a real store ----------------------------------------------------------------------------------------
 def state_for(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {"model": {f"layer{i}.weight": rng.standard_normal(20_000).astype(np.float32) for i in range(6)},
@@ -163,3 +164,25 @@ def test_a_request_budget_within_the_store_s_rate_is_never_refused(throttling, s
         assert store.steps()[2] == ["ram", "s3"]
     assert not proxy.requests(fault="slowdown")
     assert obj._budget.share is not None and obj._budget.share.waited > 0  # it did pace the requests
+
+
+def test_a_save_asks_its_uploads_and_three_small_requests_none_per_file(throttling, shm_dir):
+    url, opts, proxy = throttling
+    obj = ObjectTier(url, via(proxy, opts), part_size=5 << 20)
+    big = {"big": np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)}  # 12 MiB: multipart
+    with TieredStore([MemoryTier(shm_dir, keep=LatestN(1)), obj], file_size=64 << 10) as store:
+        store.save(1, state_for(1))
+        store.wait_until_finished()
+        for step, state in ((2, state_for(2)), (3, {**state_for(3), **big})):
+            proxy.log.clear()
+            store.save(step, state)
+            store.wait_until_finished()
+            data = [r for r in proxy.log if "/rank_00000.0" in r.path]
+            small = [r for r in proxy.log if r not in data]
+            files = {r.path for r in data}
+            assert len(files) > 4  # several shard files: a request per file would show
+            # the shard's files: one PUT each, or a multipart upload's start, parts and completion
+            assert all(r.method in ("PUT", "POST") for r in data)
+            assert len(data) == len(files) + (0 if step == 2 else 2 + 2), [(r.method, r.path) for r in data]
+            # the manifest, one listing that confirms them, the marker: no HEAD or listing per file
+            assert sorted((r.method, r.is_listing) for r in small) == [("GET", True), ("PUT", False), ("PUT", False)]
