@@ -139,6 +139,17 @@ def classify(method: str, target: str) -> str:
     return "OTHER"
 
 
+def key_prefix(method: str, head: bytes) -> str:
+    """The key prefix a request works under: its key's folder (under the bucket), a listing's ``prefix``."""
+    target = head.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
+    path, _, query = target.partition("?")
+    segs = [s for s in urllib.parse.unquote(path).split("/") if s]
+    q = urllib.parse.parse_qs(query, keep_blank_values=True)
+    if len(segs) <= 1:  # on the bucket: a listing (its prefix), or a batch delete
+        return q.get("prefix", [""])[0].rstrip("/")
+    return "/".join(segs[1:-1])
+
+
 def keys_listed(body: bytes) -> int:
     """Keys (and common prefixes) in a ListObjects(V2) response: its KeyCount, else its <Key> and <Prefix>
     elements under CommonPrefixes."""
@@ -239,6 +250,8 @@ class CountingProxy:
             rbody = _read_body(uin, rheaders, method=method, status=int(status))
             # counted before the client hears back: what a rank waited for is counted when it goes on
             self.count(rank, kind)
+            self.count(rank, f"bytes:{kind}", len(body) + len(rbody))  # what went each way, headers aside
+            self.count(rank, f"prefix:{key_prefix(method, head)}")
             if kind == "LIST" and int(status) == 200:
                 plain = _dechunk(rbody) if "chunked" in rheaders.get("transfer-encoding", "").lower() else rbody
                 self.count(rank, "keys_listed", keys_listed(plain))

@@ -230,6 +230,7 @@ class Meter:
         self.own = sockets(store_port, self.s3_port)
         self.calls: dict[str, dict[str, int]] = {}
         self.sites: dict[str, dict[str, int]] = {}
+        self.objects_by: dict[str, dict[str, int]] = {}  # per operation: bytes by kind, requests by key prefix
 
     def objects(self) -> dict[str, int]:
         with urllib.request.urlopen(f"{self.endpoint}/__scale__/counts", timeout=60) as r:
@@ -266,8 +267,8 @@ class Meter:
         figures["tierfs_socket_fds"] = socks["socket_fds"] - self.own["socket_fds"]
         figures["tierfs_tcp_established"] = socks["tcp_established"] - self.own["tcp_established"]
         proxied = {k: o1.get(k, 0) - o0.get(k, 0) for k in set(o0) | set(o1)}
-        figures.update({k if k.startswith("store_") else f"s3_{k}": v for k, v in proxied.items()
-                        if not k.startswith("store:")})
+        figures.update({k if k.startswith("store_") else f"s3_{k}": v for k, v in proxied.items() if ":" not in k})
+        self.objects_by[name] = {k: v for k, v in proxied.items() if k.startswith(("bytes:", "prefix:")) and v}
         figures["seconds"] = dt
         self.ops[name] = figures
         self.calls[name] = {k[3:]: v for k, v in d.items() if k.startswith("fn:") and v}
@@ -277,6 +278,31 @@ class Meter:
 
 
 # -- the rank's work -------------------------------------------------------------------------------------
+def model_state(rank: int, mib: float) -> dict:
+    """A torch.nn MLP with its AdamW state after a step, about ``mib`` MiB in all (3x the parameters):
+    layers of 256 wide, as many as the size needs, each a weight and a bias."""
+    import torch
+
+    torch.manual_seed(rank)
+    width = 256
+    layers = max(1, round(mib * (1 << 20) / 3 / 4 / (width * width + width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def state_bytes(state) -> int:
+    import torch
+
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
+
 def state_for(rank: int, step: int, replicated: object = None) -> dict:
     """A tiny state: a few small arrays (sizes differ by rank) and a number; with ``replicated``, also an
     array every rank holds alike ("shared")."""
@@ -353,6 +379,23 @@ def main() -> None:
                   scope="main")
         store.wait_until_finished()
         info["steps"] = {str(k): v for k, v in store.steps().items()}
+    elif job == "requests":  # the object store's side of a save: RAM + S3, a model's state of a given size
+        store.close()
+        mib = float(os.environ.get("SCALE_STATE_MIB", "4"))
+        store = TieredStore([MemoryTier(os.path.join(ramroot, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(1)),
+                             ObjectTier(url, storage_options=options, keep=LatestN(2),
+                                        part_size=int(float(os.environ.get("SCALE_PART_MIB", "16")) * (1 << 20)))],
+                            timeout=timeout, background_bandwidth=None,
+                            file_size=int(float(os.environ.get("SCALE_FILE_MIB", "16")) * (1 << 20)))
+        state = model_state(rank, mib)
+        info["state_bytes"] = state_bytes(state)
+        for s in range(FIRST, STEADY):  # retention on the object tier starts deleting at the third
+            store.save(s, state)
+            store.wait_until_finished()
+        meter.run("steady_save", lambda: store.save(STEADY, state), after=store.wait_until_finished)
+        step_dir = os.path.join(ramroot, f"node{os.environ['TIERFS_NODE_RANK']}", f"step_{STEADY:012d}")
+        info["files"] = sorted(os.path.getsize(os.path.join(step_dir, n))  # the shard's data files' sizes
+                               for n in os.listdir(step_dir) if n.endswith(".bin"))
     elif job in ("restore", "node_loss"):
         state, got = meter.run(job, lambda: store.restore(), after=store.wait_until_finished)
         info.update({"step": got.step, "tier": got.tier, "peer": got.peer})
@@ -363,7 +406,7 @@ def main() -> None:
     meter.run("close", store.close)
     meter.barrier()
     print(json.dumps({"rank": rank, "world": world, "ops": meter.ops, "calls": meter.calls, "sites": meter.sites,
-                      "info": info}, default=str), flush=True)
+                      "objects": meter.objects_by, "info": info}, default=str), flush=True)
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: torch's gloo teardown aborts now and then after the work is done
 
