@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from .. import planning as pl
-from ..planning import coordination, layouts
+from ..planning import coordination, layouts, store_requests as requests
 from ..planning.losses import LossCount, count_losses
 from .._readable import duration, rate, size
 from .plan import add_model_args, inputs_from_args, usage_errors
@@ -67,7 +67,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             losses.append(_losses(n, plan, args, args.seed + i))
     if args.json:
         store_of = {n: {"object_bytes_per_save": once, "object_write_per_s": write,
-                        "coordination_per_save": dataclasses.asdict(coordination.per_save(n))}
+                        "coordination_per_save": dataclasses.asdict(coordination.per_save(n)),
+                        "object_requests_per_save": _requests_dict(requests.object_save(once / n, n))}
                     for n, _, once, _, write in stores}
         for n, c, per_run, counts in losses:
             store_of[n]["peer_layouts"] = {**layouts.layouts_to_dict(c), "intervals_per_run": per_run, "simulated": [
@@ -88,6 +89,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         + f", {rate(write)} for the job" for n, hosts, once, whole, write in stores))
         print()
         print(_coordination([n for n, *_ in stores]))
+        print()
+        print(_object_requests([(n, once) for n, _, once, _, _ in stores]))
         print()
         if losses:
             print(_format_losses(losses, args.runs))
@@ -154,6 +157,26 @@ def _coordination(sizes: list[int]) -> str:
         c = coordination.per_save(n)
         lines.append(f"  {n} accelerators: {c.object_requests:,} object-store requests, {c.sockets:,} sockets held "
                      "in the job; no rank lists or deletes another rank's objects")
+    return "\n".join(lines)
+
+
+def _requests_dict(o: requests.ObjectSave) -> dict[str, Any]:
+    return {"by_type": o.by_type, "files_per_rank": o.files, "under_one_prefix": o.one_prefix,
+            "s3_seconds": o.seconds(requests.S3_WRITES), "gcs_seconds": o.seconds(requests.GCS_WRITES)}
+
+
+def _object_requests(saves: list[tuple[int, float]]) -> str:
+    """Each size's object-tier save as the store sees it: requests by type, and how long the step's prefix
+    takes to accept them at S3's and GCS's documented rates (:mod:`tierfs.planning.requests`)."""
+    lines = ["object store requests per save (one rank per accelerator, shard files of 16 MiB; every rank's "
+             "uploads of a step go under one prefix, <root>/step_...; measured by benchmarks/bench_requests.py)"]
+    for n, once in saves:
+        o = requests.object_save(once / n, n)
+        kinds = ", ".join(f"{k} {v:,.0f}" for k, v in o.by_type.items() if v)
+        lines.append(f"  {n} accelerators, {size(o.shard)} per rank in {o.files:,} files: {o.requests:,.0f} requests "
+                     f"({kinds}); the step's prefix takes {duration(o.seconds(requests.S3_WRITES))} at S3's "
+                     f"{requests.S3_WRITES:,.0f} writes/s, {duration(o.seconds(requests.GCS_WRITES))} at GCS's "
+                     f"{requests.GCS_WRITES:,.0f}")
     return "\n".join(lines)
 
 

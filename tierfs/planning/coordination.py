@@ -23,19 +23,21 @@ class PerRank:
     store_requests:
         Requests to the job's TCPStore (none while nothing fails).
     object_requests:
-        Requests to the object store for the rank's own files: the upload of its shard file and manifest
-        (PUT, then HEAD to confirm each), and retention's deletion of its files of the step a later save
-        lets go (a check that the marker is gone, its manifest read, one batch delete). Rank 0 makes as
-        many: it writes the new marker and deletes the old one instead of checking it.
+        Requests to the object store for the rank's own files with one shard file: the uploads of that
+        file and its manifest, one listing that confirms them, and retention's deletion of its files of the
+        step a later save lets go (a check that the marker is gone, its manifest read, one batch delete).
+        Rank 0 also writes the new marker and deletes the old one. A larger shard adds one request per
+        shard file (:mod:`tierfs.planning.store_requests`).
     """
 
     collectives: int = 8
     sockets: int = 20
     store_requests: int = 0
-    object_requests: int = 10
+    object_requests: int = 9
 
 
-#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-9.md``
+#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-9.md`` (the object store's:
+#: ``bench_requests-20261129-1.md``)
 MEASURED = PerRank()
 
 
