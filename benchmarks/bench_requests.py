@@ -1,7 +1,7 @@
 """What the object store sees of a save: requests per rank by type, bytes per request, the key prefixes they
 go to, at 2 to 64 ranks, extrapolated to 8,192 ranks and to a 20 GB shard.
 
-    .venv/bin/python benchmarks/bench_requests.py [--sizes 2,4,8,16,32,64] [--shapes 4:16:16,4:1:5,24:16:5]
+    .venv/bin/python benchmarks/bench_requests.py [--sizes 2,4,8,16,32,64] [--shapes 4:16:16,4:1:16,12:8:5]
 
 Each job is ``tests/children/scale_child.py requests``: N ranks forked from one zygote (each its own node),
 each saving a torch.nn MLP with its AdamW state (``state`` MiB) to a RAM tier and an S3 ``ObjectTier`` on
@@ -126,7 +126,7 @@ def report(rows: list[dict], ext: dict, args: argparse.Namespace) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2,4,8,16,32,64", help="job sizes (processes)")
-    ap.add_argument("--shapes", default="4:16:16,4:1:16,24:16:5",
+    ap.add_argument("--shapes", default="4:16:16,4:1:16,12:8:5",
                     help="state MiB : file MiB : part MiB, comma separated")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()

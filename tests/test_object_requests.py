@@ -18,6 +18,7 @@ import pytest
 from gcsfs.retry import HttpError
 from s3fs.errors import translate_boto_error
 
+import gloo_job
 from _faultproxy import FaultProxy
 from tierfs import TieredStore, TierUnavailableError
 from tierfs._retry import Throttled, retry, throttled
@@ -25,6 +26,9 @@ from tierfs.policies import LatestN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 from tierfs.tiers._budget import RequestBudget, upload_requests
+
+
+CHILD = Path(__file__).resolve().parent / "children" / "throttle_child.py"
 
 
 def slowdown() -> Exception:
@@ -140,7 +144,7 @@ def test_every_save_reaches_a_throttling_store_and_restores_bit_exact(throttling
     proxy.set_bucket(4.0, burst=4.0)  # 4 requests per second per prefix: far below what the saves ask
     obj = ObjectTier(url, via(proxy, opts), retries=2)
     with TieredStore([MemoryTier(shm_dir, keep=LatestN(1)), obj], file_size=64 << 10) as store:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3):  # RAM keeps only the newest: the uploads lagging behind still complete
             store.save(step, state_for(step), blocking=False)
         store.wait_until_finished()  # raises if any upload failed
         assert all("s3" in tiers for s, tiers in store.steps().items() if s in (1, 2, 3)), store.steps()
@@ -186,3 +190,15 @@ def test_a_save_asks_its_uploads_and_three_small_requests_none_per_file(throttli
             assert len(data) == len(files) + (0 if step == 2 else 2 + 2), [(r.method, r.path) for r in data]
             # the manifest, one listing that confirms them, the marker: no HEAD or listing per file
             assert sorted((r.method, r.is_listing) for r in small) == [("GET", True), ("PUT", False), ("PUT", False)]
+
+
+def test_a_12_rank_job_training_against_a_throttling_store_loses_no_save_and_sees_no_error(throttling, shm_dir):
+    url, opts, proxy = throttling
+    proxy.set_bucket(40.0, burst=40.0)  # per prefix, shared by the 12 ranks: far below what they ask at once
+    outs = gloo_job.run_job(12, CHILD, shm_dir, url, proxy.url, "3", "0", timeout=600)
+    for o in outs:
+        assert o["errors"] == [], o  # training saw nothing
+        assert o["on_object"] == [1, 2, 3], o  # every save reached the object tier, late
+        assert o["exact"] == {"1": True, "2": True, "3": True}, o
+    refused = proxy.requests(fault="slowdown")
+    assert len(refused) > 12, "the bucket refused almost nothing: the job was not throttled"
