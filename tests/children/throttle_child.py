@@ -1,11 +1,12 @@
 """One rank of a job training a small torch.nn model and saving every step to RAM and to an S3 object tier
 that throttles (gloo on localhost, each process its own node, RAM in SHM/node<N>).
 
-    throttle_child.py SHM URL ENDPOINT STEPS RPS
+    throttle_child.py SHM URL ENDPOINT DIRECT STEPS RPS
 
 RPS: the job's request budget (``ObjectTier(requests_per_second=)``), or 0 for none. Trains STEPS steps,
-saving each without blocking, waits until every save is on the object tier, then restores each step from
-the object tier alone into a fresh store and compares it bit for bit. Prints one JSON line.
+saving each without blocking through ENDPOINT (the throttling proxy), waits until every save is on the
+object tier, then restores each step from the object tier alone, through DIRECT (the store itself), into a
+fresh store and compares it bit for bit. Prints one JSON line.
 """
 
 import copy
@@ -24,7 +25,8 @@ from _child import finish  # tests/children/ is the script's directory, first on
 
 
 def main() -> None:
-    shm, url, endpoint, steps, rps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+    shm, url, endpoint, direct = sys.argv[1:5]
+    steps, rps = int(sys.argv[5]), float(sys.argv[6])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     # botocore's own retries off: s3fs still retries a SlowDown a few times, tierfs waits out the rest
@@ -53,7 +55,8 @@ def main() -> None:
         elapsed = time.monotonic() - t0
         on_object = sorted(s for s, tiers in store.steps().items() if obj.name in tiers)
     exact = {}
-    with TieredStore([MemoryTier(os.path.join(node, "fresh")), ObjectTier(url, opts)]) as store:
+    with TieredStore([MemoryTier(os.path.join(node, "fresh")), ObjectTier(url, {**opts, "endpoint_url": direct})]) \
+            as store:
         for step in range(1, steps + 1):
             got, _ = store.restore(step, tiers=[obj.name])
             exact[step] = all(torch.equal(a, b) for a, b in zip(_tensors(got), _tensors(saved[step])))

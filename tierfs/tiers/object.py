@@ -128,8 +128,10 @@ class ObjectTier(Tier):
                 check_root(Path(self.root), "ObjectTier url")
                 make_private_dir(self.root)
             elif self.protocol not in ("memory",) and bucket:
-                # info(), not exists(): exists() turns a refused connection into "missing"
-                self.fs.info(bucket)  # the client has retried already; fail fast
+                # info(), not exists(): exists() turns a refused connection into "missing". The client has
+                # retried already: fail fast, but wait out a store refusing requests for the rate
+                retry(lambda: self.fs.info(bucket), attempts=1, what="probe the bucket", label=f"tier {self.name}",
+                      patience=self.throttle_patience)
         except FileNotFoundError:
             raise TierUnavailableError(
                 f"object tier {self.url}: bucket {bucket!r} does not exist; create it or fix the URL") from None
