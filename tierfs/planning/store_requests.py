@@ -60,7 +60,7 @@ def object_save(shard: float, ranks: int, file_size: int = DEFAULT_FILE_SIZE, pa
         raise ValueError(f"a save needs at least one rank and a shard size >= 0, got {ranks}, {shard}")
     part = max(part_size, S3_MIN_PART)
     files = max(1, math.ceil(shard / file_size))
-    per_file = 1 if file_size <= part else math.ceil(file_size / part) + 2
+    per_file = 1 if file_size < 2 * part else math.ceil(file_size / part) + 2  # s3fs: whole below two parts
     by_type = {k: v * ranks for k, v in (small or SMALL).items()}
     by_type["PUT"] = by_type.get("PUT", 0.0) + ranks * files * per_file
     return ObjectSave(ranks, shard, files, per_file, by_type)

@@ -81,6 +81,6 @@ class JobBudget:
 
 
 def upload_requests(size: int, part: int) -> int:
-    """Requests an upload of ``size`` bytes makes in parts of ``part``: one, or the parts plus two (a
-    multipart upload's start and completion; a resumable upload's start and end)."""
-    return 1 if size <= part else -(-size // part) + 2
+    """Requests an upload of ``size`` bytes makes in parts of ``part``: one below two parts (s3fs puts such
+    a file whole), else the parts plus two (a multipart upload's start and completion)."""
+    return 1 if size < 2 * part else -(-size // part) + 2
