@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import s3fs  # noqa: E402
 
 from _common import machine_note  # noqa: E402
 from _scale import BUCKET, Harness, run_job  # noqa: E402
@@ -46,7 +49,13 @@ def job(h: Harness, n: int, shape: tuple[float, float, float], workdir: str) -> 
     run = f"req-{n}-{int(time.time() * 1000) % 10**8}"
     ramroot = os.path.join(workdir, run)
     os.makedirs(ramroot, mode=0o700)
-    res = run_job(n, "requests", ramroot, f"s3://{BUCKET}/{run}", h, 120.0 + 8.0 * n, os.path.join(workdir, "logs"))
+    try:
+        res = run_job(n, "requests", ramroot, f"s3://{BUCKET}/{run}", h, 120.0 + 8.0 * n,
+                      os.path.join(workdir, "logs"))
+    finally:  # the next jobs need the memory: this one's RAM tiers, and its objects in moto
+        shutil.rmtree(ramroot, ignore_errors=True)
+        s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=h.endpoint, key="testing",
+                          secret="testing").rm(f"{BUCKET}/{run}", recursive=True)
     per = [r["ops"]["steady_save"] for r in res]
     objs = [r["objects"]["steady_save"] for r in res]
     out: dict = {"ranks": n, "state MiB": state, "file MiB": file_mib, "part MiB": part_mib,
