@@ -145,8 +145,8 @@ def key_prefix(method: str, head: bytes) -> str:
     path, _, query = target.partition("?")
     segs = [s for s in urllib.parse.unquote(path).split("/") if s]
     q = urllib.parse.parse_qs(query, keep_blank_values=True)
-    if len(segs) <= 1:  # on the bucket: a listing (its prefix), or a batch delete
-        return q.get("prefix", [""])[0].rstrip("/")
+    if len(segs) <= 1:  # on the bucket: a listing (the folder of its prefix), or a batch delete
+        return q.get("prefix", [""])[0].rsplit("/", 1)[0] if "/" in q.get("prefix", [""])[0] else ""
     return "/".join(segs[1:-1])
 
 

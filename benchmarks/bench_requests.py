@@ -1,14 +1,14 @@
 """What the object store sees of a save: requests per rank by type, bytes per request, the key prefixes they
 go to, at 2 to 64 ranks, extrapolated to 8,192 ranks and to a 20 GB shard.
 
-    .venv/bin/python benchmarks/bench_requests.py [--sizes 2,4,8,16,32,64] [--shapes 4:16:16,4:1:16,12:8:5]
+    .venv/bin/python benchmarks/bench_requests.py [--sizes 2,4,8,16,32,64] [--shapes 4:16:16,4:1:16]
 
 Each job is ``tests/children/scale_child.py requests``: N ranks forked from one zygote (each its own node),
 each saving a torch.nn MLP with its AdamW state (``state`` MiB) to a RAM tier and an S3 ``ObjectTier`` on
 moto, through its own port of ``_scale.CountingProxy``, in shard files of ``file`` MiB uploaded in parts of
-``part`` MiB. Four saves; the fourth (retention deleting the oldest of the object tier's two kept steps)
-is counted. Figures are the median over ranks; prefixes are the folders of the keys each request names (a
-listing's ``prefix``), counted over the whole job.
+``part`` MiB (a file under two parts goes whole, as s3fs puts it). Four saves; the fourth (retention deleting the oldest of the object tier's two kept steps)
+is counted. Figures are the median over ranks; prefixes are the folders of the keys each request names (of
+a listing's ``prefix``; a batch delete's is the bucket's), counted over the whole job.
 
 Extrapolation: a save's requests per rank are ``small + files * per file`` (fitted over the shapes: the
 small ones do not depend on the shard, the rest grow with its files), so a 20 GB shard in 16 MiB files
@@ -137,7 +137,7 @@ def report(rows: list[dict], ext: dict, args: argparse.Namespace) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2,4,8,16,32,64", help="job sizes (processes)")
-    ap.add_argument("--shapes", default="4:16:16,4:1:16,12:8:5",
+    ap.add_argument("--shapes", default="4:16:16,4:1:16",
                     help="state MiB : file MiB : part MiB, comma separated")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
