@@ -98,6 +98,12 @@ class TierTests:
         assert {n: bytes(v) for n, v in got.items()} == files
         big = files["rank_00000.0000.bin"]
         assert tier.read_range(7, "rank_00000.0000.bin", 12345, 2 << 20) == big[12345:2 << 20]
+        # what a rank confirms before its marker: its own files, only those asked for, a missing one left out
+        _fill(tier, 7, {"rank_00001.0000.bin": b"other rank"})
+        asked = ["rank_00000.0001.bin", "rank_00000.0002.bin", "rank_00000.0009.bin", "rank_00000.manifest.json"]
+        assert tier.sizes_of(7, asked) == {"rank_00000.0001.bin": 1000, "rank_00000.0002.bin": 0,
+                                           "rank_00000.manifest.json": 8}
+        assert tier.sizes_of(7, [MARKER]) == {MARKER: 6}
 
     def test_steps_sort_and_delete(self, tier: Tier) -> None:
         for s in (3, 12, 100):
