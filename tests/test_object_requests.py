@@ -25,7 +25,7 @@ from tierfs._retry import Throttled, retry, throttled
 from tierfs.policies import LatestN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
-from tierfs.tiers._budget import RequestBudget, upload_requests
+from tierfs.tiers._budget import JobBudget, upload_requests
 
 
 CHILD = Path(__file__).resolve().parent / "children" / "throttle_child.py"
@@ -105,18 +105,21 @@ def test_throttling_past_the_patience_is_one_error_saying_what_to_do():
     assert 120.0 <= clock.now <= 141.0
 
 
-def test_a_request_budget_keeps_to_its_rate_in_bursts_and_large_uploads():
+def test_each_rank_spends_its_share_of_the_job_s_budget_in_bursts_of_a_second():
     clock = Clock()
-    b = RequestBudget(10.0, clock=clock, sleep=clock.sleep)
-    for _ in range(10):  # a full bucket: one second's worth at once
-        assert b.take() == 0.0
+    b = JobBudget(40.0, world=4, clock=clock, sleep=clock.sleep)  # 10 requests per second for this rank
+    for _ in range(10):  # a burst of one second's worth passes at once
+        b.take()
+    assert clock.now == 0.0
     for _ in range(20):
         b.take()
-    assert clock.now == pytest.approx(2.0)  # 30 requests at 10/s, 10 of them up front
-    clock.now += 5.0  # idle: refills to the burst, no more
-    assert b.take(10) == 0.0 and b.take(1) == pytest.approx(0.1)
-    assert b.take(25) == pytest.approx(2.5)  # larger than the burst: waits its whole share, never forever
+    assert 2.0 - 1e-9 <= clock.now <= 3.0 + 1e-9  # 30 requests at 10/s: at most rate x t + a burst in t
+    start = clock.now
+    b.take(25)  # more than a burst (a multipart upload): waits for what came before, then its own time
+    b.take()
+    assert clock.now - start >= 2.5 - 1e-9
     assert upload_requests(1 << 20, 5 << 20) == 1 and upload_requests(12 << 20, 5 << 20) == 5
+    assert upload_requests(8 << 20, 5 << 20) == 1  # under two parts: put whole, as s3fs does
 
 
 # -- a real store ----------------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def test_a_request_budget_within_the_store_s_rate_is_never_refused(throttling, s
             store.wait_until_finished()
         assert store.steps()[2] == ["ram", "s3"]
     assert not proxy.requests(fault="slowdown")
-    assert obj._budget.share is not None and obj._budget.share.waited > 0  # it did pace the requests
+    assert obj._budget.share is not None and obj._budget.share.rate == 8.0  # this one-rank job's whole budget
 
 
 def test_a_save_asks_its_uploads_and_three_small_requests_none_per_file(throttling, shm_dir):

@@ -1,19 +1,21 @@
-"""A rank's share of the job's request rate to an object store: a token bucket the object tier spends
-before every request it makes (retries included).
+"""A rank's share of the job's request rate to an object store, which the object tier spends before every
+request it makes (retries included).
 
 Object stores serve a prefix at a limited rate (S3: about 3,500 writes and 5,500 reads per second per
 prefix partition; GCS ramps up from about 1,000 writes per second) and answer beyond it with 503 SlowDown
 or 429. A budget for the whole job, ``requests_per_second``, split evenly over its ranks, keeps every rank
 within its share without talking to the others: the job as a whole never asks for more than the budget.
+The pacing is the background throttle's (:class:`tierfs._worker.Throttle`), counting requests, not bytes.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from typing import Callable
+
+from .._worker import Throttle
 
 
 def job_size() -> int:
@@ -31,53 +33,24 @@ def job_size() -> int:
         return 1
 
 
-class RequestBudget:
-    """``per_second`` requests, at most ``burst`` at once after a pause (default: one second's worth).
-
-    :meth:`take` reserves its requests and sleeps until they are due, so callers on several threads are
-    served in the order they asked, and a call needing more than ``burst`` (a multipart upload) waits for
-    its whole share instead of never getting it.
-    """
-
-    def __init__(self, per_second: float, burst: float | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        if not per_second > 0:
-            raise ValueError(f"a request budget must be positive, got {per_second}")
-        self.per_second = float(per_second)
-        self.burst = max(1.0, float(burst) if burst is not None else self.per_second)
-        self._clock, self._sleep = clock, sleep
-        self._tokens, self._at = self.burst, clock()
-        self._lock = threading.Lock()
-        self.waited = 0.0  # seconds callers slept for the budget, in all (for the log and benchmarks)
-
-    def take(self, n: int = 1) -> float:
-        """Spend ``n`` requests; sleeps until they are within the budget. Returns the seconds slept."""
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.per_second)
-            self._at = now
-            self._tokens -= n
-            wait = -self._tokens / self.per_second if self._tokens < 0 else 0.0
-            self.waited += wait
-        if wait > 0:
-            self._sleep(wait)
-        return wait
-
-
 class JobBudget:
-    """The job's ``per_second`` requests (None: no budget), this rank taking its share: sized on first use,
-    once the job's size is known (:func:`job_size`)."""
+    """The job's ``per_second`` requests (None: no budget), this rank taking its share in bursts of up to a
+    second's worth: sized on first use, once the job's size is known (``world``: given instead)."""
 
-    def __init__(self, per_second: float | None) -> None:
-        self.per_second = per_second
-        self.share: RequestBudget | None = None
+    def __init__(self, per_second: float | None, *, world: int | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.per_second, self.world = per_second, world
+        self.share: Throttle | None = None
+        self._clock, self._sleep = clock, sleep
 
-    def take(self, n: int = 1) -> float:
+    def take(self, n: int = 1) -> None:
+        """Spend ``n`` requests of this rank's share; sleeps while they would go past it."""
         if self.per_second is None:
-            return 0.0
+            return
         if self.share is None:
-            self.share = RequestBudget(self.per_second / job_size())
-        return self.share.take(n)
+            rate = self.per_second / (self.world or job_size())
+            self.share = Throttle(rate, max(1, int(rate)), clock=self._clock, sleep=self._sleep)
+        self.share.consume(n)
 
 
 def upload_requests(size: int, part: int) -> int:
