@@ -12,8 +12,9 @@ a listing's ``prefix``; a batch delete's is the bucket's), counted over the whol
 
 Extrapolation: a save's requests per rank are ``small + files * per file`` (fitted over the shapes: the
 small ones do not depend on the shard, the rest grow with its files), so a 20 GB shard in 16 MiB files
-asks ``small + 1,193 * per file``; the job asks N times that, and today every rank's keys of a step share
-one prefix, ``<root>/step_…``. The time column divides a save's requests under its busiest prefix by S3's
+asks ``small + 1,193 * per file``; the job asks N times that. Each rank's keys go under its bucket of
+prefixes (``<root>/ranks/<bucket>/``, 256 buckets: 32 ranks each at 8,192), the marker under the step's
+own. The time column divides a save's requests under its busiest prefix by S3's
 documented 3,500 writes (PUT, POST, DELETE) per second per prefix partition and GCS's initial 1,000 writes
 per second (before any ramp-up): the floor of how long the store takes to accept one save.
 """
@@ -78,6 +79,16 @@ def job(h: Harness, n: int, shape: tuple[float, float, float], workdir: str) -> 
     root = run
     out["prefixes"] = sorted(p.replace(root, "<root>", 1) if p else "(the bucket: batch deletes)" for p in prefixes)
     out["busiest prefix share"] = max(prefixes.values()) / sum(prefixes.values()) if prefixes else 0
+    # what a store partitions on: each rank bucket (the same for every step) and each other folder
+    families: dict[str, int] = {}
+    for p, v in prefixes.items():
+        fam = p.split("/ranks/", 1)[1][:2] if "/ranks/" in p else p
+        families[fam] = families.get(fam, 0) + v
+    buckets = {f: v for f, v in families.items() if len(f) == 2}
+    others = {f: v for f, v in families.items() if len(f) != 2 and f}  # not the bucket-wide batch delete
+    out["rank buckets"] = len(buckets)
+    out["busiest bucket"] = max(buckets.values(), default=0)
+    out["busiest other prefix"] = max(others.values(), default=0)
     return out
 
 
@@ -90,18 +101,26 @@ def per_file(file: float, part: float) -> int:
 
 def extrapolate(rows: list[dict]) -> dict:
     """A 20 GB shard in 16 MiB files (16 MiB parts) at 8,192 ranks: each rank's small requests as measured
-    at the largest N (median over the shapes), plus one request per file."""
+    at the largest N (median over the shapes), plus one request per file. A rank's requests go under its
+    bucket, 32 ranks to each of the 256; the step's own prefix (the marker) takes what the busiest other
+    prefix took per rank at the largest N, times 8,192."""
     top = max(r["ranks"] for r in rows)
-    small = statistics.median(r["small"] for r in rows if r["ranks"] == top)
+    at_top = [r for r in rows if r["ranks"] == top]
+    small = statistics.median(r["small"] for r in at_top)
     files = math.ceil(TARGET_SHARD / FILE)
     per_rank = small + files * per_file(FILE, FILE)
     job_requests = per_rank * TARGET_RANKS
-    one = files * per_file(FILE, FILE) * TARGET_RANKS  # every rank's data files: under the step's prefix today
+    # per rank, in its bucket: the busiest bucket's requests (one rank each up to 256 ranks) less its files
+    bucket_small = statistics.median(r["busiest bucket"] - r["file requests"] for r in at_top)
+    per_bucket = math.ceil(TARGET_RANKS / 256) * (bucket_small + files * per_file(FILE, FILE))
+    at_step = statistics.median(r["busiest other prefix"] / top for r in at_top) * TARGET_RANKS
+    busiest = max(per_bucket, at_step)
     return {"small requests per rank (measured)": small, "files of a 20 GB shard": files,
             "requests per rank": per_rank, "requests per save (8,192 ranks)": job_requests,
-            "of them under one prefix (the step's), at least": one,
-            "seconds at S3's 3,500 writes per prefix": one / S3_WRITES,
-            "seconds at GCS's 1,000 writes per prefix": one / GCS_WRITES}
+            "under the busiest rank bucket (32 ranks)": per_bucket,
+            "under the busiest other prefix": at_step,
+            "seconds at S3's 3,500 writes per prefix": busiest / S3_WRITES,
+            "seconds at GCS's 1,000 writes per prefix": busiest / GCS_WRITES}
 
 
 def rev() -> str:
@@ -119,12 +138,14 @@ def report(rows: list[dict], ext: dict, args: argparse.Namespace) -> str:
              f"{os.getloadavg()[0]:.1f}", f"- tierfs at {rev()}",
              f"- command: `.venv/bin/python benchmarks/bench_requests.py --sizes {args.sizes} --shapes {args.shapes}`",
              "", "| ranks | state MiB | file MiB | part MiB | files | " + " | ".join(KINDS) + " | requests | small | "
-             "bytes per PUT | bytes per LIST | prefixes (job) | busiest prefix share |", "|" + "---|" * (12 + len(KINDS))]
+             "bytes per PUT | bytes per LIST | prefixes (job) | rank buckets | busiest bucket | busiest other prefix |",
+             "|" + "---|" * (14 + len(KINDS))]
     for r in rows:
         lines.append(f"| {r['ranks']} | {r['state MiB']:g} | {r['file MiB']:g} | {r['part MiB']:g} | {r['files']:g} | "
                      + " | ".join(f"{r[k]:g}" for k in KINDS)
                      + f" | {r['requests']:g} | {r['small']:g} | {r['PUT bytes/request'] / 1024:.0f} KiB | "
-                     f"{r['LIST bytes/request'] / 1024:.1f} KiB | {len(r['prefixes'])} | {r['busiest prefix share']:.2f} |")
+                     f"{r['LIST bytes/request'] / 1024:.1f} KiB | {len(r['prefixes'])} | {r['rank buckets']} | "
+                     f"{r['busiest bucket']:g} | {r['busiest other prefix']:g} |")
     lines += ["", "Prefixes of the largest job: " + ", ".join(f"`{p}`" for p in rows[-1]["prefixes"][:6])
               + (" ..." if len(rows[-1]["prefixes"]) > 6 else ""), ""]
     if ext:

@@ -16,6 +16,7 @@ import gloo_job
 from tierfs import TieredStore
 from tierfs.cli import main
 from tierfs.format import MARKER, manifest_filename, step_dirname
+from tierfs.format.keys import key as object_key
 from tierfs.policies import FixedIntervalPolicy, PreserveAll
 from tierfs.tiers import MemoryTier, ObjectTier
 
@@ -149,7 +150,7 @@ def test_ls_and_verify_s3_url_and_config(shm_dir, s3_url, tmp_path, capsys):
     import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-    key = f"{url[len('s3://'):]}/{step_dirname(4)}/rank_00000.0000.bin"
+    key = f"{url[len('s3://'):]}/{object_key(4, 'rank_00000.0000.bin')}"
     data = bytearray(fs.cat_file(key))
     data[100] ^= 0xFF
     fs.pipe_file(key, bytes(data))

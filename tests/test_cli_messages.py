@@ -287,7 +287,7 @@ def test_simulate_shows_what_coordinating_a_save_costs_at_each_size(capsys):
     assert json.loads(out)[0]["coordination_per_save"]["object_requests"] == 9000
 
 
-def test_simulate_shows_an_object_tier_save_s_requests_and_how_long_one_prefix_takes(capsys):
+def test_simulate_shows_an_object_tier_save_s_requests_and_how_long_the_busiest_prefix_takes(capsys):
     from tierfs.planning import store_requests as requests
 
     code, out, err = run(capsys, "simulate", *SIM, "--sizes", "1k,8192")
@@ -298,19 +298,24 @@ def test_simulate_shows_an_object_tier_save_s_requests_and_how_long_one_prefix_t
     puts = 8192 * (7 + small["PUT"])  # 840 GB over 8,192 ranks: 97.8 MiB each, 7 files of 16 MiB
     assert lines[1].startswith(f"8192 accelerators, 97.8 MiB per rank in 7 files: "
                                f"{8192 * (7 + sum(small.values())):,.0f} requests (PUT {puts:,.0f}, HEAD"), lines[1]
-    one = 8192 * 7  # every rank's uploads under the step's prefix
-    assert lines[1].endswith(f"the step's prefix takes {one / 3500:.1f} s at S3's 3,500 writes/s, "
-                             f"{one / 1000:.1f} s at GCS's 1,000"), lines[1]
+    # 256 buckets of 32 ranks, each rank's 7 uploads and 6 small requests; the step's prefix: the marker and
+    # every rank's HEAD and listing of an older step's marker, the busiest
+    busiest = 1 + 8192 * 2
+    assert 32 * (7 + 6) < busiest
+    assert lines[1].endswith(f"under 257 prefixes; the busiest ({busiest:,}) takes {busiest / 3500:.1f} s at S3's "
+                             f"3,500 writes/s, {busiest / 1000:.1f} s at GCS's 1,000"), lines[1]
     code, out, err = run(capsys, "simulate", *SIM, "--sizes", "8192", "--json")
     got = json.loads(out)[0]["object_requests_per_save"]
-    assert got["by_type"]["PUT"] == puts and got["under_one_prefix"] == one and got["files_per_rank"] == 7
+    assert got["by_type"]["PUT"] == puts and got["busiest_prefix"] == busiest and got["prefixes"] == 257
+    assert got["files_per_rank"] == 7
 
 
 def test_the_request_model_counts_multipart_uploads_and_the_files_of_a_shard():
     from tierfs.planning.store_requests import object_save
 
     o = object_save(20e9, 8192)  # 20 GB per rank in 16 MiB files, each one PUT
-    assert o.files == 1193 and o.per_file == 1 and o.one_prefix == 8192 * 1193
+    assert o.files == 1193 and o.per_file == 1 and o.busiest == o.busiest_bucket == 32 * (1193 + 6)
+    assert object_save(20e9, 12).busiest_bucket == 1193 + 6 and object_save(20e9, 12).prefixes == 13
     m = object_save(64 << 20, 2, file_size=64 << 20, part_size=16 << 20)  # one file, 4 parts: start, parts, end
     assert m.files == 1 and m.per_file == 6
     assert object_save(1 << 20, 4, file_size=64 << 20, part_size=1 << 20).per_file == 15  # parts of 5 MiB at least

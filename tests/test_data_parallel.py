@@ -19,14 +19,16 @@ import pytest
 import gloo_job
 from tierfs.core.dataparallel import Sharing, _Packer, by_bundle, declared, place
 from tierfs.errors import ArgumentError, FormatError
-from tierfs.format import Entry, Manifest
+from tierfs.format import Entry, Manifest, step_dirname
 
 HERE = Path(__file__).parent
 CHILDREN = HERE / "children"
 
 
-def _bytes(path: Path) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs if f.endswith(".bin"))
+def _bytes(path: Path, step: str | None = None) -> int:
+    """Bytes of the shard files under ``path`` (in folders named ``step`` alone, when given: a step's)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+               if f.endswith(".bin") and (step is None or Path(d).name == step))
 
 
 def _lose_node_then_everything(child: str, layout: str, shm: Path, obj: Path) -> tuple[list, list]:
@@ -49,7 +51,7 @@ def test_declared_replicas_are_stored_once_and_restored_from_the_ranks_holding_t
     saved = gloo_job.run_job(4, CHILDREN / "dp_child.py", str(shm), str(obj), "save", layout)
     state, unique = saved[0]["state"], saved[0]["unique"]
     distinct = (state - unique) * (1 if layout == "dp" else 2) + 4 * unique
-    stored = _bytes(obj / "step_000000000002")
+    stored = _bytes(obj, step_dirname(2))  # the step's files, each rank's under its bucket
     assert distinct <= stored <= 1.02 * distinct
     for r in saved:
         assert r["ram"] <= 1.02 * state  # RAM keeps everything each rank needs, once

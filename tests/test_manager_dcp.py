@@ -15,6 +15,7 @@ from tierfs import CheckpointManager, CheckpointManagerOptions, TieredStore
 from tierfs.adapters.dcp import META_KEY, SHARD_KEY
 from tierfs.errors import StateMismatchError
 from tierfs.format import step_dirname
+from tierfs.format.keys import key
 from tierfs.policies import (AnySavePolicy, BestN, FixedIntervalPolicy, LatestN, PreemptionCheckpointingPolicy,
                              RestorePolicy)
 from tierfs.testing import assert_states_equal
@@ -159,19 +160,18 @@ def test_damaged_copies_fall_back_to_another_tier_then_an_older_step(shm_dir, tm
         mgr.save(2, full_state(2))
         mgr.wait_until_finished()
 
-        def flip(root: Path) -> None:
-            shard = root / step_dirname(2) / "rank_00000.0000.bin"
+        def flip(shard: Path) -> None:
             data = bytearray(shard.read_bytes())
             data[100] ^= 0xFF
             shard.write_bytes(bytes(data))
 
-        flip(Path(shm_dir))
+        flip(Path(shm_dir) / step_dirname(2) / "rank_00000.0000.bin")
         got = fresh()
         assert mgr.restore(got) == 2
         assert_states_equal(full_state(2), got, key_order=True)
         assert mgr.last_restore_info.tier == "file"
         assert [(t, s) for t, s, _ in mgr.last_restore_info.skipped] == [("ram", 2)]
-        flip(tmp_path / "obj")
+        flip(tmp_path / "obj" / key(2, "rank_00000.0000.bin"))  # the object tier's keys
         got = fresh()
         assert mgr.restore(got) == 1  # no verified copy of step 2 left
         assert_states_equal(full_state(1), got, key_order=True)

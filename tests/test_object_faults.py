@@ -125,8 +125,13 @@ def test_saves_and_restores_are_bit_exact_with_a_fifth_of_requests_faulted(seawe
     # keeps an emptied directory, listed as "step_.../" by a delimited listing, until it is deleted too)
     assert ObjectTier(url, opts).list_steps() == {2: True, 4: True}, f"{faulted} of {total} requests faulted"
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-    assert sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(url.removeprefix("s3://"))) == \
-        [step_dirname(2), step_dirname(4)]
+
+    def names(path: str) -> list[str]:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path))
+    root = url.removeprefix("s3://")
+    assert names(root) == ["ranks", step_dirname(2), step_dirname(4)]
+    for bucket in names(f"{root}/ranks"):  # each rank's files: under its own key prefix
+        assert names(f"{root}/ranks/{bucket}") == [step_dirname(2), step_dirname(4)], bucket
 
 
 # -- the store stays down --------------------------------------------------------------------------
@@ -225,7 +230,9 @@ def test_permanent_errors_are_not_retried(seaweed_url, proxy):
     tier = ObjectTier(url, via(proxy, opts), retries=4)  # botocore's own retries on, too
     with pytest.raises(FileNotFoundError):  # 404 from the server
         tier.read_file(1, "rank_00007.0000.bin")
-    assert len(proxy.requests(match=named("rank_00007.0000.bin"))) == 1
+    # asked once where each layout puts it (the step's marker, which says which, is not there): never retried
+    asked = [r.path for r in proxy.requests(match=named("rank_00007.0000.bin"))]
+    assert len(asked) == 2 and "/ranks/e0/step_000000000001/" in asked[0] and "/step_000000000001/" in asked[1]
     proxy.fail_next(5, "denied", match=named("rank_00000.0000.bin"))  # 403
     with pytest.raises(PermissionError):
         tier.read_file(1, "rank_00000.0000.bin")

@@ -10,22 +10,32 @@ beyond it. The client is the real s3fs, its own retries turned down so that tier
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import time
+import urllib.parse
 from pathlib import Path
 
 import botocore.exceptions
 import numpy as np
 import pytest
+import s3fs
 from gcsfs.retry import HttpError
 from s3fs.errors import translate_boto_error
 
 import gloo_job
 from _faultproxy import FaultProxy
 from tierfs import TieredStore, TierUnavailableError
+from tierfs.cli import main
 from tierfs._retry import Throttled, retry, throttled
+from tierfs.format import MARKER, step_dirname
+from tierfs.format.keys import key
 from tierfs.policies import LatestN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
-from tierfs.tiers._budget import JobBudget, upload_requests
+from tierfs.tiers._budget import JobBudget
+from tierfs.tiers._parts import upload
 
 
 CHILD = Path(__file__).resolve().parent / "children" / "throttle_child.py"
@@ -118,8 +128,8 @@ def test_each_rank_spends_its_share_of_the_job_s_budget_in_bursts_of_a_second():
     b.take(25)  # more than a burst (a multipart upload): waits for what came before, then its own time
     b.take()
     assert clock.now - start >= 2.5 - 1e-9
-    assert upload_requests(1 << 20, 5 << 20) == 1 and upload_requests(12 << 20, 5 << 20) == 5
-    assert upload_requests(8 << 20, 5 << 20) == 1  # under two parts: put whole, as s3fs does
+    assert upload("s3", 1 << 20, 5 << 20)[1] == 1 and upload("s3", 12 << 20, 5 << 20)[1] == 5
+    assert upload("s3", 8 << 20, 5 << 20)[1] == 1  # under two parts: put whole, as s3fs does
 
 
 # -- a real store ----------------------------------------------------------------------------------------
@@ -197,7 +207,7 @@ def test_a_save_asks_its_uploads_and_three_small_requests_none_per_file(throttli
 
 def test_a_12_rank_job_training_against_a_throttling_store_loses_no_save_and_sees_no_error(throttling, shm_dir):
     url, opts, proxy = throttling
-    proxy.set_bucket(8.0, burst=8.0)  # per prefix, shared by the 12 ranks: far below what they ask at once
+    proxy.set_bucket(2.0, burst=2.0)  # per prefix, shared by every rank using it: below what a rank asks at once
     outs = gloo_job.run_job(12, CHILD, shm_dir, url, proxy.url, opts["endpoint_url"], "2", "0", timeout=600)
     for o in outs:
         assert o["errors"] == [], o  # training saw nothing
@@ -205,3 +215,89 @@ def test_a_12_rank_job_training_against_a_throttling_store_loses_no_save_and_see
         assert o["exact"] == {"1": True, "2": True}, o
     refused = proxy.requests(fault="slowdown")
     assert len(refused) > 12, "the bucket refused almost nothing: the job was not throttled"
+    # the keys of a step: each rank's under a prefix of its own (the store's partitions), the marker apart
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    root = url.removeprefix("s3://")
+    step_keys = [k[len(root) + 1:] for k in fs.find(root) if f"/{step_dirname(1)}/" in k]
+    by_prefix: dict[str, set[str]] = {}
+    for k in step_keys:
+        by_prefix.setdefault(k.rsplit("/", 2)[0] if k.startswith("ranks/") else "", set()).add(k.rsplit("/", 1)[1])
+    assert len(by_prefix) >= min(12, 16) + 1, sorted(by_prefix)
+    assert by_prefix[""] == {MARKER}
+    for prefix, names in by_prefix.items():
+        ranks = {n.split(".")[0] for n in names if n != MARKER}
+        assert len(ranks) <= 1 and (not ranks or key(1, f"{ranks.pop()}.manifest.json").startswith(prefix + "/"))
+
+
+def test_uploads_are_in_parts_that_fit_the_store():
+    # S3: multipart above two parts of at least 5 MiB; GCS: resumable above two chunks of 256 KiB multiples
+    assert upload("s3", 40 << 20, 16 << 20) == ({"chunksize": 16 << 20}, 3 + 2)
+    assert upload("gs", 40 << 20, 16 << 20) == ({"chunksize": 16 << 20}, 3 + 1)
+    assert upload("gs", 20 << 20, 16 << 20) == ({"chunksize": (20 << 20) + 1}, 1)  # whole, in one request
+    assert upload("gs", 3 << 20, (1 << 20) + 1)[0] == {"chunksize": (1 << 20) + (256 << 10)}
+    assert upload("memory", 40 << 20, 16 << 20) == ({}, 1)
+
+
+def test_a_large_file_goes_to_gcs_as_a_resumable_upload_in_chunks_and_reads_back_bit_exact(gcs_url, caplog):
+    url, opts = gcs_url
+    tier = ObjectTier(url, opts, part_size=1 << 20)
+    data = np.random.default_rng(5).integers(0, 255, (3 << 20) + 12345, dtype=np.uint8).tobytes()
+    with caplog.at_level(logging.DEBUG, logger="gcsfs"):
+        tier.write_file(1, "rank_00000.0000.bin", data)
+    sent = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("POST", "PUT"))]
+    assert len(sent) == 1 + 4, sent  # the upload's start, then four chunks of 1 MiB (the last one shorter)
+    assert "upload_id=" not in sent[0] and all("uploadType=resumable&upload_id=" in m for m in sent[1:]), sent
+    assert bytes(ObjectTier(url, opts).read_file(1, "rank_00000.0000.bin")) == data
+
+
+def wait_for(condition, what: str, timeout: float = 120.0):
+    """``condition()``'s first true value, polled until ``timeout`` (then the test fails saying ``what``)."""
+    deadline = time.monotonic() + timeout
+    while not (got := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return got
+
+
+@contextlib.contextmanager
+def cleared(proxy: FaultProxy):
+    """The proxy's faults cleared on the way out, however the block ends (so the store's close never
+    waits out a store refusing it)."""
+    try:
+        yield
+    finally:
+        proxy.clear()
+
+
+def test_retention_keeps_the_newest_durable_step_while_a_newer_one_lags_and_ls_shows_the_lag(
+        throttling, shm_dir, tmp_path, caplog, capsys):
+    url, opts, proxy = throttling
+    direct = ObjectTier(url, opts)  # what the store holds, seen past the proxy
+
+    def step3(r) -> bool:  # step 3's keys, and listings of them
+        return step_dirname(3) in r.path or step_dirname(3) in urllib.parse.unquote(r.query)
+
+    tiers = [MemoryTier(shm_dir, keep=LatestN(1)), ObjectTier(url, via(proxy, opts), keep=LatestN(1), retries=2)]
+    with TieredStore(tiers, file_size=64 << 10) as store:
+        for step in (1, 2):
+            store.save(step, state_for(step))
+        store.wait_until_finished()
+        assert direct.committed_steps() == [2]
+        proxy.fail_next(10**6, "slowdown", match=step3)  # every request of step 3's copy refused for the rate
+        with caplog.at_level(logging.WARNING, logger="tierfs"), cleared(proxy):
+            store.save(3, state_for(3), blocking=False)
+            wait_for(lambda: proxy.requests(fault="slowdown", match=step3), "step 3's copy to be refused")
+            # step 3 lags: the newest durable step stays, the log and ls say so
+            assert direct.committed_steps() == [2]
+            assert store.steps()[2] == ["s3"] and store.steps()[3] == ["ram"]
+            cfg = tmp_path / "tiers.json"
+            cfg.write_text(json.dumps({"tiers": [{"kind": "memory", "path": shm_dir, "budget": None, "name": "ram"},
+                                                 {"kind": "object", "url": url, "storage_options": opts, "name": "s3"}]}))
+            assert main(["ls", str(cfg)]) == 0
+            assert capsys.readouterr().out.rstrip().endswith("newest committed step: ram 3, s3 2 (1 step behind)")
+            wait_for(lambda: [r for r in caplog.records if "its copy lags" in r.getMessage()], "the lag's log line")
+        store.wait_until_finished()
+    assert direct.committed_steps() == [3]  # once step 3 landed, retention let step 2 go
+    got, info = TieredStore([MemoryTier(str(tmp_path / "fresh")), direct]).restore(3, tiers=["s3"])
+    assert info.tier == "s3"
+    assert_states_equal(got, state_for(3))

@@ -21,7 +21,8 @@ s3fs = pytest.importorskip("s3fs")
 
 import gloo_job  # noqa: E402
 from tierfs import TieredStore  # noqa: E402
-from tierfs.format import step_dirname  # noqa: E402
+from tierfs.format import MARKER  # noqa: E402
+from tierfs.format.keys import key  # noqa: E402
 from tierfs.policies import LatestN  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 
@@ -40,9 +41,8 @@ def step_keys(*steps: int, ranks: range = range(WORLD), marker: bool = True) -> 
     """The objects of ``steps``: each rank's one shard file and manifest, and the marker."""
     out = set()
     for s in steps:
-        d = step_dirname(s)
-        out |= {f"{d}/COMMITTED"} if marker else set()
-        out |= {f"{d}/rank_{r:05d}.{n}" for r in ranks for n in ("0000.bin", "manifest.json")}
+        out |= {key(s, MARKER)} if marker else set()
+        out |= {key(s, f"rank_{r:05d}.{n}") for r in ranks for n in ("0000.bin", "manifest.json")}
     return out
 
 

@@ -72,9 +72,11 @@ def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
 
 
 def by_step(keys: list[str]) -> dict[str, set[str]]:
+    """``{step folder: names}`` of an object tier's keys (the marker under the step, each rank's files
+    under its bucket: ``ranks/<bucket>/step_…/``)."""
     out: dict[str, set[str]] = {}
     for k in keys:
-        step, _, name = k.partition("/")
+        step, _, name = (k.split("/", 2)[2] if k.startswith("ranks/") else k).partition("/")
         out.setdefault(step, set()).add(name)
     return out
 

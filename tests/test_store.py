@@ -10,7 +10,8 @@ import pytest
 
 from tierfs import (BackgroundError, CapacityError, RestoreError, StateMismatchError, StepExistsError, StepNotFoundError,
                     TieredStore, TierUnavailableError)
-from tierfs.format import MARKER, step_dirname
+from tierfs.format import MARKER, spread_bucket, step_dirname
+from tierfs.format.keys import key
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
@@ -41,7 +42,11 @@ def test_hybrid_policy_over_20_steps(hybrid, shm_dir, tmp_path):
     # The directories hold exactly those steps, all committed, nothing else.
     assert sorted(p.name for p in Path(shm_dir).iterdir() if not p.name.startswith(".")) == \
         [step_dirname(18), step_dirname(19)]
-    assert sorted(p.name for p in (tmp_path / "obj").iterdir()) == [step_dirname(0), step_dirname(10)]
+    obj = tmp_path / "obj"  # the markers under the steps, each rank's files under its bucket: rank 0's
+    assert sorted(p.name for p in obj.iterdir()) == ["ranks", step_dirname(0), step_dirname(10)]
+    assert sorted(p.name for p in (obj / key(0, MARKER)).parent.iterdir()) == [MARKER]
+    assert [p.name for p in (obj / "ranks").iterdir()] == [spread_bucket(0)]
+    assert sorted(p.name for p in (obj / "ranks" / spread_bucket(0)).iterdir()) == [step_dirname(0), step_dirname(10)]
 
 
 def test_policy_skips_return_false(shm_dir, tmp_path):

@@ -120,3 +120,12 @@ def short(e: BaseException, *, with_type: bool = False) -> str:
     if with_type:
         return f"{type(e).__name__}: {line}"[:240]
     return (line or type(e).__name__)[:200]
+
+
+def renamed(e: BaseException, message: str) -> BaseException:
+    """An exception of ``e``'s type saying ``message`` (``e`` itself when its type needs other arguments)."""
+    try:
+        named = type(e)(message)
+    except Exception:  # noqa: BLE001 - a type built otherwise: the original says less, but says it
+        return e
+    return named if str(named) == message else e

@@ -34,6 +34,7 @@ def checked_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = N
     from the tier unless given)."""
     marker = tier.read_marker(step) if marker is None else marker
     listed_in(marker, step, manifest_filename(rank))  # before reading: a wrong rank costs no download
+    tier.note_marker(step, marker)  # where the step's files are (its version): no second read of the marker
     mbytes = bytes(tier.read_file(step, manifest_filename(rank)))
     return manifest_from_marker(marker, mbytes, step, rank), mbytes
 

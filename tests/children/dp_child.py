@@ -82,8 +82,11 @@ def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs if f.endswith(".bin"))
+def tree_bytes(path: str, step: str | None = None) -> int:
+    """Bytes of the shard files under ``path`` (in folders named ``step`` alone, when given: a step's on an
+    object tier, each rank's under its bucket)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+               if f.endswith(".bin") and (step is None or os.path.basename(d) == step))
 
 
 def main() -> None:
@@ -103,7 +106,7 @@ def main() -> None:
             store.wait_until_finished()
         out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000002"))
         out["replicas"] = tree_bytes(os.path.join(ram_dir, "peers"))
-        out["objects"] = tree_bytes(os.path.join(obj, "step_000000000002"))
+        out["objects"] = tree_bytes(obj, "step_000000000002")
         out["state"] = sum(v.numel() * v.element_size() for v in tensors(state))
         out["unique"] = sum(v.numel() * v.element_size() for v in tensors(state["mine"]))
         # step 3: rank 1's copy of a shared tensor differs from the others'

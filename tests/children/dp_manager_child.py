@@ -71,7 +71,7 @@ def main() -> None:
                 state = state_of(model, opt, rank, step)
                 assert mgr.save(step, state)
                 mgr.wait_until_finished()
-                out[f"objects{step}"] = tree_bytes(os.path.join(obj, f"step_{step:012d}"))
+                out[f"objects{step}"] = tree_bytes(obj, f"step_{step:012d}")
             out["saved"] = digest(state)
             out["ram"] = tree_bytes(os.path.join(ram_dir, "step_000000000003"))
             out["replicas"] = tree_bytes(os.path.join(ram_dir, "peers"))

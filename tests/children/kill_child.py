@@ -37,7 +37,8 @@ import torch
 
 from tierfs import CheckpointManager
 from tierfs.cli.inspect import verify_step
-from tierfs.format import MARKER, Marker, parse_step_dirname
+from tierfs.format import MARKER, Marker, parse_step_dirname, step_dirname
+from tierfs.format.keys import key
 from tierfs.policies import FixedIntervalPolicy, LatestN, RestorePolicy
 from tierfs.testing import assert_states_equal, hooks
 from tierfs.tiers import MemoryTier, ObjectTier
@@ -92,24 +93,32 @@ def inspect_raw(shm: str, obj: str) -> dict[str, Any]:
     return out
 
 
-def junk(root: str, allowed_top: set[str]) -> list[str]:
-    """Entries under a tier's root that are neither a committed step's files nor ``allowed_top``."""
-    found = []
-    for name in sorted(os.listdir(root)):
-        p = os.path.join(root, name)
-        if name in allowed_top:
+def junk(root: str, allowed_top: set[str], spread: bool = False) -> list[str]:
+    """Files and empty folders under a tier's root that are neither a committed step's nor under
+    ``allowed_top``; ``spread``: an object tier's layout (each rank's files under its bucket)."""
+    def where(step: int, name: str) -> str:
+        return key(step, name) if spread else os.path.join(step_dirname(step), name)
+    expected = set()
+    for name in os.listdir(root):
+        step = parse_step_dirname(name)
+        if step is None or not os.path.isfile(os.path.join(root, where(step, MARKER))):
             continue
-        if parse_step_dirname(name) is None or not os.path.isfile(os.path.join(p, MARKER)):
-            found.append(f"{name}/ (empty)" if os.path.isdir(p) and not os.listdir(p) else name)
-            continue
-        with open(os.path.join(p, MARKER), "rb") as f:
+        with open(os.path.join(root, where(step, MARKER)), "rb") as f:
             manifests = set(Marker.from_bytes(f.read()).manifests)
-        files = set(os.listdir(p)) - manifests - {MARKER}
+        expected |= {where(step, n) for n in [MARKER, *manifests]}
         for m in manifests:
-            with open(os.path.join(p, m), "rb") as f:
-                files -= set(json.load(f)["files"])
-        found += [f"{name}/{f}" for f in sorted(files)]
-    return found
+            with open(os.path.join(root, where(step, m)), "rb") as f:
+                expected |= {where(step, n) for n in json.load(f)["files"]}
+    found = []
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        if rel.split(os.sep)[0] in allowed_top:
+            continue
+        if rel != "." and not dirs and not files and not (spread and rel.split(os.sep)[0] == "ranks"
+                                                           and rel.count(os.sep) <= 1):  # the buckets stay
+            found.append(f"{rel}/ (empty)")
+        found += [p for p in (os.path.normpath(os.path.join(rel, f)) for f in files) if p not in expected]
+    return sorted(found)
 
 
 def check_and_restore(mgr: CheckpointManager, shm: str, obj: str) -> dict[str, Any]:
@@ -130,7 +139,7 @@ def check_and_restore(mgr: CheckpointManager, shm: str, obj: str) -> dict[str, A
         "file": sorted(st for st, ok in listed["file"].items() if ok),
         "partial_after_open": sorted(f"{n}:{st}" for n, steps in listed.items() for st, ok in steps.items()
                                      if not ok),
-        "junk": {"ram": junk(shm, {f".pool.{os.getpid()}"}), "file": junk(obj, set())}, "bad": bad,
+        "junk": {"ram": junk(shm, {f".pool.{os.getpid()}"}), "file": junk(obj, set(), spread=True)}, "bad": bad,
         "restored": None, "tier": None, "exact": None}
     got = mgr.restore()
     if got is not None:

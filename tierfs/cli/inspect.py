@@ -109,7 +109,7 @@ def _print_lag(newest: dict[str, int | None]) -> None:
     if len(newest) < 2 or top is None:
         return
     parts = [f"{n} {'-' if s is None else s}" + ("" if s == top else " (no step)" if s is None else
-                                                  f" ({top - s} steps behind)") for n, s in newest.items()]
+                                                  f" ({top - s} step{'s' * (top - s != 1)} behind)") for n, s in newest.items()]
     print(f"\nnewest committed step: {', '.join(parts)}")
 
 

@@ -161,22 +161,24 @@ def _coordination(sizes: list[int]) -> str:
 
 
 def _requests_dict(o: requests.ObjectSave) -> dict[str, Any]:
-    return {"by_type": o.by_type, "files_per_rank": o.files, "under_one_prefix": o.one_prefix,
+    return {"by_type": o.by_type, "files_per_rank": o.files, "prefixes": o.prefixes, "busiest_prefix": o.busiest,
             "s3_seconds": o.seconds(requests.S3_WRITES), "gcs_seconds": o.seconds(requests.GCS_WRITES)}
 
 
 def _object_requests(saves: list[tuple[int, float]]) -> str:
-    """Each size's object-tier save as the store sees it: requests by type, and how long the step's prefix
-    takes to accept them at S3's and GCS's documented rates (:mod:`tierfs.planning.requests`)."""
-    lines = ["object store requests per save (one rank per accelerator, shard files of 16 MiB; every rank's "
-             "uploads of a step go under one prefix, <root>/step_...; measured by benchmarks/bench_requests.py)"]
+    """Each size's object-tier save as the store sees it: requests by type, the key prefixes they go under,
+    and how long the busiest takes to accept them at S3's and GCS's documented rates
+    (:mod:`tierfs.planning.store_requests`)."""
+    lines = ["object store requests per save (one rank per accelerator, shard files of 16 MiB; each rank's keys "
+             "under its bucket of prefixes, 256 in all, the markers under the step's; measured by "
+             "benchmarks/bench_requests.py)"]
     for n, once in saves:
         o = requests.object_save(once / n, n)
         kinds = ", ".join(f"{k} {v:,.0f}" for k, v in o.by_type.items() if v)
         lines.append(f"  {n} accelerators, {size(o.shard)} per rank in {o.files:,} files: {o.requests:,.0f} requests "
-                     f"({kinds}); the step's prefix takes {duration(o.seconds(requests.S3_WRITES))} at S3's "
-                     f"{requests.S3_WRITES:,.0f} writes/s, {duration(o.seconds(requests.GCS_WRITES))} at GCS's "
-                     f"{requests.GCS_WRITES:,.0f}")
+                     f"({kinds}) under {o.prefixes:,} prefixes; the busiest ({o.busiest:,.0f}) takes "
+                     f"{duration(o.seconds(requests.S3_WRITES))} at S3's {requests.S3_WRITES:,.0f} writes/s, "
+                     f"{duration(o.seconds(requests.GCS_WRITES))} at GCS's {requests.GCS_WRITES:,.0f}")
     return "\n".join(lines)
 
 

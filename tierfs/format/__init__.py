@@ -8,9 +8,13 @@ The same bytes live on every tier. A step is one directory::
         rank_00000.manifest.json     what is where, with crc32c per block
         COMMITTED                    the marker, written last; without it the step does not exist
 
+On an object store, from format version 3, each rank's files go under a bucket of key prefixes before the
+step instead (``ranks/<bucket>/step_000000000042/rank_00000.0000.bin``, :mod:`.keys`); the marker stays.
+
 This module knows nothing of tiers: it only names, plans, serialises and validates.
 """
 
+from .keys import SPREAD_VERSION, rank_of_file, spread_bucket
 from .manifest import Entry, Manifest
 from .marker import Marker, listed_in, manifest_digest, manifest_from_marker, step_digest
 from .names import (ALIGN, DCP_EXTRA_PREFIX, DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE, FORMAT_VERSION,
@@ -19,7 +23,7 @@ from .names import (ALIGN, DCP_EXTRA_PREFIX, DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, 
                     shown_name, step_dirname, user_key, validate_entry_name, validate_filename)
 
 __all__ = ["ALIGN", "DCP_EXTRA_PREFIX", "DCP_SHARD_KEY", "DEFAULT_BLOCK_SIZE", "DEFAULT_FILE_SIZE", "Entry",
-           "FORMAT_VERSION", "MARKER", "MAX_NAME", "entry_name_problem", "shown_name", "Manifest", "Marker", "READ_VERSIONS", "align", "blocks", "crc32c",
+           "FORMAT_VERSION", "MARKER", "SPREAD_VERSION", "rank_of_file", "spread_bucket", "MAX_NAME", "entry_name_problem", "shown_name", "Manifest", "Marker", "READ_VERSIONS", "align", "blocks", "crc32c",
            "dcp_entry_name", "listed_in", "manifest_digest", "manifest_filename", "manifest_from_marker", "nblocks",
            "parse_step_dirname", "plan_files", "read_json", "shard_filename", "step_digest", "step_dirname", "user_key",
            "validate_entry_name", "validate_filename"]

@@ -20,7 +20,8 @@ class Marker:
     save's id, which every manifest of it carries (each checked against its own checksum), ``digest``, sums
     over the ranks of two 31-bit hashes of each manifest's crc32c (what a check of a whole step compares),
     and ``nbytes``. Version 1 listed every rank's manifest with the crc32c of its bytes in ``manifests``;
-    for version 2, ``manifests`` names them (from ``world_size``) and is not written.
+    for version 2, ``manifests`` names them (from ``world_size``) and is not written. Version 3 is version
+    2's marker for a step whose ranks' files an object tier keeps under spread key prefixes (:mod:`.keys`).
     """
 
     step: int

@@ -13,8 +13,8 @@ from fastcrc import crc32 as _crc32
 from ..errors import FormatError
 
 #: the version a save writes; a reader takes every version in READ_VERSIONS
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MARKER = "COMMITTED"
 ALIGN = 64
 DEFAULT_BLOCK_SIZE = 4 << 20  # crc32c granularity: blocks verify independently and in parallel

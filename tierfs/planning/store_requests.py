@@ -4,11 +4,12 @@ rates make it take.
 Per rank and save the object tier makes one request per shard file it uploads (a multipart upload: its
 parts plus two) and a few small ones, the same at any job size: the manifest's upload, one listing that
 confirms its files, the marker (rank 0), and retention's check and batch delete of an older step. The
-small ones are measured by ``benchmarks/bench_requests.py`` (median over ranks, 2 to 64 ranks). Every
-rank's keys of a step share one prefix, ``<root>/step_…``, so the store serves a whole save's uploads at
-one prefix's rate: S3 about 3,500 writes (PUT, POST, DELETE) and 5,500 reads per second per prefix
-partition; GCS about 1,000 writes per second at first, doubling every 20 minutes of sustained load. Pure:
-no I/O.
+small ones are measured by ``benchmarks/bench_requests.py`` (median over ranks, 2 to 64 ranks). A rank's
+keys go under its bucket of key prefixes (:mod:`tierfs.format.keys`: 256 buckets, ranks beyond share them
+evenly); the step's own prefix holds the marker and takes retention's check of it from every rank. A store
+serves each prefix at a limited rate: S3 about 3,500 writes (PUT, POST, DELETE) and 5,500 reads per second
+per prefix partition; GCS about 1,000 writes per second at first, doubling every 20 minutes of sustained
+load. The busiest prefix sets how long a save takes to be accepted. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..format.keys import SPREAD_BUCKETS
 from ..format.names import DEFAULT_FILE_SIZE
 
 #: S3's writes per second per prefix partition, and GCS's initial writes per second (before ramping up)
@@ -30,6 +32,9 @@ PART_SIZE = 16 << 20
 #: rank's files; retention's check of an older step's marker (a HEAD, and s3fs's listing when it is gone),
 #: its manifest read, its batch delete and its folder key's delete
 SMALL = {"PUT": 1.0, "HEAD": 2.0, "GET": 1.0, "LIST": 2.0, "DELETE": 2.0}
+#: those of SMALL under the step's own prefix, not the rank's bucket: retention's check of an older step's
+#: marker (the HEAD, and s3fs's listing once it is gone)
+AT_STEP = {"HEAD": 1.0, "LIST": 1.0}
 
 
 @dataclass(frozen=True)
@@ -47,13 +52,35 @@ class ObjectSave:
         return sum(self.by_type.values())
 
     @property
-    def one_prefix(self) -> float:
-        """Requests under the step's prefix: every rank's uploads (what the busiest prefix must serve)."""
-        return self.ranks * self.files * self.per_file
+    def buckets(self) -> int:
+        """Key prefixes the ranks' files go under (one per rank, up to 256)."""
+        return min(self.ranks, SPREAD_BUCKETS)
 
-    def seconds(self, writes_per_second: float) -> float:
-        """How long the step's prefix takes to accept its uploads at ``writes_per_second``."""
-        return self.one_prefix / writes_per_second
+    @property
+    def prefixes(self) -> int:
+        """Key prefixes a save uses: the ranks' buckets and the step's own."""
+        return self.buckets + 1
+
+    @property
+    def busiest_bucket(self) -> float:
+        """Requests under the busiest bucket: its ranks' uploads and small requests."""
+        own = sum(SMALL.values()) - sum(AT_STEP.values())
+        return math.ceil(self.ranks / self.buckets) * (self.files * self.per_file + own)
+
+    @property
+    def at_step(self) -> float:
+        """Requests under the step's own prefix: the marker, and every rank's check of an older one."""
+        return 1 + self.ranks * sum(AT_STEP.values())
+
+    @property
+    def busiest(self) -> float:
+        """Requests under the busiest prefix (what sets how long the store takes to accept a save)."""
+        return max(self.busiest_bucket, self.at_step)
+
+    def seconds(self, per_second: float) -> float:
+        """How long the busiest prefix takes to accept its requests at ``per_second`` (a write rate: reads
+        are served faster, so this is an upper bound)."""
+        return self.busiest / per_second
 
 
 def object_save(shard: float, ranks: int, file_size: int = DEFAULT_FILE_SIZE, part_size: int = PART_SIZE,

@@ -51,9 +51,3 @@ class JobBudget:
             rate = self.per_second / (self.world or job_size())
             self.share = Throttle(rate, max(1, int(rate)), clock=self._clock, sleep=self._sleep)
         self.share.consume(n)
-
-
-def upload_requests(size: int, part: int) -> int:
-    """Requests an upload of ``size`` bytes makes in parts of ``part``: one below two parts (s3fs puts such
-    a file whole), else the parts plus two (a multipart upload's start and completion)."""
-    return 1 if size < 2 * part else -(-size // part) + 2

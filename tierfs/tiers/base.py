@@ -153,6 +153,11 @@ class Tier(ABC):
     def read_marker(self, step: int) -> Marker:
         return Marker.from_bytes(bytes(self.read_file(step, MARKER)))
 
+    def note_marker(self, step: int, marker: Marker) -> None:
+        """``step``'s marker, as a caller read it: a tier whose keys depend on a step's format version (the
+        object tier, :mod:`tierfs.format.keys`) learns it here instead of reading the marker again.
+        Default: nothing."""
+
     def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         """Write several files; ``pace(nbytes)`` is called before each (a bandwidth throttle)."""
         for name, data in files.items():

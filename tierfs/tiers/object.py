@@ -9,13 +9,11 @@ transient errors (:func:`tierfs._retry.retry`; throttling is waited out, not cou
 after the last attempt is a :class:`~tierfs.errors.TierUnavailableError` naming the tier, the step and the
 file, whatever the client raised. Permanent errors (404, 403) are raised at once.
 
-The S3 client retries too, and the layers multiply. With default settings one attempt of ObjectTier is,
-by botocore (5 tries, jittered backoff) and s3fs (5 more around them for 503 and cut-off bodies): 5
-requests (about 3 s) when every answer is a 500, 5 (about 9 s) when connections are refused, 10 (about
-8 s) when they are reset, 25 (about 45 s) when every answer is 503 SlowDown, and 25 of 15 s each (s3fs's
-read timeout, about 7 min) when the server does not answer; ``retries=4`` gives up after about 15 s, 35 s,
-30 s, ``throttle_patience`` and 27 min. To fail sooner on a store that hangs, pass
-``storage_options={"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}``.
+The S3 client retries too, and the layers multiply: ``docs/reliability.md`` says how long a failing store
+takes to give up on, and how to make it shorter.
+
+Keys: a step's marker at ``<root>/step_…/COMMITTED``; from format version 3 each rank's files under its
+bucket, ``<root>/ranks/<bucket>/step_…/`` (:mod:`tierfs.format.keys`, :mod:`._objectkeys`).
 """
 
 from __future__ import annotations
@@ -27,26 +25,25 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import fsspec
-import numpy as np
 
 from .. import _args
 from .._blocks import as_u8
-from .._fileio import atomic_write, is_tmp_name, make_private_dir
-from .._retry import PATIENCE, PERMANENT, retry, short
-from .._rootdir import check_local_url, check_root
+from .._fileio import atomic_write, is_tmp_name
+from .._retry import PATIENCE, PERMANENT, renamed, retry, short
+from .._rootdir import check_local_url
 from ..errors import TierfsError, TierUnavailableError
-from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
+from ..format import MARKER, SPREAD_VERSION, Marker, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
-from ._budget import JobBudget, upload_requests
+from ._budget import JobBudget
 from ._listing import by_prefix, common_prefix, files_in, is_dir_entry, mtime
+from ._objectkeys import StepKeys, buckets, first_found, step_dirs
+from ._parts import download, upload
 from ._pool import DaemonPool
+from ._probe import LOCAL as _LOCAL, check_local_readable, probe
 from .base import Bytes, Capacity, Pace, Tier
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")
-_LOCAL = ("file", "local")
-#: the smallest part S3 accepts in a multipart upload (every part but the last)
-S3_MIN_PART = 5 << 20
 
 
 class ObjectTier(Tier):
@@ -65,8 +62,9 @@ class ObjectTier(Tier):
     concurrency:
         Files (or parts of one file) transferred at once.
     part_size:
-        Larger files move in parts of this size: ranged reads on download, multipart upload on S3 (in
-        parts of at least 5 MiB, the smallest S3 accepts).
+        Larger files move in parts of this size: ranged reads on download; on upload, from two parts
+        on, an S3 multipart upload (in parts of at least 5 MiB, the smallest S3 accepts) or a GCS
+        resumable upload (in chunks rounded up to 256 KiB multiples), else one request.
     retries:
         Attempts per request on transient errors (connection resets, timeouts, 500s), with backoff, on top
         of the client's own retries (see the module docstring); after the last one the request raises
@@ -110,6 +108,8 @@ class ObjectTier(Tier):
         self.throttle_patience = _args.number(throttle_patience, "ObjectTier throttle_patience")
         self._budget = JobBudget(requests_per_second)
         self._pool: DaemonPool | None = None
+        self._keys = StepKeys(self.root)
+        self._emptied: dict[int, set[str]] = {}  # step -> folders this rank deleted files from
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -122,36 +122,13 @@ class ObjectTier(Tier):
     # -- life cycle ---------------------------------------------------------------------------------
     def open(self) -> None:
         """Fail now, in one line, if the bucket is missing or the credentials are wrong."""
-        bucket = self.root.split("/", 1)[0]
-        try:
-            if self.protocol in _LOCAL:
-                check_root(Path(self.root), "ObjectTier url")
-                make_private_dir(self.root)
-            elif self.protocol not in ("memory",) and bucket:
-                # info(), not exists(): exists() turns a refused connection into "missing". The client has
-                # retried already: fail fast, but wait out a store refusing requests for the rate
-                retry(lambda: self.fs.info(bucket), attempts=1, what="probe the bucket", label=f"tier {self.name}",
-                      patience=self.throttle_patience)
-        except FileNotFoundError:
-            raise TierUnavailableError(
-                f"object tier {self.url}: bucket {bucket!r} does not exist; create it or fix the URL") from None
-        except PermissionError as e:
-            raise TierUnavailableError(
-                f"object tier {self.url}: access denied ({short(e)}); check credentials in storage_options "
-                "or the environment") from None
-        except TierUnavailableError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure to reach the store becomes one clear line
-            raise TierUnavailableError(f"object tier {self.url}: cannot reach the store ({short(e)})") from None
+        probe(self.fs, self.protocol, self.root, self.url, f"tier {self.name}", self.throttle_patience)
 
     def check_readable(self) -> None:
         if self.protocol not in _LOCAL:
             self.open()  # only probes the bucket
-            return
-        if not os.path.isdir(self.root):
-            raise TierUnavailableError(f"tier {self.name!r}: {self.root} is not a directory")
-        if not os.access(self.root, os.R_OK | os.X_OK):
-            raise TierUnavailableError(f"tier {self.name!r}: {self.root} is not readable")
+        else:
+            check_local_readable(self.root, self.name)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -159,9 +136,18 @@ class ObjectTier(Tier):
             self._pool = None
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _path(self, step: int, name: str | None = None) -> str:
-        p = f"{self.root}/{step_dirname(step)}"
-        return p if name is None else f"{p}/{validate_filename(name)}"
+    def _dirs(self, step: int) -> list[str]:
+        """Every folder ``step`` may have files in: its own, and its folder in each bucket the tier has."""
+        found = self._ls(self._keys.buckets_dir, "list the rank buckets")
+        return self._keys.all_dirs(step, buckets(found))
+
+    def _ls(self, path: str, what: str) -> list[dict[str, Any]]:
+        """The entries of folder ``path`` (none when it does not exist)."""
+        self.fs.invalidate_cache(path)
+        try:
+            return list(self._retry(lambda: self.fs.ls(path, detail=True), what))
+        except FileNotFoundError:
+            return []
 
     def _retry(self, fn: Callable[[], T], what: str = "request", requests: int = 1) -> T:
         """``fn()`` with retries, each try spending ``requests`` of the budget; a transient error that
@@ -173,7 +159,7 @@ class ObjectTier(Tier):
             return retry(attempt, attempts=self.retries, what=what, label=f"tier {self.name}",
                          patience=self.throttle_patience)
         except PERMANENT as e:  # the same type (callers tell a missing file by it), naming the tier and URL
-            named = _named(e, f"tier {self.name!r} ({self.url}): {what}: {short(e)}")
+            named = renamed(e, f"tier {self.name!r} ({self.url}): {what}: {short(e)}")
             if named is e:
                 raise
             raise named from e
@@ -209,37 +195,70 @@ class ObjectTier(Tier):
         return []
 
     def list_steps(self) -> dict[int, bool]:
-        self.fs.invalidate_cache(self.root)
-        try:
-            # The root's entries alone (S3 and GCS: a delimited listing, the step prefixes, not their
-            # objects), then each step's marker: requests grow with the steps kept, never with the ranks
-            # or their files. ls raises when a listing fails, so a failed listing never reads as no steps.
-            # A step emptied by a deletion cut short has no objects, hence no prefix.
-            entries = self._retry(lambda: self.fs.ls(self.root, detail=True), "list the steps")
-        except FileNotFoundError:
-            return {}
-        steps = sorted({s for s in (parse_step_dirname(e["name"].rstrip("/").rsplit("/", 1)[-1])
-                                    for e in entries if e.get("type") == "directory") if s is not None})
+        """Every step with a marker or a file left: the root's step folders, and those in each rank bucket
+        (a step whose marker is not written, or no longer is, may have files there alone): one listing of
+        the root, one of the buckets' folder and one per bucket, at most 256 whatever the job's size. For
+        the tier's owner and tools; a restore asks :meth:`committed_steps`."""
+        # one bucket at a time: the connections a rank holds do not grow with the job
+        spread = [self._ls(f"{self._keys.buckets_dir}/{b}", "list the steps")
+                  for b in buckets(self._ls(self._keys.buckets_dir, "list the rank buckets"))]
+        steps = sorted(set(self._root_steps()) | set(step_dirs([e for b in spread for e in b])))
         return {s: bool(self.sizes_of(s, [MARKER])) for s in steps}
 
+    def committed_steps(self) -> list[int]:
+        """The root's entries alone (S3 and GCS: a delimited listing, the step prefixes, not their objects),
+        then each step's marker: requests grow with the steps kept, never with the ranks or their files."""
+        return [s for s in self._root_steps() if self.sizes_of(s, [MARKER])]
+
+    def _root_steps(self) -> list[int]:
+        # ls raises when a listing fails, so a failed listing never reads as no steps. A step emptied by a
+        # deletion cut short has no objects, hence no prefix.
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self._retry(lambda: self.fs.ls(self.root, detail=True), "list the steps")
+        except FileNotFoundError:
+            return []
+        return step_dirs(entries)
+
     def file_sizes(self, step: int) -> dict[str, int]:
-        d = self._path(step)
-        self.fs.invalidate_cache(d)
-        infos = self._retry(lambda: self.fs.ls(d, detail=True), self._what(step, "list"))
-        return {n: size for n, size in files_in(infos, d).items() if not is_tmp_name(n)}
+        out: dict[str, int] = {}
+        for d, infos in self._step_entries(step):
+            out.update({n: size for n, size in files_in(infos, d).items() if not is_tmp_name(n)})
+        return out
+
+    def _step_entries(self, step: int) -> list[tuple[str, list[dict[str, Any]]]]:
+        """Each folder of ``step`` with its entries (a listing per folder: for tools, not for saves)."""
+        dirs = self._dirs(step)
+        return [(d, self._ls(d, self._what(step, "list"))) for d in dirs]
 
     def sizes_of(self, step: int, names: Iterable[str]) -> dict[str, int]:
         """What one rank wrote, whatever the job's size: several files (a shard's, ``rank_00003.*``) by one
         listing of their common prefix on S3 and GCS, else a request per file."""
-        wanted = list(names)
+        out: dict[str, int] = {}
+        left = list(names)
+        for attempt in (0, 1):  # where each file is likeliest; then, for a step of unknown layout, elsewhere
+            folders: dict[str, list[str]] = {}
+            for n in left:
+                places = self._keys.places(step, n)
+                if attempt < len(places):
+                    folders.setdefault(places[attempt].rsplit("/", 1)[0], []).append(n)
+            for d, wanted in folders.items():
+                out.update(self._sizes_in(step, d, wanted))
+            left = [n for n in left if n not in out]
+            if not left:
+                break
+        return out
+
+    def _sizes_in(self, step: int, d: str, wanted: list[str]) -> dict[str, int]:
+        """``{name: size}`` of those of ``wanted`` in folder ``d``: one listing on S3 and GCS."""
         if len(wanted) > 1:
-            got = by_prefix(self.fs, self._path(step), wanted,
+            got = by_prefix(self.fs, d, wanted,
                             lambda fn: self._retry(fn, self._what(step, "list", common_prefix(wanted) + "*")))
             if got is not None:
                 return got
         out = {}
         for n in wanted:
-            path = self._path(step, n)
+            path = f"{d}/{n}"
             self.fs.invalidate_cache(path)
             try:
                 info: dict[str, Any] = self._retry(functools.partial(self.fs.info, path),
@@ -251,29 +270,23 @@ class ObjectTier(Tier):
         return out
 
     def last_written(self, step: int) -> float | None:
-        path = self._path(step)
-        self.fs.invalidate_cache(path)
-        try:
-            entries = self._retry(lambda: self.fs.ls(path, detail=True), self._what(step, "list"))
-        except FileNotFoundError:
-            return None
-        times = [mtime(e) for e in entries if not is_dir_entry(e["name"], path)]
+        times = [mtime(e) for d, entries in self._step_entries(step) for e in entries
+                 if e.get("type") == "file" and not is_dir_entry(e["name"], d)]
         if not times or any(t is None for t in times):
             return None  # the backend does not say: the age is unknown
         return max(t for t in times if t is not None)
 
     # -- writing ------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data: Bytes) -> None:
-        path = self._path(step, name)
+        path = self._keys.written(step, name)
+        self._keys.learn(step, True)
         if self.protocol in _LOCAL:  # straight from the buffer, no extra copy; durable like every local write
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             self._retry(lambda: atomic_write(path, data), self._what(step, "write", name))
             return
         payload = data if isinstance(data, bytes) else as_u8(data).tobytes()
-        # multipart parts: S3 refuses parts under 5 MiB (EntityTooSmall) once the upload completes
-        kw = {"chunksize": max(self.part_size, S3_MIN_PART)} if self.protocol in ("s3", "s3a") else {}
-        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), self._what(step, "upload", name),
-                    upload_requests(len(payload), max(self.part_size, S3_MIN_PART)))
+        kw, requests = upload(self.protocol, len(payload), self.part_size)  # parts that fit the store
+        self._retry(lambda: self.fs.pipe_file(path, payload, **kw), self._what(step, "upload", name), requests)
 
     def write_files(self, step: int, files: Mapping[str, Bytes], pace: Pace | None = None) -> None:
         def put(kv: tuple[str, Bytes]) -> None:
@@ -283,54 +296,58 @@ class ObjectTier(Tier):
         self._map(put, list(files.items()))
 
     def write_marker(self, step: int, data: bytes) -> None:
+        """The marker of a step this version's layout holds: a version-2 marker (a step an older tierfs saved,
+        copied here) is written as version 3, which it otherwise is."""
+        try:
+            marker: Marker | None = Marker.from_bytes(data)
+        except TierfsError:
+            marker = None  # not a marker (a test's bytes): written as they are
+        if marker is not None and marker.version < SPREAD_VERSION:
+            if marker.commit is None:
+                raise TierfsError(f"tier {self.name!r}: step {step} has a format-1 commit marker (an old tierfs wrote "
+                                  "it), which an object tier cannot take now; restore the step and save it again")
+            marker.version = SPREAD_VERSION
+            data = marker.to_bytes()
         self.write_file(step, MARKER, data)
+
+    def note_marker(self, step: int, marker: Marker) -> None:
+        self._keys.learn_marker(step, marker)
 
     # -- reading ------------------------------------------------------------------------------------
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
-        path = self._path(step, name)
-        return bytes(self._retry(lambda: self.fs.cat_file(path, start=start, end=end),
-                                 self._what(step, "read", f"{name} bytes {start}-{end}")))
+        what = self._what(step, "read", f"{name} bytes {start}-{end}")
+        return bytes(first_found(self._keys.places(step, name), lambda path: self._retry(
+            lambda: self.fs.cat_file(path, start=start, end=end), what)))
 
     def read_file(self, step: int, name: str) -> bytes:
-        path = self._path(step, name)
-        return bytes(self._retry(lambda: self.fs.cat_file(path), self._what(step, "read", name)))
+        data = bytes(first_found(self._keys.places(step, name), lambda path: self._retry(
+            lambda: self.fs.cat_file(path), self._what(step, "read", name))))
+        if name == MARKER:
+            self._keys.learn_marker_bytes(step, data)
+        return data
 
     def read_files(self, step: int, names: list[str]) -> dict[str, Bytes]:
         """Download files concurrently; large ones as ranged parts into one buffer (no extra bytes)."""
-        sizes = self.file_sizes(step)
-        parts: list[tuple[str, int, int]] = []
-        out: dict[str, Bytes] = {}
-        whole: dict[str, np.ndarray] = {}  # large files, filled part by part
-        for n in names:
-            if n not in sizes:
-                raise FileNotFoundError(self._path(step, n))
-            size = sizes[n]
-            if size <= self.part_size:
-                parts.append((n, 0, -1))
-            else:
-                out[n] = whole[n] = np.empty(size, dtype=np.uint8)
-                parts += [(n, s, min(size, s + self.part_size)) for s in range(0, size, self.part_size)]
-
-        def fetch(part: tuple[str, int, int]) -> None:
-            n, s, e = part
-            if e < 0:
-                out[n] = self.read_file(step, n)
-                return
-            data = self.read_range(step, n, s, e)
-            if len(data) != e - s:
-                raise OSError(f"short read of {n} bytes {s}-{e}: got {len(data)}")
-            whole[n][s:e] = np.frombuffer(data, dtype=np.uint8)
-
-        self._map(fetch, parts)
-        return out
+        sizes = self.sizes_of(step, names)  # this rank's files: one listing, whatever the job's size
+        return download(sizes, names, self.part_size, functools.partial(self.read_file, step),
+                        functools.partial(self.read_range, step), self._map,
+                        lambda n: self._keys.places(step, n)[0])
 
     # -- deleting -----------------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
-        d = self._path(step)
+        """The marker, then the step's folder and its folder in each rank bucket (a listing of the buckets,
+        and one deletion per folder: for retention's owner and for tools, never per rank)."""
+        marker = self._keys.step_dir(step) + "/" + MARKER
         try:
-            self._retry(lambda: self.fs.rm_file(self._path(step, MARKER)), self._what(step, "delete", MARKER))
+            self._retry(lambda: self.fs.rm_file(marker), self._what(step, "delete", MARKER))
         except FileNotFoundError:
             pass
+        for d in self._dirs(step):  # one at a time: the connections a rank holds do not grow with the job
+            self._delete_dir(step, d)
+        self._keys.learn(step, None)
+        self.fs.invalidate_cache(self.root)
+
+    def _delete_dir(self, step: int, d: str) -> None:
         try:
             self._retry(lambda: self.fs.rm(d, recursive=True), self._what(step, "delete the files"))
         except FileNotFoundError:
@@ -344,12 +361,14 @@ class ObjectTier(Tier):
                 self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
             except FileNotFoundError:
                 pass
-        self.fs.invalidate_cache(self.root)
 
     def delete_files(self, step: int, names: Iterable[str]) -> None:
-        paths = [self._path(step, validate_filename(n)) for n in names]
+        paths = [p for n in names for p in self._keys.places(step, validate_filename(n))]
         if not paths:
             return
+        if any(n == MARKER for n in names):
+            self._keys.learn(step, None)
+        self._emptied.setdefault(step, set()).update(p.rsplit("/", 1)[0] for p in paths)
         if self.protocol in (*_LOCAL, "memory"):
             for path in paths:
                 try:
@@ -358,28 +377,21 @@ class ObjectTier(Tier):
                     pass
         else:  # one batch request (S3 DeleteObjects, GCS batch): a missing key is no error there
             self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
-        self.fs.invalidate_cache(self._path(step))
+        for d in self._emptied[step]:
+            self.fs.invalidate_cache(d)
 
     def remove_if_empty(self, step: int) -> None:
-        d = self._path(step)
-        try:
-            if self.protocol in (*_LOCAL, "memory"):
-                self.fs.rmdir(d)  # refused while a file is left
-            else:  # the directory's own key, which stores with real directories keep (see delete_step):
-                # deleting it leaves the files still there in place
-                self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
-        except OSError:  # not empty, or already gone
-            pass
+        """The folders this rank deleted files of ``step`` from, and the step's own, each when empty."""
+        for d in sorted(self._emptied.pop(step, set()) | {self._keys.step_dir(step)}, reverse=True):
+            try:
+                if self.protocol in (*_LOCAL, "memory"):
+                    self.fs.rmdir(d)  # refused while a file is left
+                else:  # the directory's own key, which stores with real directories keep (see delete_step):
+                    # deleting it leaves the files still there in place
+                    self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
+            except OSError:  # not empty, or already gone
+                pass
         self.fs.invalidate_cache(self.root)
 
     def __repr__(self) -> str:
         return f"ObjectTier({self.url!r})"
-
-
-def _named(e: BaseException, message: str) -> BaseException:
-    """An exception of ``e``'s type saying ``message`` (``e`` itself when its type needs other arguments)."""
-    try:
-        named = type(e)(message)
-    except Exception:  # noqa: BLE001 - a type built otherwise: the original says less, but says it
-        return e
-    return named if str(named) == message else e
