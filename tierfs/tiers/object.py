@@ -366,18 +366,21 @@ class ObjectTier(Tier):
         paths = [p for n in names for p in self._keys.places(step, validate_filename(n))]
         if not paths:
             return
-        if any(n == MARKER for n in names):
-            self._keys.learn(step, None)
-        self._emptied.setdefault(step, set()).update(p.rsplit("/", 1)[0] for p in paths)
+        folders = {p.rsplit("/", 1)[0] for p in paths}
+        if folders - {self._keys.step_dir(step)}:  # a bucket's: for remove_if_empty (the step's own it always tries)
+            self._emptied.setdefault(step, set()).update(folders)
         if self.protocol in (*_LOCAL, "memory"):
             for path in paths:
                 try:
                     self._retry(functools.partial(self.fs.rm_file, path), self._what(step, "delete"))
                 except FileNotFoundError:
                     pass
-        else:  # one batch request (S3 DeleteObjects, GCS batch): a missing key is no error there
-            self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
-        for d in self._emptied[step]:
+        else:  # one batch request (S3 DeleteObjects, GCS batch); gcsfs raises when none of them was there
+            try:
+                self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
+            except FileNotFoundError:
+                pass
+        for d in folders:
             self.fs.invalidate_cache(d)
 
     def remove_if_empty(self, step: int) -> None:
