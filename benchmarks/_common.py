@@ -50,6 +50,15 @@ def launch_ranks(script: str, argv: list[str], world: int) -> int:
     return max(abs(c) for c in codes.values())
 
 
+def results_path(bench: str) -> str:
+    """``benchmarks/results/<bench>-<day>-<k>`` (no extension) for the next run of the day: k counts up."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    day, k = time.strftime("%Y%m%d"), 1
+    while os.path.exists(os.path.join(here, "results", f"{bench}-{day}-{k}.md")):
+        k += 1
+    return os.path.join(here, "results", f"{bench}-{day}-{k}")
+
+
 def machine_note() -> str:
     mem = ""
     try:

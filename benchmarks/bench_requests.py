@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 
 import s3fs  # noqa: E402
 
-from _common import machine_note  # noqa: E402
+from _common import machine_note, results_path  # noqa: E402
 from _scale import BUCKET, Harness, run_job  # noqa: E402
 
 KINDS = ("PUT", "HEAD", "GET", "LIST", "DELETE")
@@ -174,10 +174,7 @@ def main() -> None:
     text = report(rows, extrapolate(rows), args)
     print(text)
     if not args.no_write:
-        day, k = time.strftime("%Y%m%d"), 1
-        while os.path.exists(os.path.join(HERE, "results", f"bench_requests-{day}-{k}.md")):
-            k += 1
-        path = os.path.join(HERE, "results", f"bench_requests-{day}-{k}")
+        path = results_path("bench_requests")
         with open(path + ".md", "w") as f:
             f.write(text)
         with open(path + ".json", "w") as f:

@@ -28,7 +28,7 @@ sys.path[:0] = [HERE, TESTS]
 import s3fs  # noqa: E402
 
 import gloo_job  # noqa: E402
-from _common import machine_note  # noqa: E402
+from _common import machine_note, results_path  # noqa: E402
 from _faultproxy import FaultProxy, prefix_of  # noqa: E402
 from _scale import _MOTO, aws_env  # noqa: E402
 
@@ -90,10 +90,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        day, k = time.strftime("%Y%m%d"), 1
-        while os.path.exists(os.path.join(HERE, "results", f"bench_throttle-{day}-{k}.md")):
-            k += 1
-        path = os.path.join(HERE, "results", f"bench_throttle-{day}-{k}.md")
+        path = results_path("bench_throttle") + ".md"
         with open(path, "w") as f:
             f.write(text)
         print(f"written: {path}")

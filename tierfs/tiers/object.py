@@ -367,8 +367,7 @@ class ObjectTier(Tier):
         if not paths:
             return
         folders = {p.rsplit("/", 1)[0] for p in paths}
-        if folders - {self._keys.step_dir(step)}:  # a bucket's: for remove_if_empty (the step's own it always tries)
-            self._emptied.setdefault(step, set()).update(folders)
+        self._emptied.setdefault(step, set()).update(folders)  # what remove_if_empty tries
         if self.protocol in (*_LOCAL, "memory"):
             for path in paths:
                 try:
@@ -384,8 +383,9 @@ class ObjectTier(Tier):
             self.fs.invalidate_cache(d)
 
     def remove_if_empty(self, step: int) -> None:
-        """The folders this rank deleted files of ``step`` from, and the step's own, each when empty."""
-        for d in sorted(self._emptied.pop(step, set()) | {self._keys.step_dir(step)}, reverse=True):
+        """The folders this rank deleted files of ``step`` from (the step's own once it deleted the marker,
+        its bucket's once it deleted its files), each when empty: one request per folder."""
+        for d in sorted(self._emptied.pop(step, set()), reverse=True):
             try:
                 if self.protocol in (*_LOCAL, "memory"):
                     self.fs.rmdir(d)  # refused while a file is left
