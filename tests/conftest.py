@@ -312,3 +312,4 @@ def shm_dir():
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path + "-ref", ignore_errors=True)  # a reference run's RAM directory beside it
