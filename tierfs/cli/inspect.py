@@ -102,6 +102,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return status
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
 def _print_lag(newest: dict[str, int | None]) -> None:
     """With several tiers: each one's newest committed step, and how far behind the newest it is (a
     slower tier's copy lagging: uploads in flight, throttled, or failing)."""
@@ -109,7 +113,7 @@ def _print_lag(newest: dict[str, int | None]) -> None:
     if len(newest) < 2 or top is None:
         return
     parts = [f"{n} {'-' if s is None else s}" + ("" if s == top else " (no step)" if s is None else
-                                                  f" ({top - s} step{'s' * (top - s != 1)} behind)") for n, s in newest.items()]
+                                                  f" ({_steps(top - s)} behind)") for n, s in newest.items()]
     print(f"\nnewest committed step: {', '.join(parts)}")
 
 

@@ -23,7 +23,8 @@ from .names import (ALIGN, DCP_EXTRA_PREFIX, DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, 
                     shown_name, step_dirname, user_key, validate_entry_name, validate_filename)
 
 __all__ = ["ALIGN", "DCP_EXTRA_PREFIX", "DCP_SHARD_KEY", "DEFAULT_BLOCK_SIZE", "DEFAULT_FILE_SIZE", "Entry",
-           "FORMAT_VERSION", "MARKER", "SPREAD_VERSION", "rank_of_file", "spread_bucket", "MAX_NAME", "entry_name_problem", "shown_name", "Manifest", "Marker", "READ_VERSIONS", "align", "blocks", "crc32c",
+           "FORMAT_VERSION", "MARKER", "MAX_NAME", "Manifest", "Marker", "READ_VERSIONS", "SPREAD_VERSION", "align",
+           "blocks", "crc32c", "entry_name_problem", "rank_of_file", "shown_name", "spread_bucket",
            "dcp_entry_name", "listed_in", "manifest_digest", "manifest_filename", "manifest_from_marker", "nblocks",
            "parse_step_dirname", "plan_files", "read_json", "shard_filename", "step_digest", "step_dirname", "user_key",
            "validate_entry_name", "validate_filename"]
