@@ -51,6 +51,12 @@ def run(endpoint: str, ranks: int, rate: float | None, steps: int, k: int) -> di
     busiest = max(served, key=lambda p: served[p])
     floor = max(0.0, served[busiest] - rate) / rate if rate else 0.0
     took = max(o["elapsed"] for o in outs)
+    refusals: dict[str, int] = {}
+    for r in proxy.requests(fault="slowdown"):
+        refusals[prefix_of(r)] = refusals.get(prefix_of(r), 0) + 1
+    print(f"  busiest prefix {busiest.replace(url.removeprefix('s3://'), '<root>')!r}: {served[busiest]} served; "
+          "most refused: " + ", ".join(f"{p.replace(url.removeprefix('s3://'), '<root>')!r} {n}" for p, n in
+                                       sorted(refusals.items(), key=lambda kv: -kv[1])[:4]), flush=True)
     return {"took": took, "floor": floor, "prefixes": len(served), "busiest": served[busiest], "refused": refused,
             "requests": sum(served.values())}
 
