@@ -6,8 +6,9 @@ Each run is ``tests/children/throttle_child.py``: RANKS ranks (gloo, each its ow
 MLP with AdamW and save every step without blocking to RAM and to S3 (moto) through the tests' fault proxy,
 which serves each key prefix ``rate`` requests per second (a burst of as many) and answers 503 SlowDown
 beyond it. A run's time is the slowest rank's, from opening its store until every save is on the object
-tier. The time the bucket allows is the longer of two floors: its busiest prefix's (the requests it
-served, less the burst, at ``rate`` per second: no client could be done sooner) and the same job's time
+tier (its own listing and the restores that check the saves come after, and are not counted). The time
+the bucket allows is the longer of two floors: its busiest prefix's (the requests it served then, less the
+burst, at ``rate`` per second: no client could be done sooner) and the same job's time
 through the proxy with no bucket (the job's own work). The ratio is the run's time over that; 1.0 would
 be a client that never waits past the moment its prefix has a token. Median of the repeats.
 """
@@ -42,17 +43,21 @@ def run(endpoint: str, ranks: int, rate: float | None, steps: int, k: int) -> di
         proxy.set_bucket(rate, burst=rate)
         outs = gloo_job.run_job(ranks, os.path.join(TESTS, "children", "throttle_child.py"), shm, url, proxy.url,
                                 endpoint, str(steps), "0", timeout=1800)
+        t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)  # the timed part: the store's work
+
+        def timed(r) -> bool:
+            return t0 <= r.at <= t1
         served: dict[str, int] = {}
-        for r in proxy.requests(fault=None):
+        for r in proxy.requests(fault=None, match=timed):
             served[prefix_of(r)] = served.get(prefix_of(r), 0) + 1
-        refused = len(proxy.requests(fault="slowdown"))
+        refused = len(proxy.requests(fault="slowdown", match=timed))
     assert all(o["errors"] == [] and o["on_object"] == list(range(1, steps + 1)) for o in outs), outs
     assert all(all(o["exact"].values()) for o in outs), outs
     busiest = max(served, key=lambda p: served[p])
     floor = max(0.0, served[busiest] - rate) / rate if rate else 0.0
     took = max(o["elapsed"] for o in outs)
     refusals: dict[str, int] = {}
-    for r in proxy.requests(fault="slowdown"):
+    for r in proxy.requests(fault="slowdown", match=timed):
         refusals[prefix_of(r)] = refusals.get(prefix_of(r), 0) + 1
     print(f"  busiest prefix {busiest.replace(url.removeprefix('s3://'), '<root>')!r}: {served[busiest]} served; "
           "most refused: " + ", ".join(f"{p.replace(url.removeprefix('s3://'), '<root>')!r} {n}" for p, n in

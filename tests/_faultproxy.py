@@ -43,7 +43,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 __all__ = ["KINDS", "FaultProxy", "Request", "prefix_of"]
@@ -69,6 +69,8 @@ class Request:
     query: str
     range: str
     fault: str | None
+    #: when the proxy saw it (``time.monotonic()``: comparable across the processes of this machine)
+    at: float = field(default_factory=time.monotonic, compare=False)
 
     @property
     def is_listing(self) -> bool:

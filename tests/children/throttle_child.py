@@ -60,7 +60,8 @@ def main() -> None:
         for step in range(1, steps + 1):
             got, _ = store.restore(step, tiers=[obj.name])
             exact[step] = all(torch.equal(a, b) for a, b in zip(_tensors(got), _tensors(saved[step])))
-    finish({"rank": rank, "errors": errors, "on_object": on_object, "exact": exact, "elapsed": elapsed})
+    finish({"rank": rank, "errors": errors, "on_object": on_object, "exact": exact, "elapsed": elapsed,
+            "t0": t0, "t1": t0 + elapsed})
 
 
 def _tensors(state):
