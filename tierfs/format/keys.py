@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from .names import MARKER, step_dirname
+from .names import step_dirname
 
 #: the first format version whose object-tier steps keep each rank's files under its bucket
 SPREAD_VERSION = 3
@@ -48,7 +48,7 @@ def key(step: int, name: str) -> str:
     """Where a save of this version puts file ``name`` of ``step``, relative to the tier's root:
     ``ranks/<bucket>/step_…/<name>`` for a rank's file, ``step_…/<name>`` for the marker."""
     rank = rank_of_file(name)
-    if rank is None or name == MARKER:
+    if rank is None:
         return f"{step_dirname(step)}/{name}"
     return f"{SPREAD_DIR}/{spread_bucket(rank)}/{step_dirname(step)}/{name}"
 

@@ -28,7 +28,7 @@ S3_MIN_PART = 5 << 20
 PART_SIZE = 16 << 20
 
 #: small requests per rank and steady save, by type, the same at 2 to 64 ranks (median over ranks,
-#: ``benchmarks/results/bench_requests-20261129-1.md``): the manifest's upload; the listing that confirms the
+#: ``benchmarks/results/bench_requests-20261129-2.md``): the manifest's upload; the listing that confirms the
 #: rank's files; retention's check of an older step's marker (a HEAD, and s3fs's listing when it is gone),
 #: its manifest read, its batch delete and its folder key's delete
 SMALL = {"PUT": 1.0, "HEAD": 2.0, "GET": 1.0, "LIST": 2.0, "DELETE": 2.0}
