@@ -41,9 +41,16 @@ def target_for(rank: int) -> dict:
 
 
 def threads(before: set[str]) -> list[list]:
-    """(name, nice) of the threads started since ``before``."""
-    return [[open(f"/proc/self/task/{t}/comm").read().strip(), os.getpriority(os.PRIO_PROCESS, int(t))]
-            for t in sorted(set(os.listdir("/proc/self/task")) - before)]
+    """(name, nice) of the threads started since ``before`` and still running (one that ends while they
+    are listed, a worker of a pool winding down, is left out)."""
+    out = []
+    for t in sorted(set(os.listdir("/proc/self/task")) - before):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                out.append([f.read().strip(), os.getpriority(os.PRIO_PROCESS, int(t))])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
 
 
 def loops(before: set[str]) -> list[int]:
