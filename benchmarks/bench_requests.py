@@ -103,7 +103,8 @@ def extrapolate(rows: list[dict]) -> dict:
     """A 20 GB shard in 16 MiB files (16 MiB parts) at 8,192 ranks: each rank's small requests as measured
     at the largest N (median over the shapes), plus one request per file. A rank's requests go under its
     bucket, 32 ranks to each of the 256; the step's own prefix (the marker) takes what the busiest other
-    prefix took per rank at the largest N, times 8,192."""
+    prefix took at the largest N, plus its growth per rank from the smallest N to the largest, times the
+    ranks beyond (none, when no rank but the owner asks for the marker)."""
     top = max(r["ranks"] for r in rows)
     at_top = [r for r in rows if r["ranks"] == top]
     small = statistics.median(r["small"] for r in at_top)
@@ -113,7 +114,11 @@ def extrapolate(rows: list[dict]) -> dict:
     # per rank, in its bucket: the busiest bucket's requests (one rank each up to 256 ranks) less its files
     bucket_small = statistics.median(r["busiest bucket"] - r["file requests"] for r in at_top)
     per_bucket = math.ceil(TARGET_RANKS / 256) * (bucket_small + files * per_file(FILE, FILE))
-    at_step = statistics.median(r["busiest other prefix"] / top for r in at_top) * TARGET_RANKS
+    # the busiest other prefix (a step's own: the marker's), as it grows from the smallest job to the largest
+    low = min(r["ranks"] for r in rows)
+    other = {n: statistics.median(r["busiest other prefix"] for r in rows if r["ranks"] == n) for n in (low, top)}
+    growth = (other[top] - other[low]) / (top - low) if top > low else other[top] / top
+    at_step = other[top] + growth * (TARGET_RANKS - top)
     busiest = max(per_bucket, at_step)
     return {"small requests per rank (measured)": small, "files of a 20 GB shard": files,
             "requests per rank": per_rank, "requests per save (8,192 ranks)": job_requests,

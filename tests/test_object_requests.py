@@ -39,6 +39,7 @@ from tierfs.tiers._parts import upload
 
 
 CHILD = Path(__file__).resolve().parent / "children" / "throttle_child.py"
+OPEN_CHILD = Path(__file__).resolve().parent / "children" / "open_child.py"
 
 
 def slowdown() -> Exception:
@@ -215,6 +216,11 @@ def test_a_12_rank_job_training_against_a_throttling_store_loses_no_save_and_see
         assert o["exact"] == {"1": True, "2": True}, o
     refused = proxy.requests(fault="slowdown")
     assert len(refused) > 12, "the bucket refused almost nothing: the job was not throttled"
+    # one rank asked the store whether the bucket is there, for the whole job (the others heard its answer
+    # in the open's agreement); the restores went to the store directly
+    bucket = url.removeprefix("s3://").split("/")[0]
+    probes = [r for r in proxy.requests(fault=None) if r.method == "HEAD" and r.path.strip("/") == bucket]
+    assert len(probes) == 1, probes
     # the keys of a step: each rank's under a prefix of its own (the store's partitions), the marker apart
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
     root = url.removeprefix("s3://")
@@ -227,6 +233,25 @@ def test_a_12_rank_job_training_against_a_throttling_store_loses_no_save_and_see
     for prefix, names in by_prefix.items():
         ranks = {n.split(".")[0] for n in names if n != MARKER}
         assert len(ranks) <= 1 and (not ranks or key(1, f"{ranks.pop()}.manifest.json").startswith(prefix + "/"))
+
+
+def test_one_rank_asks_for_the_bucket_and_a_missing_one_fails_every_rank_naming_it(s3_url, shm_dir):
+    url, opts = s3_url
+    with FaultProxy(opts["endpoint_url"]) as proxy:
+        env = {"TIERFS_TEST_STORAGE_OPTIONS": json.dumps({**opts, "endpoint_url": proxy.url})}
+        outs = gloo_job.run_job(3, OPEN_CHILD, shm_dir, url, env=env, timeout=300)
+        assert [o["raised"] for o in outs] == [None] * 3
+        bucket = url.removeprefix("s3://").split("/")[0]
+        assert [r.method for r in proxy.requests() if r.path.strip("/") == bucket and not r.is_listing] == ["HEAD"]
+        proxy.log.clear()
+        missing = "s3://no-such-bucket/run"
+        outs = gloo_job.run_job(3, OPEN_CHILD, shm_dir, missing, env=env, timeout=300)
+    for o in outs:  # rank 0 asked; every rank raises, naming the bucket and what to do
+        cls, msg = o["raised"]
+        assert cls == "TierUnavailableError", o
+        assert "bucket 'no-such-bucket' does not exist; create it or fix the URL" in msg, o
+        assert o["rank"] == 0 or "rank 0 failed" in msg, o
+    assert len([r for r in proxy.requests() if r.path.strip("/") == "no-such-bucket"]) == 1
 
 
 def test_uploads_are_in_parts_that_fit_the_store():

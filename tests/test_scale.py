@@ -42,6 +42,9 @@ def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
             a, b = jobs[n][rank]["steady_save"], large[rank]["steady_save"]
             assert {f: a.get(f, 0) for f in STEADY} == {f: b.get(f, 0) for f in STEADY}, (n, rank)
             assert a["calls"] > 0 and a["s3_PUT"] > 0 and a["s3_DELETE"] > 0  # it coordinated, uploaded, deleted
+            # no HEAD: retention's owner tells the ranks in the copy's agreement which markers it deleted
+            # (no rank asks the store for the marker's key), and whole files are read in one GET
+            assert a.get("s3_HEAD", 0) == b.get("s3_HEAD", 0) == 0, (n, rank)
             # a restart: the same collectives and bytes, the object tier listed by rank 0 alone, and one
             # write to the job's store (this rank's line of RestoreInfo.ranks)
             a, b = jobs[n][rank]["restore"], large[rank]["restore"]

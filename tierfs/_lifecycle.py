@@ -23,6 +23,7 @@ from . import _readable
 from ._retry import short
 from ._rootdir import missing_dirs, remove_new_dirs
 from ._stages import stage
+from .errors import TierfsError
 from ._worker import BACKGROUND_NICE, Throttle, Worker
 from .core.ledger import StepLedger
 from .core.background import Background
@@ -34,7 +35,7 @@ from .ranks.groups import env_node_source
 from .ranks.nodes import observe
 from .ranks.pool import POOL, Lease
 from .tiers.base import AnyTier, Replicator, Tier
-from .tiers.capabilities import LocalFiles, SharedDirectory
+from .tiers.capabilities import LocalFiles, SharedDirectory, SharedStore
 
 if TYPE_CHECKING:
     from .store import TieredStore
@@ -50,9 +51,11 @@ def local_dirs(tier: AnyTier) -> list[Path]:
     return tier.local_dirs() if isinstance(tier, LocalFiles) else []
 
 
-def remove_uncommitted(ctx: Context) -> None:
+def remove_uncommitted(ctx: Context) -> dict[str, set[int]]:
     """Remove the steps without a marker on the tiers this rank owns, saying why each was left (collective:
-    every rank waits for the others before the store lists its tiers)."""
+    every rank waits for the others before the store lists its tiers). Returns the committed steps of each
+    tier it listed, for the store's first listing (:meth:`Context.refresh`'s ``known``)."""
+    listed: dict[str, set[int]] = {}
     for t in ctx.tiers:
         if ctx.ranks.owns(t):
             steps = t.list_steps()
@@ -60,7 +63,9 @@ def remove_uncommitted(ctx: Context) -> None:
                 if not ok:
                     log.info("tier %s: %s", t.name, uncommitted_cause(t, s, steps))
                     t.delete_step(s)
+            listed[t.name] = {s for s, ok in steps.items() if ok}
     ctx.group.barrier()
+    return listed
 
 
 def uncommitted_cause(tier: AnyTier, step: int, steps: Mapping[int, bool]) -> str:
@@ -83,6 +88,11 @@ def uncommitted_cause(tier: AnyTier, step: int, steps: Mapping[int, bool]) -> st
                 "the job ended before every rank had deleted its own " + what + ")")
     return (f"removing step {step}, which has no marker although step {newer[-1]} is committed: a save or copy "
             "of it did not finish")
+
+
+def _same_class(e: BaseException) -> "type[TierfsError]":
+    """The class every rank raises when ``e`` failed one rank's open: its own, if it is a tierfs error."""
+    return type(e) if isinstance(e, TierfsError) else TierfsError
 
 
 class Opening:
@@ -125,8 +135,11 @@ class Opening:
         directory against the node numbers, fork the groups, bind the replicators and open them."""
         ledger = StepLedger([t.name for t in tiers])
         files = [t for t in tiers if isinstance(t, Tier)]
-        with agreement(group, "open the store"):  # a tier one rank cannot open fails every rank
+        # a tier one rank cannot open fails every rank, with the same class of error
+        with agreement(group, "open the store", classify=_same_class):
             for t in files:
+                if isinstance(t, SharedStore):  # one rank asks the store for the job (a failure fails all)
+                    t.probe_on_open = group.rank == 0
                 with stage("open", tier=t.name):
                     self.open(t)
         nodes = observe(group, lambda: {t.name: [t.identity(), t.location] for t in files

@@ -130,9 +130,9 @@ class TieredStore(ShardReads, Upkeep):
             self._reader = Reader(self._ctx)
             self._retention = Retention(self._ctx, self._reader)
             self._saving = SavePath(self._ctx, self._retention)
-            if cleanup:
-                _lifecycle.remove_uncommitted(self._ctx)
-            self._ctx.refresh(shared=self.group)  # a shared tier listed by rank 0 alone (collective)
+            known = _lifecycle.remove_uncommitted(self._ctx) if cleanup else {}
+            # a shared tier listed by rank 0 alone (collective), and no tier listed twice
+            self._ctx.refresh(shared=self.group, known=known)
             if cleanup:  # a store that saves: the copies a process ended before making
                 catch_up(self._ctx, self._saving)
         except BaseException:

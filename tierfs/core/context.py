@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from .. import _args
 from ..errors import ArgumentError
@@ -100,17 +100,22 @@ class Context:
         """The named tiers in the order given (default: all, fastest first)."""
         return list(self.tiers) if names is None else [self.tier(n) for n in dict.fromkeys(names)]
 
-    def refresh(self, shared: "Group | None" = None) -> None:
+    def refresh(self, shared: "Group | None" = None, known: Mapping[str, set[int]] | None = None) -> None:
         """Re-list every tier (steps written by other processes become visible).
 
         With ``shared``, a group of every rank (collective): a tier all ranks share (the object tier) is
         listed by rank 0 alone and its steps reach the others in two all-reduces of a few integers
-        (:func:`shared_listing`), so a job lists it once, not once per rank.
+        (:func:`shared_listing`), so a job lists it once, not once per rank. ``known``: the committed steps
+        of tiers this rank has just listed itself (by name), taken as they are.
         """
+        known = known or {}
+
+        def listing(t: AnyTier) -> set[int] | None:
+            return set(known[t.name]) if t.name in known else _listing(t)
         once = [t for t in self.tiers if isinstance(t, Tier) and not t.is_local]
-        listed = shared_listing(shared, once, _listing) if shared is not None and shared.world_size > 1 and once else {}
+        listed = shared_listing(shared, once, listing) if shared is not None and shared.world_size > 1 and once else {}
         for t in self.tiers:
-            self.ledger.listed(t.name, listed[t.name] if t.name in listed else _listing(t))
+            self.ledger.listed(t.name, listed[t.name] if t.name in listed else listing(t))
 
 
 def _listing(t: AnyTier) -> set[int] | None:

@@ -135,17 +135,23 @@ class Retention:
 class Spread:
     """The deletions retention spreads over the ranks of a shared tier: the owner deletes a doomed step's
     marker at once; each rank keeps the step as pending and deletes its own files (those its manifest
-    names, and the manifest) at a later save's retention, once the marker is gone (one HEAD request),
-    so no rank's files go while the step still reads as committed. A step saved again before then is
+    names, and the manifest) at a later save's retention, once the marker is gone, so no rank's files go
+    while the step still reads as committed. A step saved again before then is
     dropped from the pending steps, never deleted.
 
     The marker's deletion is ordered before the other ranks' check by the next save's agreements on the
-    tier: the owner deletes it before it takes part in them. The steps the last save dropped have no next
-    save, so the owner, which deleted their markers itself, removes what is left of them when the store
-    closes (:meth:`close`), without waiting for the other ranks."""
+    tier: the owner deletes it before it takes part in them. The owner also says which markers it deleted
+    in the next copy's agreement on the tier (:meth:`telling`, :meth:`heard`: a few integers in the
+    all-reduce the copy does anyway), so the other ranks need not ask the store: at 8,192 ranks that is
+    8,191 requests fewer on one key per save. A step a rank is not told of (more at once than
+    :data:`TOLD`, or doomed there later than on the owner) it checks with the HEAD request. The steps the
+    last save dropped have no next save, so the owner, which deleted their markers itself, removes what is
+    left of them when the store closes (:meth:`close`), without waiting for the other ranks."""
 
     #: the steps the owner remembers having dropped, per tier (the newest): what :meth:`close` may remove
     REMEMBERED = 1024
+    #: the markers the owner tells of in one agreement, at most
+    TOLD = 8
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -154,6 +160,7 @@ class Spread:
         self._pending: dict[str, dict[int, bool]] = {}
         self._fresh: dict[str, set[int]] = {}  # pending since this retention: checked from the next one
         self._dropped: dict[str, set[int]] = {}  # the owner's: markers it deleted, other ranks' files may remain
+        self._told: dict[str, set[int]] = {}  # the owner's: markers deleted since its last telling
 
     def applies(self, tier: AnyTier) -> bool:
         return (tier is not self.ctx.replicator and isinstance(tier, Tier) and isinstance(tier, FileDeletes)
@@ -170,10 +177,29 @@ class Spread:
             if not owner:
                 self._fresh.setdefault(tier.name, set()).add(step)
             else:
+                self._told.setdefault(tier.name, set()).add(step)
                 dropped = self._dropped.setdefault(tier.name, set())
                 dropped.add(step)
                 if len(dropped) > self.REMEMBERED:
                     dropped.discard(min(dropped))
+
+    def telling(self, tier: AnyTier) -> list[int]:
+        """What this rank says in the next copy's agreement on ``tier`` (the same length on every rank, to be
+        reduced by maximum): the owner, the newest steps whose markers it deleted since it last said; the
+        other ranks, nothing (-1)."""
+        if not self.applies(tier):
+            return []
+        with self._lock:
+            told = sorted(self._told.pop(tier.name, set()))[-self.TOLD:]
+        return told + [-1] * (self.TOLD - len(told))
+
+    def heard(self, tier: AnyTier, steps: list[int]) -> None:
+        """What the agreement reduced from :meth:`telling`: the pending steps among ``steps`` are gone."""
+        with self._lock:
+            pending = self._pending.get(tier.name, {})
+            for s in steps:
+                if s in pending:
+                    pending[s] = True
 
     def sweep(self, tier: AnyTier) -> None:
         """Delete this rank's files of the pending steps whose marker is gone."""

@@ -362,12 +362,15 @@ class SavePath:
         p, src = self.ctx, self.ctx.first
         group = p.work.copy_groups[dst.name]
         t0 = time.perf_counter()
+        spread = self.retention.spread
         with agreement(group, f"copy step {step} to {dst.name}", outcome="not committed") as vote:
+            vote.maxes = spread.telling(dst)  # the markers retention's owner deleted: no rank asks the store
             with stage("copy", step, dst.name):
                 manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
                 # a damaged RAM copy must not become the durable one; verified and sent within the cap
                 vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.work.pace(step, dst.name),
                                        batched=False)
+        spread.heard(dst, vote.max)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
         log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _readable.Bytes(vote.mine),
                  _readable.Seconds(time.perf_counter() - t0))

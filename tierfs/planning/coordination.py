@@ -25,19 +25,20 @@ class PerRank:
     object_requests:
         Requests to the object store for the rank's own files with one shard file: the uploads of that
         file and its manifest, one listing that confirms them, and retention's deletion of its files of the
-        step a later save lets go (a check that the marker is gone, its manifest read, one batch delete).
-        Rank 0 also writes the new marker and deletes the old one. A larger shard adds one request per
+        step a later save lets go (its manifest read, one batch delete, its folder's key). Rank 0 also
+        writes the new marker and deletes the old one, and tells the other ranks so in the next copy's
+        agreement. A larger shard adds one request per
         shard file (:mod:`tierfs.planning.store_requests`).
     """
 
     collectives: int = 8
     sockets: int = 20
     store_requests: int = 0
-    object_requests: int = 9
+    object_requests: int = 6
 
 
 #: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-9.md`` (the object store's:
-#: ``bench_requests-20261129-1.md``)
+#: ``bench_requests-20261129-3.md``)
 MEASURED = PerRank()
 
 

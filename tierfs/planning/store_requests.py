@@ -3,13 +3,14 @@ rates make it take.
 
 Per rank and save the object tier makes one request per shard file it uploads (a multipart upload: its
 parts plus two) and a few small ones, the same at any job size: the manifest's upload, one listing that
-confirms its files, the marker (rank 0), and retention's check and batch delete of an older step. The
+confirms its files, and retention's reading of an older step's manifest and batch delete of its files. The
 small ones are measured by ``benchmarks/bench_requests.py`` (median over ranks, 2 to 64 ranks). A rank's
 keys go under its bucket of key prefixes (:mod:`tierfs.format.keys`: 256 buckets, ranks beyond share them
-evenly); the step's own prefix holds the marker and takes retention's check of it from every rank. A store
-serves each prefix at a limited rate: S3 about 3,500 writes (PUT, POST, DELETE) and 5,500 reads per second
-per prefix partition; GCS about 1,000 writes per second at first, doubling every 20 minutes of sustained
-load. The busiest prefix sets how long a save takes to be accepted. Pure: no I/O.
+evenly); the step's own prefix holds the marker, which rank 0 alone writes and deletes (retention's owner
+tells the other ranks which markers it deleted: none of them asks the store). A store serves each prefix
+at a limited rate: S3 about 3,500 writes (PUT, POST, DELETE) and 5,500 reads per second per prefix
+partition; GCS about 1,000 writes per second at first, doubling every 20 minutes of sustained load. The
+busiest prefix sets how long a save takes to be accepted. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ S3_MIN_PART = 5 << 20
 PART_SIZE = 16 << 20
 
 #: small requests per rank and steady save, by type, the same at 2 to 64 ranks (median over ranks,
-#: ``benchmarks/results/bench_requests-20261129-2.md``): the manifest's upload; the listing that confirms the
-#: rank's files; retention's check of an older step's marker (a HEAD, and s3fs's listing when it is gone),
-#: its manifest read, its batch delete and its folder key's delete
-SMALL = {"PUT": 1.0, "HEAD": 2.0, "GET": 1.0, "LIST": 2.0, "DELETE": 2.0}
-#: those of SMALL under the step's own prefix, not the rank's bucket: retention's check of an older step's
-#: marker (the HEAD, and s3fs's listing once it is gone)
-AT_STEP = {"HEAD": 1.0, "LIST": 1.0}
+#: ``benchmarks/results/bench_requests-20261129-3.md``): the manifest's upload; the listing that confirms the
+#: rank's files; retention's read of an older step's manifest, its batch delete and its folder key's delete
+SMALL = {"PUT": 1.0, "GET": 1.0, "LIST": 1.0, "DELETE": 2.0}
+#: requests under a step's own prefix, at any job size: its marker's upload, and (retention's owner) the
+#: deletion of an older step's marker and folder key
+AT_STEP = 3.0
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,12 @@ class ObjectSave:
     @property
     def busiest_bucket(self) -> float:
         """Requests under the busiest bucket: its ranks' uploads and small requests."""
-        own = sum(SMALL.values()) - sum(AT_STEP.values())
-        return math.ceil(self.ranks / self.buckets) * (self.files * self.per_file + own)
+        return math.ceil(self.ranks / self.buckets) * (self.files * self.per_file + sum(SMALL.values()))
 
     @property
     def at_step(self) -> float:
-        """Requests under the step's own prefix: the marker, and every rank's check of an older one."""
-        return 1 + self.ranks * sum(AT_STEP.values())
+        """Requests under the step's own prefix: the marker's, from rank 0 alone."""
+        return AT_STEP
 
     @property
     def busiest(self) -> float:

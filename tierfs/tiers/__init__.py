@@ -4,7 +4,7 @@ interfaces, :mod:`.capabilities` what only some tiers do, :mod:`.registry` the k
 
 from . import kinds as _kinds  # noqa: F401 - registers the built-in kinds
 from .base import Capacity, AnyTier, Replicator, Tier
-from .capabilities import LocalFiles, SharedDirectory, Staging, ZeroCopy
+from .capabilities import LocalFiles, SharedDirectory, SharedStore, Staging, ZeroCopy
 from .erasure import ErasureCodedTier
 from .memory import MemoryTier
 from .object import ObjectTier
@@ -12,4 +12,4 @@ from .peer import PeerTier
 from .registry import Kind, register
 
 __all__ = ["Capacity", "AnyTier", "ErasureCodedTier", "Kind", "LocalFiles", "MemoryTier", "ObjectTier", "PeerTier", "Replicator",
-           "SharedDirectory", "Staging", "Tier", "ZeroCopy", "register"]
+           "SharedDirectory", "SharedStore", "Staging", "Tier", "ZeroCopy", "register"]

@@ -83,6 +83,12 @@ def buckets(entries: list[dict[str, Any]]) -> list[str]:
     return sorted(n for n in names if is_bucket(n))
 
 
+def has_buckets(entries: list[dict[str, Any]]) -> bool:
+    """Whether a listing of the tier's root holds the buckets' folder."""
+    return any(e.get("type") == "directory" and e["name"].rstrip("/").rsplit("/", 1)[-1] == SPREAD_DIR
+               for e in entries)
+
+
 def first_found(paths: list[str], fn: Callable[[str], Any]) -> Any:
     """``fn(path)`` for the first of ``paths`` that exists (FileNotFoundError from the last otherwise)."""
     for path in paths[:-1]:

@@ -34,6 +34,13 @@ def upload(protocol: str, size: int, part: int) -> tuple[dict[str, Any], int]:
     return {}, 1
 
 
+def whole_read(protocol: str) -> dict[str, Any]:
+    """Keyword arguments for fsspec's ``cat_file`` reading a whole file in one request: s3fs otherwise asks
+    for the file's size first (a HEAD per file) to read a large one in concurrent chunks, which
+    :func:`download` already does with ranged reads."""
+    return {"max_concurrency": 1} if protocol in ("s3", "s3a") else {}
+
+
 def download(sizes: Mapping[str, int], names: list[str], part_size: int, read: Callable[[str], Bytes],
              read_range: Callable[[str, int, int], bytes], run: Callable[[Callable[[Any], None], list[Any]], Any],
              missing: Callable[[str], str]) -> dict[str, Bytes]:

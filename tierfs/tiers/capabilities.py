@@ -87,6 +87,15 @@ class FileDeletes(Protocol):
 
 
 @runtime_checkable
+class SharedStore(Protocol):
+    """A tier every rank of a job reaches at one place, whose reachability one rank checks for all."""
+
+    #: ask the store, when the tier opens, whether it is there and the credentials work (default True; a
+    #: store opening the tier on every rank of a job sets it on one rank only, whose failure fails them all)
+    probe_on_open: bool
+
+
+@runtime_checkable
 class LocalFiles(Protocol):
     """A tier that keeps its files in directories of this machine."""
 

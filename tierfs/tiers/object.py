@@ -36,8 +36,8 @@ from ..format import MARKER, SPREAD_VERSION, Marker, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy
 from ._budget import JobBudget
 from ._listing import by_prefix, common_prefix, files_in, is_dir_entry, mtime
-from ._objectkeys import StepKeys, buckets, first_found, step_dirs
-from ._parts import download, upload
+from ._objectkeys import StepKeys, buckets, first_found, has_buckets, step_dirs
+from ._parts import download, upload, whole_read
 from ._pool import DaemonPool
 from ._probe import LOCAL as _LOCAL, check_local_readable, probe
 from .base import Bytes, Capacity, Pace, Tier
@@ -120,13 +120,18 @@ class ObjectTier(Tier):
         return Capacity(used=0, budget=None, free=None)
 
     # -- life cycle ---------------------------------------------------------------------------------
+    #: ask the store whether the bucket is there as the tier opens (:class:`~.capabilities.SharedStore`)
+    probe_on_open = True
+
     def open(self) -> None:
-        """Fail now, in one line, if the bucket is missing or the credentials are wrong."""
-        probe(self.fs, self.protocol, self.root, self.url, f"tier {self.name}", self.throttle_patience)
+        """Fail now, in one line, if the bucket is missing or the credentials are wrong (asked of a remote
+        store only where ``probe_on_open``; a local root is made private on every rank)."""
+        if self.probe_on_open or self.protocol in _LOCAL:
+            probe(self.fs, self.protocol, self.root, self.url, f"tier {self.name}", self.throttle_patience)
 
     def check_readable(self) -> None:
-        if self.protocol not in _LOCAL:
-            self.open()  # only probes the bucket
+        if self.protocol not in _LOCAL:  # only probes the bucket
+            probe(self.fs, self.protocol, self.root, self.url, f"tier {self.name}", self.throttle_patience)
         else:
             check_local_readable(self.root, self.name)
 
@@ -199,26 +204,19 @@ class ObjectTier(Tier):
         (a step whose marker is not written, or no longer is, may have files there alone): one listing of
         the root, one of the buckets' folder and one per bucket, at most 256 whatever the job's size. For
         the tier's owner and tools; a restore asks :meth:`committed_steps`."""
-        # one bucket at a time: the connections a rank holds do not grow with the job
+        root = self._ls(self.root, "list the steps")  # a failed listing raises: never read as no steps
+        # the buckets only when the root has their folder; one at a time: a rank's connections stay few
         spread = [self._ls(f"{self._keys.buckets_dir}/{b}", "list the steps")
-                  for b in buckets(self._ls(self._keys.buckets_dir, "list the rank buckets"))]
-        steps = sorted(set(self._root_steps()) | set(step_dirs([e for b in spread for e in b])))
+                  for b in buckets(self._ls(self._keys.buckets_dir, "list the rank buckets"))] \
+            if has_buckets(root) else []
+        steps = sorted(set(step_dirs(root)) | set(step_dirs([e for b in spread for e in b])))
         return {s: bool(self.sizes_of(s, [MARKER])) for s in steps}
 
     def committed_steps(self) -> list[int]:
         """The root's entries alone (S3 and GCS: a delimited listing, the step prefixes, not their objects),
-        then each step's marker: requests grow with the steps kept, never with the ranks or their files."""
-        return [s for s in self._root_steps() if self.sizes_of(s, [MARKER])]
-
-    def _root_steps(self) -> list[int]:
-        # ls raises when a listing fails, so a failed listing never reads as no steps. A step emptied by a
-        # deletion cut short has no objects, hence no prefix.
-        self.fs.invalidate_cache(self.root)
-        try:
-            entries = self._retry(lambda: self.fs.ls(self.root, detail=True), "list the steps")
-        except FileNotFoundError:
-            return []
-        return step_dirs(entries)
+        then each step's marker: requests grow with the steps kept, never with the ranks or their files. A
+        step emptied by a deletion cut short has no objects, hence no prefix."""
+        return [s for s in step_dirs(self._ls(self.root, "list the steps")) if self.sizes_of(s, [MARKER])]
 
     def file_sizes(self, step: int) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -320,8 +318,9 @@ class ObjectTier(Tier):
             lambda: self.fs.cat_file(path, start=start, end=end), what)))
 
     def read_file(self, step: int, name: str) -> bytes:
+        kw = whole_read(self.protocol)  # one GET, no HEAD
         data = bytes(first_found(self._keys.places(step, name), lambda path: self._retry(
-            lambda: self.fs.cat_file(path), self._what(step, "read", name))))
+            lambda: self.fs.cat_file(path, **kw), self._what(step, "read", name))))
         if name == MARKER:
             self._keys.learn_marker_bytes(step, data)
         return data
