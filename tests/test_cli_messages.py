@@ -278,9 +278,9 @@ def test_simulate_shows_what_coordinating_a_save_costs_at_each_size(capsys):
     assert code == 0, err
     assert "per rank, the same at any size: 8 all-reduces of a few integers, 20 sockets" in out
     lines = [ln.strip() for ln in out.splitlines() if "object-store requests, " in ln and "sockets held" in ln]
-    assert lines == ["1000 accelerators: 9,000 object-store requests, 20,000 sockets held in the job; no rank lists or "
+    assert lines == ["1000 accelerators: 6,000 object-store requests, 20,000 sockets held in the job; no rank lists or "
                      "deletes another rank's objects",
-                     "100000 accelerators: 900,000 object-store requests, 2,000,000 sockets held in the job; no rank "
+                     "100000 accelerators: 600,000 object-store requests, 2,000,000 sockets held in the job; no rank "
                      "lists or deletes another rank's objects"]
     code, out, err = run(capsys, "simulate", *SIM, "--sizes", "1k", "--json")
     assert code == 0, err
@@ -314,8 +314,8 @@ def test_the_request_model_counts_multipart_uploads_and_the_files_of_a_shard():
     from tierfs.planning.store_requests import object_save
 
     o = object_save(20e9, 8192)  # 20 GB per rank in 16 MiB files, each one PUT
-    assert o.files == 1193 and o.per_file == 1 and o.busiest == o.busiest_bucket == 32 * (1193 + 6)
-    assert object_save(20e9, 12).busiest_bucket == 1193 + 6 and object_save(20e9, 12).prefixes == 13
+    assert o.files == 1193 and o.per_file == 1 and o.busiest == o.busiest_bucket == 32 * (1193 + 5)
+    assert object_save(20e9, 12).busiest_bucket == 1193 + 5 and object_save(20e9, 12).prefixes == 13
     m = object_save(64 << 20, 2, file_size=64 << 20, part_size=16 << 20)  # one file, 4 parts: start, parts, end
     assert m.files == 1 and m.per_file == 6
     assert object_save(1 << 20, 4, file_size=64 << 20, part_size=1 << 20).per_file == 15  # parts of 5 MiB at least

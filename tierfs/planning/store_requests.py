@@ -32,9 +32,9 @@ PART_SIZE = 16 << 20
 #: ``benchmarks/results/bench_requests-20261129-3.md``): the manifest's upload; the listing that confirms the
 #: rank's files; retention's read of an older step's manifest, its batch delete and its folder key's delete
 SMALL = {"PUT": 1.0, "GET": 1.0, "LIST": 1.0, "DELETE": 2.0}
-#: requests under a step's own prefix, at any job size: its marker's upload, and (retention's owner) the
-#: deletion of an older step's marker and folder key
-AT_STEP = 3.0
+#: requests under a step's own prefix, at any job size (measured as SMALL): its marker's upload, by rank 0
+#: (retention's deletion of an older marker goes to the bucket in a batch, its folder key to that step's)
+AT_STEP = 1.0
 
 
 @dataclass(frozen=True)
