@@ -8,6 +8,7 @@
     tierfs plan ...                                   RAM per host, intervals, goodput, bandwidth
     tierfs simulate ...                               Monte-Carlo of a training run under failures
     tierfs bench [--object URL -o ...]                measure the tiers here; plan/simulate read it
+    tierfs doctor [TARGET] [--state-size SIZE]        check this node before launching a job on it
 
 A TARGET is a RAM tier directory (/dev/shm/tierfs/job-42), an fsspec URL (s3://bucket/run, with
 ``-o endpoint_url=...``) or a JSON config listing tiers (format: :mod:`tierfs.config`). ``ls`` and
@@ -17,8 +18,8 @@ removes uncommitted steps; a step still being written, or that a crash left behi
 
 The commands, by concern: :mod:`~tierfs.cli.targets` (a TARGET into tiers), :mod:`~tierfs.cli.inspect`
 (ls, verify), :mod:`~tierfs.cli.manage` (cp, gc, export; what they do to steps: :mod:`~tierfs.cli.steps`),
-:mod:`~tierfs.cli.plan`, :mod:`~tierfs.cli.simulate` and :mod:`~tierfs.cli.bench` (its measurements:
-:mod:`~tierfs.cli.measure`). Each registers its subcommands with ``add_commands``.
+:mod:`~tierfs.cli.plan`, :mod:`~tierfs.cli.simulate`, :mod:`~tierfs.cli.bench` (its measurements:
+:mod:`~tierfs.cli.measure`) and :mod:`~tierfs.cli.doctor`. Each registers its subcommands with ``add_commands``.
 
 Exit status: 0 on success, 1 when a check fails or a tier cannot be read or written, 2 for a bad
 command line (a bad argument, or a TARGET that cannot be a tier, such as a system directory). Errors are
@@ -59,7 +60,7 @@ def error(msg: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tierfs`` parser with every subcommand; each parsed namespace has ``func(args) -> status``."""
     from .. import __version__
-    from . import bench, inspect, manage, plan, simulate
+    from . import bench, doctor, inspect, manage, plan, simulate
 
     parser = _Parser(prog=PROG, description="Inspect, check, copy, clean up and export tierfs checkpoints; "
                                             "plan and simulate checkpointing for a training job. ls and "
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for module in (inspect, manage, plan, simulate, bench):
+    for module in (inspect, manage, plan, simulate, bench, doctor):
         module.add_commands(sub)
     return parser
 

@@ -154,9 +154,9 @@ def close_all(tiers: list[Tier]) -> None:
         t.close()
 
 
-def add_target_args(p: argparse.ArgumentParser) -> None:
-    """TARGET, its storage options and ``--tier``."""
-    p.add_argument("target", metavar="TARGET",
+def add_target_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    """TARGET (``optional``: it may be left out), its storage options and ``--tier``."""
+    p.add_argument("target", metavar="TARGET", nargs="?" if optional else None,
                    help="a tier directory (e.g. /dev/shm/tierfs/JOB), an fsspec URL (s3://bucket/run, "
                         "gs://..., file:///...) or a *.json config listing tiers")
     p.add_argument("--storage-options", metavar="JSON",
