@@ -2,6 +2,7 @@
 
     tierfs ls TARGET                                  steps per tier (committed or partial)
     tierfs verify TARGET [--step N] [--tier NAME]     check every checksum of a step
+    tierfs status TARGET [--watch [S]]                each tier's newest step, its age, lag, what is in flight
     tierfs cp SRC [DST] [--step N] [--from T] [--to T]   copy a step, verified, marker last
     tierfs gc TARGET [--older-than DUR] [--force] [--dry-run]   retention now; stale partial steps
     tierfs export TARGET DIR --dcp [--step N]         a plain DCP checkpoint (FileSystemReader reads it)
@@ -17,7 +18,7 @@ removes uncommitted steps; a step still being written, or that a crash left behi
 ``partial`` and left alone.
 
 The commands, by concern: :mod:`~tierfs.cli.targets` (a TARGET into tiers), :mod:`~tierfs.cli.inspect`
-(ls, verify), :mod:`~tierfs.cli.manage` (cp, gc, export; what they do to steps: :mod:`~tierfs.cli.steps`),
+(ls, verify), :mod:`~tierfs.cli.status`, :mod:`~tierfs.cli.manage` (cp, gc, export; what they do to steps: :mod:`~tierfs.cli.steps`),
 :mod:`~tierfs.cli.plan`, :mod:`~tierfs.cli.simulate`, :mod:`~tierfs.cli.bench` (its measurements:
 :mod:`~tierfs.cli.measure`) and :mod:`~tierfs.cli.doctor`. Each registers its subcommands with ``add_commands``.
 
@@ -60,7 +61,7 @@ def error(msg: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tierfs`` parser with every subcommand; each parsed namespace has ``func(args) -> status``."""
     from .. import __version__
-    from . import bench, doctor, inspect, manage, plan, simulate
+    from . import bench, doctor, inspect, manage, plan, simulate, status
 
     parser = _Parser(prog=PROG, description="Inspect, check, copy, clean up and export tierfs checkpoints; "
                                             "plan and simulate checkpointing for a training job. ls and "
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for module in (inspect, manage, plan, simulate, bench, doctor):
+    for module in (inspect, status, manage, plan, simulate, bench, doctor):
         module.add_commands(sub)
     return parser
 

@@ -1,0 +1,56 @@
+"""``tierfs status``: a live job (its object tier's upload of a step in flight) and the same job after a
+SIGKILL, read from the tiers alone by another process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tierfs.cli import main
+
+CHILD = Path(__file__).resolve().parent / "children" / "status_child.py"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_status_of_a_live_job_then_of_the_same_job_killed(shm_dir, tmp_path, capsys):
+    ram, obj = os.path.join(shm_dir, "ram"), str(tmp_path / "obj")
+    cfg = tmp_path / "tiers.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "memory", "path": ram, "name": "ram"},
+                                         {"kind": "object", "url": f"file://{obj}", "name": "disk"}]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHILD.parent), os.environ.get("PYTHONPATH", "")])}
+    job = subprocess.Popen([sys.executable, str(CHILD), ram, obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=env)
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "READY", job.stderr.read()  # type: ignore[union-attr]
+        code, out, err = run(capsys, "status", cfg)
+        assert code == 0, err
+        ram_line, disk_line = out.splitlines()
+        assert ram_line.startswith(f"tier ram (memory, {ram}): step 4, committed ") and "ago" in ram_line
+        assert ram_line.endswith(f"in use by 1 process(es) (pid {job.pid}): a job is running"), ram_line
+        assert disk_line.startswith(f"tier disk (object, file://{obj}): step 3, committed "), disk_line
+        assert ", 1 step behind; step 4 in flight: " in disk_line and " so far, last written " in disk_line
+        assert "process" not in disk_line  # who uses an object store is not known from here
+        code, out, _ = run(capsys, "status", cfg, "--json")
+        got = json.loads(out)
+        assert code == 0 and got["running"] is True
+        assert [(t["name"], t["newest"], t["behind"], [f["step"] for f in t["in_flight"]]) for t in got["tiers"]] \
+            == [("ram", 4, 0, []), ("disk", 3, 1, [4])]
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait(timeout=60)
+    code, out, err = run(capsys, "status", cfg)
+    assert code == 0, err
+    ram_line, disk_line = out.splitlines()
+    assert ram_line.endswith("no process uses it: no job is running on this node"), ram_line
+    assert "step 4 left by an interrupted save (removed when a store opens): " in disk_line, disk_line
+    code, out, _ = run(capsys, "status", cfg, "--watch", "0")
+    assert code == 2
