@@ -122,6 +122,7 @@ class FaultProxy:
         self._buckets: dict[str, tuple[float, float]] = {}  # prefix: (tokens, when)
         self._seen: dict[tuple[str, ...], int] = {}
         self._lock = threading.Lock()
+        self._logged = threading.Condition(self._lock)  # notified as each request is logged
         self._conns: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
@@ -166,6 +167,20 @@ class FaultProxy:
         with self._lock:
             self._rate, self._scripted, self._bucket = 0.0, [], None
 
+    def wait_for(self, match: Match, timeout: float = 120.0) -> Request:
+        """The first logged request ``match`` accepts, waiting for it (as requests come) up to ``timeout``
+        seconds; TimeoutError past them."""
+        deadline = time.monotonic() + timeout
+        with self._logged:
+            while True:
+                for r in self.log:
+                    if match(r):
+                        return r
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no request the test waits for came within {timeout:g} s")
+                self._logged.wait(left)
+
     def requests(self, *, fault: str | None | bool = True, match: Match | None = None) -> list[Request]:
         """Logged requests: ``fault=True`` any, ``False`` only faulted, None only passed, or one kind."""
         with self._lock:
@@ -203,6 +218,7 @@ class FaultProxy:
                 self._buckets[pre] = (tokens - (tokens >= 1), now)
             req = Request(method, plain.path, query, rng_header, fault)
             self.log.append(req)
+            self._logged.notify_all()
         return req
 
     # -- serving ------------------------------------------------------------------------------------

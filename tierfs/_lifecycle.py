@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
-from . import _readable
+from . import _readable, metrics as _metrics
 from ._retry import short
 from ._rootdir import missing_dirs, remove_new_dirs
 from ._stages import stage
@@ -133,6 +133,7 @@ class Opening:
               threads: int | None, file_size: int, block_size: int, clock: Callable[[], float]) -> Context:
         """Open the file tiers (every rank fails if one cannot), check which ranks share the first tier's
         directory against the node numbers, fork the groups, bind the replicators and open them."""
+        _metrics.from_environment(group.rank)  # TIERFS_METRICS_PORT: this rank's figures over HTTP
         ledger = StepLedger([t.name for t in tiers])
         files = [t for t in tiers if isinstance(t, Tier)]
         # a tier one rank cannot open fails every rank, with the same class of error

@@ -16,6 +16,7 @@ import random
 import time
 from typing import Callable, TypeVar
 
+from . import metrics as _metrics
 from .errors import TierUnavailableError
 
 log = logging.getLogger("tierfs")
@@ -91,6 +92,7 @@ def retry(fn: Callable[[], T], *, attempts: int, what: str, label: str,
             raise
         except Exception as e:  # noqa: BLE001 - transient until proven otherwise
             if throttled(e):
+                _metrics.SINK.request_fault(label.removeprefix("tier "), "throttled")
                 since = clock() if since is None else since
                 waited = clock() - since
                 if waited >= patience:
@@ -105,6 +107,7 @@ def retry(fn: Callable[[], T], *, attempts: int, what: str, label: str,
                 sleep(min(delay, max(0.0, patience - waited)))
                 continue
             failed += 1
+            _metrics.SINK.request_fault(label.removeprefix("tier "), "transient")
             if failed >= attempts:
                 raise
             delay = BASE_DELAY * 2 ** (failed - 1)

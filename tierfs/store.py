@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _args, _exit, _lifecycle, state as st
+from . import _args, _exit, _lifecycle, metrics as _metrics, state as st
 from ._calls import Calls, serial
 from ._upload import restore_device
 from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
@@ -253,10 +253,13 @@ class TieredStore(ShardReads, Upkeep):
         """
         self._check_open()
         self._check_order(step)
+        _metrics.SINK.started(step)
+        t0 = time.perf_counter()
         saved = self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
                                   preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
                                   when_busy=self.when_busy, timeout=timeout, replicated=replicated,
                                   overlap=overlap)
+        _metrics.SINK.stall(time.perf_counter() - t0)
         if saved:
             self._calls.saved(_args.step(step), self._ctx.ledger.restored)
         return saved
@@ -327,6 +330,7 @@ class TieredStore(ShardReads, Upkeep):
                 raise error
             self.raise_background_errors()
         info = Restore(self._ctx, self._ctx.usable(tiers), sink, first, timeout).run(step, adopt)
+        _metrics.SINK.restored(info.tier, info.seconds, info.nbytes)
         self._calls.restored(info.step)
         return info
 

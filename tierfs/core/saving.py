@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args, _blocks, _device, _nogc, _readable, state as st
+from .. import _args, _blocks, _device, _nogc, _readable, metrics as _metrics, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
@@ -295,6 +295,8 @@ class SavePath:
             p.ledger.abandon(step)
             raise
         p.ledger.committed(step, first.name, len(slow))
+        _metrics.SINK.committed(first.name, step, manifest.nbytes)
+        _metrics.SINK.space(first)
         log.info("step %d committed in %s: %s%s", step, first.name, _readable.Bytes(marker.nbytes),
                  f"; copies to {[t.name for t in slow]} follow in the background" if slow else "")
         # the step is committed whatever retention does: a failure there is the next call's to raise. Before
@@ -302,6 +304,7 @@ class SavePath:
         self.retention.apply(first, on_error=p.ledger.fail)
         for t in slow:
             p.ledger.pin(first.name, step)
+            _metrics.SINK.queued(t.name, step, manifest.nbytes)
             p.work.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
         p.ledger.done(step)
         if not slow:
@@ -338,14 +341,18 @@ class SavePath:
         """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
         bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
         p, first = self.ctx, self.ctx.first
-        stored = False
+        stored, error = False, "NotStored"
         try:
             if dst is p.replicator:
                 stored = self._replicate(step, p.replicator, marker)
             else:
                 assert isinstance(dst, Tier)
                 stored = self._upload(step, dst, marker)
+        except BaseException as e:
+            error = type(e).__name__
+            raise
         finally:
+            _metrics.SINK.copied(dst.name, step, stored, None if stored else error)
             p.ledger.copied(dst.name, step, stored)
             p.ledger.unpin(first.name, step)
             p.ledger.done(step)

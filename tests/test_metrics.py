@@ -1,0 +1,131 @@
+"""Metrics on a dashboard: a 2-rank job with ``TIERFS_METRICS_PORT`` set, each rank scraped over HTTP and
+read with prometheus-client's own parser between the job's phases. Saves move the counters and
+histograms; an upload refused with a 500 shows in the fault counter; the object tier's lag rises while the
+store throttles every upload (503 SlowDown) and falls to 0 once the upload lands."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+
+import pytest
+
+import gloo_job
+from _faultproxy import FaultProxy
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children", "metrics_child.py")
+
+
+def free_ports(n: int) -> int:
+    """A base port whose next ``n - 1`` ports are free too (bound and released)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            held = []
+            for p in range(base, base + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def scrape(port: int) -> list:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def value(samples: list, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_2_rank_job_s_metrics_move_with_saves_faults_and_the_lag(s3_url, shm_dir, tmp_path):
+    url, opts = s3_url
+    fifos = tmp_path / "fifos"
+    fifos.mkdir()
+    for r in range(2):
+        os.mkfifo(fifos / f"go{r}")
+    base = free_ports(2)
+    with FaultProxy(opts["endpoint_url"]) as proxy:
+        env = {"TIERFS_METRICS_PORT": str(base), "TIERFS_TEST_STORAGE_OPTIONS": json.dumps(
+            {**opts, "endpoint_url": proxy.url, "skip_instance_cache": True,
+             "config_kwargs": {"retries": {"max_attempts": 0}}})}
+        procs = gloo_job.start_job(2, CHILD, shm_dir, url, str(fifos), same_node=True, env=env)
+        try:
+            # read-write: opening never waits for the rank to open its end
+            go = [os.fdopen(os.open(fifos / f"go{r}", os.O_RDWR), "w") for r in range(2)]
+
+            def phase(expected: str) -> list[list]:
+                for p in procs:
+                    line = p.stdout.readline().strip()
+                    assert line == expected, (line, p.stderr.read() if line == "" else "")
+                return [scrape(base + r) for r in range(2)]
+
+            def on() -> None:
+                for f in go:
+                    f.write("go\n")
+                    f.flush()
+
+            got = phase("SAVED 2")
+            for r, m in enumerate(got):
+                labels = {"rank": str(r)}
+                assert value(m, "tierfs_save_stall_seconds_count", **labels) == 2
+                ram = value(m, "tierfs_saved_bytes_total", tier="ram", **labels)
+                assert ram > 0 and value(m, "tierfs_saved_bytes_total", tier="s3", **labels) == ram
+                assert value(m, "tierfs_durable_seconds_count", tier="s3", **labels) == 2
+                assert value(m, "tierfs_tier_lag_steps", tier="s3", **labels) == 0
+                assert value(m, "tierfs_tier_used_bytes", tier="ram", **labels) > 0
+
+            def step3(r) -> bool:
+                return r.method == "PUT" and "step_000000000003" in r.path
+            proxy.fail_next(2, "internal", match=step3)  # two uploads refused with a 500: retried
+            proxy.set_faults(1.0, ["slowdown"], match=step3)  # then every upload throttled until cleared
+            on()
+            got = phase("SAVED 3")
+            for r, m in enumerate(got):  # the upload of step 3 cannot land: the lag shows it
+                assert value(m, "tierfs_tier_lag_steps", tier="s3", rank=str(r)) == 1
+                assert value(m, "tierfs_tier_backlog_bytes", tier="s3", rank=str(r)) > 0
+            for r in range(2):  # s3fs's own 5 tries and one of tierfs's: tierfs counted the throttling
+                proxy.wait_for(lambda q, r=r: step3(q) and f"/rank_0000{r}." in q.path and q.fault == "slowdown"
+                               and len([x for x in proxy.log if x.fault == "slowdown" and x.path == q.path]) >= 6)
+            proxy.clear()
+            on()
+            got = phase("DURABLE 3")
+            for r, m in enumerate(got):
+                labels = {"rank": str(r)}
+                assert value(m, "tierfs_tier_lag_steps", tier="s3", **labels) == 0
+                assert value(m, "tierfs_tier_backlog_bytes", tier="s3", **labels) == 0
+                assert value(m, "tierfs_durable_seconds_count", tier="s3", **labels) == 3
+                assert value(m, "tierfs_save_stall_seconds_count", **labels) == 3
+                assert value(m, "tierfs_request_faults_total", tier="s3", kind="throttled", **labels) >= 1
+            assert sum(value(m, "tierfs_request_faults_total", tier="s3", kind="transient") for m in got) == 2
+            on()
+            got = phase("RESTORED")
+            for r, m in enumerate(got):
+                assert value(m, "tierfs_restore_seconds_count", tier="s3", rank=str(r)) == 1
+                assert value(m, "tierfs_restored_bytes_total", tier="s3", rank=str(r)) > 0
+            on()
+            for p in procs:
+                out, err = p.communicate(timeout=120)
+                assert p.returncode == 0, err[-3000:]
+                assert json.loads(out.strip().splitlines()[-1])["restored_from"] == "s3"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for f in locals().get("go", []):
+                f.close()
