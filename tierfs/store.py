@@ -90,6 +90,7 @@ class TieredStore(ShardReads, Upkeep):
     Node numbers from ``TIERFS_NODE_RANK``, ``GROUP_RANK`` or ``PeerTier(node_rank=...)`` that put ranks
     sharing a directory on different nodes are an error, raised on every rank. A constructor that fails
     closes the tiers it opened and removes the directories it created (never one that existed before).
+    ``TIERFS_METRICS_PORT`` turns on its figures for a dashboard (:mod:`tierfs.metrics`).
 
     Threads may share a store: its calls run one at a time, in the order they come (the background work of
     earlier saves goes on meanwhile). A save that would remove a step another thread saved (a step below it:

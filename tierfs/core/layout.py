@@ -320,3 +320,30 @@ def _typed(e: Entry, buf: np.ndarray) -> tuple[Any, np.ndarray]:
     with warnings.catch_warnings():  # torch warns of read-only buffers; the view is only read
         warnings.simplefilter("ignore", UserWarning)
         return st.view_as(e.lib, e.dtype, e.shape, raw), raw
+
+
+@dataclass
+class Staged:
+    """A step staged in the first tier, waiting for its checksums and commit."""
+
+    layout: ShardLayout
+    step: int
+    values: dict[int, Any]  # the JSON leaves' values, by leaf index
+    metadata: dict[str, Any]
+    metrics: dict[str, Any]
+    buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
+    tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
+    commit: str | None = None  # the save's id (in its marker and manifest)
+    copies: Any = None  # the copies still running on the copy thread (tierfs._device.Copies), or None
+
+    def settle(self) -> None:
+        """Wait for the copies into the buffers to end, failed or not, before the buffers go."""
+        if self.copies is not None:
+            self.copies.settle()
+
+    def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
+        """The manifest (built off the caller's thread), without checksums."""
+        m = self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
+                                 self.metrics)
+        m.commit = self.commit
+        return m

@@ -16,10 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
 
 from .. import _args, _blocks, _device, _nogc, _readable, metrics as _metrics, state as st
 from .._stages import stage
@@ -29,7 +27,7 @@ from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, m
 from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
 from ..tiers.base import AnyTier, Replicator, Tier
-from .layout import ShardLayout, describe
+from .layout import ShardLayout, Staged, describe
 from .context import Context
 from .retention import Retention
 from .dataparallel import Sharing, check_digests, comparable, declared, digests
@@ -39,33 +37,6 @@ from . import timeline
 log = logging.getLogger("tierfs")
 
 MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and a full state) reuses each
-
-
-@dataclass
-class Staged:
-    """A step staged in the first tier, waiting for its checksums and commit."""
-
-    layout: ShardLayout
-    step: int
-    values: dict[int, Any]  # the JSON leaves' values, by leaf index
-    metadata: dict[str, Any]
-    metrics: dict[str, Any]
-    buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
-    tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
-    commit: str | None = None  # the save's id (in its marker and manifest)
-    copies: Any = None  # the copies still running on the copy thread (tierfs._device.Copies), or None
-
-    def settle(self) -> None:
-        """Wait for the copies into the buffers to end, failed or not, before the buffers go."""
-        if self.copies is not None:
-            self.copies.settle()
-
-    def manifest(self, rank: int, world_size: int, block_size: int) -> Manifest:
-        """The manifest (built off the caller's thread), without checksums."""
-        m = self.layout.manifest(self.step, rank, world_size, block_size, self.values, self.metadata,
-                                 self.metrics)
-        m.commit = self.commit
-        return m
 
 
 class SavePath:
