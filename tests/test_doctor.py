@@ -18,26 +18,10 @@ from tierfs.cli import main
 from tierfs.cli.doctor import check_memlock, check_object, check_open_files
 from tierfs.tiers import ObjectTier
 
-IDENTITY = ("TIERFS_NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-
-
 def run(capsys, *argv) -> tuple[int, list[str], str]:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out.splitlines(), err
-
-
-@pytest.fixture
-def node(monkeypatch):
-    """A node set up as a job needs it: its number in TIERFS_NODE_RANK, open files as a rank needs."""
-    for var in IDENTITY:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TIERFS_NODE_RANK", "0")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < 8192 and (hard == resource.RLIM_INFINITY or hard >= 8192):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (8192, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def config(tmp_path: Path, shm_dir: str, url: str, opts: dict, budget: int | None = None) -> Path:
@@ -48,7 +32,7 @@ def config(tmp_path: Path, shm_dir: str, url: str, opts: dict, budget: int | Non
     return cfg
 
 
-def test_every_check_passes_on_a_good_node_and_the_probe_object_is_gone(node, s3_url, shm_dir, tmp_path, capsys):
+def test_every_check_passes_on_a_good_node_and_the_probe_object_is_gone(launch_ready_node, s3_url, shm_dir, tmp_path, capsys):
     url, opts = s3_url
     code, lines, err = run(capsys, "doctor", config(tmp_path, shm_dir, url, opts), "--state-size", "1MB",
                            "--world-size", "4")
@@ -66,7 +50,7 @@ def test_every_check_passes_on_a_good_node_and_the_probe_object_is_gone(node, s3
     assert code == 0 and [c["ok"] for c in got] == [True] * 6 and got[1]["detail"] == "node 0 (TIERFS_NODE_RANK)"
 
 
-def test_a_ram_budget_beyond_the_free_tmpfs_is_a_cross_with_the_fix(node, shm_dir, tmp_path, capsys):
+def test_a_ram_budget_beyond_the_free_tmpfs_is_a_cross_with_the_fix(launch_ready_node, shm_dir, tmp_path, capsys):
     sv = os.statvfs(shm_dir)
     free = sv.f_bavail * sv.f_frsize
     cfg = tmp_path / "tiers.json"
@@ -80,7 +64,7 @@ def test_a_ram_budget_beyond_the_free_tmpfs_is_a_cross_with_the_fix(node, shm_di
     assert code == 1 and "needed for" in lines[2] and "keep fewer steps in RAM" in lines[2], lines
 
 
-def test_a_read_only_object_prefix_is_a_cross_naming_the_permission(node, s3_url, capsys):
+def test_a_read_only_object_prefix_is_a_cross_naming_the_permission(launch_ready_node, s3_url, capsys):
     url, opts = s3_url
     with FaultProxy(opts["endpoint_url"]) as proxy:
         proxy.set_faults(1.0, ["denied"], match=lambda r: r.method in ("PUT", "POST", "DELETE"))
@@ -92,7 +76,7 @@ def test_a_read_only_object_prefix_is_a_cross_naming_the_permission(node, s3_url
                               "GCS: roles/storage.objectAdmin), check the URL and the endpoint"), lines
 
 
-def test_a_missing_node_identity_is_a_cross_with_the_fix(node, monkeypatch, capsys):
+def test_a_missing_node_identity_is_a_cross_with_the_fix(launch_ready_node, monkeypatch, capsys):
     monkeypatch.delenv("TIERFS_NODE_RANK")
     monkeypatch.setenv("SLURM_NODEID", "3")
     code, lines, _ = run(capsys, "doctor")
