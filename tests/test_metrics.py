@@ -129,3 +129,50 @@ def test_a_2_rank_job_s_metrics_move_with_saves_faults_and_the_lag(s3_url, shm_d
                     p.kill()
             for f in locals().get("go", []):
                 f.close()
+
+
+def test_lightning_logs_tierfs_figures_next_to_the_loss(shm_dir, tmp_path):
+    """A real Lightning fit with TieredCheckpointIO and TieredMetricsCallback: the CSV logger's file has
+    the save stall and the RAM tier's use in the rows of the steps after a save."""
+    pytest.importorskip("lightning")
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tierfs import metrics
+    from tierfs.adapters.lightning import TieredCheckpointIO, TieredMetricsCallback
+    from tierfs.tiers import MemoryTier
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=8)
+    metrics.serve(None)  # kept for the logger, not served
+    try:
+        io = TieredCheckpointIO([MemoryTier(shm_dir)])
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, plugins=[io], logger=CSVLogger(tmp_path),
+                             log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                        save_top_k=-1), TieredMetricsCallback()])
+        trainer.fit(Model(), data)
+        io.teardown()
+    finally:
+        metrics.off()
+    (path,) = list(tmp_path.glob("lightning_logs/version_*/metrics.csv"))
+    rows = list(csv.DictReader(path.open()))
+    logged = [r for r in rows if r.get("tierfs/save_stall_seconds")]
+    assert logged and all(float(r["tierfs/save_stall_seconds"]) > 0 for r in logged), rows
+    assert any(float(r.get("tierfs/used_bytes/ram") or 0) > 0 for r in rows) and any(r.get("loss") for r in logged)

@@ -153,15 +153,15 @@ SINK: Sink = Sink()
 _served: dict[int, Any] = {}
 
 
-def serve(port: int, rank: int = 0) -> Prometheus:
-    """Turn metrics on for this process and serve them over HTTP on ``port`` (once per process; later
-    calls return the same metrics, with ``rank`` as given last). A port that cannot be bound is a warning:
-    the metrics are still kept (:func:`latest`)."""
+def serve(port: int | None, rank: int = 0) -> Prometheus:
+    """Turn metrics on for this process and serve them over HTTP on ``port`` (None: kept, not served, for
+    :func:`latest` and the framework loggers). Once per process; later calls return the same metrics, with
+    ``rank`` as given last. A port that cannot be bound is a warning: the metrics are still kept."""
     global SINK
     if not isinstance(SINK, Prometheus):
         SINK = Prometheus(rank)
     SINK.rank = rank
-    if port not in _served:
+    if port is not None and port not in _served:
         from prometheus_client import start_http_server
 
         try:
@@ -191,6 +191,12 @@ def from_environment(rank: int) -> None:
                         "'tierfs[metrics]'); metrics stay off", PORT_VAR)
     else:
         SINK.rank = rank
+
+
+def off() -> None:
+    """Turn metrics off for this process (a port served keeps its last figures)."""
+    global SINK
+    SINK = Sink()
 
 
 def latest() -> dict[str, float]:

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any, Mapping
 
-
 from .. import _args, _blocks, _device, _nogc, _readable, metrics as _metrics, state as st
 from .._stages import stage
 from ..ranks import Group, agreement, check, seconds

@@ -16,6 +16,8 @@ one process (no collectives).
 
 from .checkpointio import TieredCheckpointIO
 from .common import META_KEY, SUPPORTED_LIGHTNING
+from .metrics import TieredMetricsCallback
 from .strategy import TieredModelParallelStrategy
 
-__all__ = ["TieredCheckpointIO", "TieredModelParallelStrategy", "SUPPORTED_LIGHTNING", "META_KEY"]
+__all__ = ["TieredCheckpointIO", "TieredMetricsCallback", "TieredModelParallelStrategy", "SUPPORTED_LIGHTNING",
+           "META_KEY"]
