@@ -28,11 +28,12 @@ Nothing here ever fails a save: a port that cannot be served is a warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("tierfs")
 
@@ -46,6 +47,16 @@ class Sink:
     """Where tierfs reports what happened: nothing (metrics off)."""
 
     rank = 0
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """Around a ``save`` call: when ``step`` started (for :meth:`committed`), and the stall."""
+        self.started(step)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall(time.perf_counter() - t0)
 
     def stall(self, seconds: float) -> None: ...
     def started(self, step: int) -> None: ...

@@ -85,12 +85,12 @@ class TieredStore(ShardReads, Upkeep):
 
     Notes
     -----
-    When the store opens, the ranks observe which of them share the first tier's directory (host, device
-    and inode of its root): per-rank directories on one machine work as well as one directory per node.
-    Node numbers from ``TIERFS_NODE_RANK``, ``GROUP_RANK`` or ``PeerTier(node_rank=...)`` that put ranks
-    sharing a directory on different nodes are an error, raised on every rank. A constructor that fails
-    closes the tiers it opened and removes the directories it created (never one that existed before).
-    ``TIERFS_METRICS_PORT`` turns on its figures for a dashboard (:mod:`tierfs.metrics`).
+    When the store opens, the ranks observe which of them share the first tier's directory (host, device,
+    inode): per-rank directories on one machine work as well as one per node. Node numbers
+    (``TIERFS_NODE_RANK``, ``GROUP_RANK``, ``PeerTier(node_rank=...)``) that put ranks sharing a directory on
+    different nodes are an error, raised on every rank. A constructor that fails closes the tiers it opened
+    and removes the directories it created (never one that existed before). ``TIERFS_METRICS_PORT`` turns
+    on its figures for a dashboard (:mod:`tierfs.metrics`).
 
     Threads may share a store: its calls run one at a time, in the order they come (the background work of
     earlier saves goes on meanwhile). A save that would remove a step another thread saved (a step below it:
@@ -203,8 +203,7 @@ class TieredStore(ShardReads, Upkeep):
     def latest_common_step(self, tiers: Sequence[str] | None = None, *,
                            timeout: float | datetime.timedelta | None = None) -> int | None:
         """The newest of :meth:`common_steps` (collective), or None when there is none."""
-        steps = self.common_steps(tiers, timeout=timeout)
-        return steps[-1] if steps else None
+        return ([None] + self.common_steps(tiers, timeout=timeout))[-1]
 
     # -- save ---------------------------------------------------------------------------------------
     @serial
@@ -254,13 +253,11 @@ class TieredStore(ShardReads, Upkeep):
         """
         self._check_open()
         self._check_order(step)
-        _metrics.SINK.started(step)
-        t0 = time.perf_counter()
-        saved = self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
-                                  preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
-                                  when_busy=self.when_busy, timeout=timeout, replicated=replicated,
-                                  overlap=overlap)
-        _metrics.SINK.stall(time.perf_counter() - t0)
+        with _metrics.SINK.saving(step):  # the stall, and when the step started, for the metrics
+            saved = self._saving.save(step, state, metadata, metrics=metrics, force=force, overwrite=overwrite,
+                                      preempted=preempted, blocking=blocking, max_in_flight=self.max_in_flight,
+                                      when_busy=self.when_busy, timeout=timeout, replicated=replicated,
+                                      overlap=overlap)
         if saved:
             self._calls.saved(_args.step(step), self._ctx.ledger.restored)
         return saved
