@@ -176,3 +176,48 @@ def test_lightning_logs_tierfs_figures_next_to_the_loss(shm_dir, tmp_path):
     logged = [r for r in rows if r.get("tierfs/save_stall_seconds")]
     assert logged and all(float(r["tierfs/save_stall_seconds"]) > 0 for r in logged), rows
     assert any(float(r.get("tierfs/used_bytes/ram") or 0) > 0 for r in rows) and any(r.get("loss") for r in logged)
+
+
+def test_the_hf_trainer_s_reporters_get_tierfs_figures(shm_dir, tmp_path):
+    """A real Trainer: TieredMetricsCallback, installed first, adds the figures to the logs every callback
+    after it gets (the reporting integrations, and here a recording one)."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from tierfs import TieredStore, metrics
+    from tierfs.adapters.transformers import TieredMetricsCallback
+    from tierfs.tiers import MemoryTier
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None):
+            out = self.lin(x).squeeze(-1)
+            return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+    seen: list[dict] = []
+
+    class Reporter(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(32)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, logging_steps=1, report_to=[],
+                             save_strategy="no", per_device_train_batch_size=8, use_cpu=True, disable_tqdm=True)
+    metrics.serve(None)
+    try:
+        with TieredStore([MemoryTier(shm_dir)]) as store:
+            store.save(1, {"w": np.ones(4, dtype=np.float32)})
+            trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=[Reporter()])
+            cb = TieredMetricsCallback.install(trainer)
+            trainer.train()
+    finally:
+        metrics.off()
+    assert trainer.callback_handler.callbacks[0] is cb
+    steps = [logs for logs in seen if "loss" in logs]
+    assert len(steps) == 3 and all(logs["tierfs/save_stall_seconds"] > 0 for logs in steps), seen
+    assert all(logs["tierfs/used_bytes/ram"] > 0 for logs in steps)

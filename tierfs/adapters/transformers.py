@@ -70,7 +70,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import state as st
+from .. import metrics, state as st
 from .._fileio import atomic_write
 from ..errors import ArgumentError, StateMismatchError
 from ..format import crc32c
@@ -84,7 +84,8 @@ try:
 except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError("tierfs.adapters.transformers needs transformers: pip install 'tierfs[transformers]'") from e
 
-__all__ = ["TieredTrainerCallback", "latest_checkpoint", "checkpoint_dirname", "SUPPORTED_TRANSFORMERS"]
+__all__ = ["TieredMetricsCallback", "TieredTrainerCallback", "latest_checkpoint", "checkpoint_dirname",
+           "SUPPORTED_TRANSFORMERS"]
 
 log = logging.getLogger("tierfs")
 
@@ -322,3 +323,25 @@ class TieredTrainerCallback(TrainerCallback):
                 continue
             log.info("tierfs: removing %s (step %s is no longer on tier %s)", p, tail, self.store.tiers[0].name)
             shutil.rmtree(p, ignore_errors=True)
+
+
+class TieredMetricsCallback(TrainerCallback):
+    """Add this rank's tierfs figures (:func:`tierfs.metrics.latest`: the save stall, each tier's lag and
+    time until durable, the RAM tier's use) to every ``logs`` the Trainer reports, so TensorBoard or W&B
+    show them next to the loss. Metrics must be on (``TIERFS_METRICS_PORT``, or
+    :func:`tierfs.metrics.serve`).
+
+    The Trainer calls its reporting callbacks before the ones it is given, so this one goes first:
+    ``TieredMetricsCallback.install(trainer)``.
+    """
+
+    @classmethod
+    def install(cls, trainer: Any) -> "TieredMetricsCallback":
+        """Put a new one first among ``trainer``'s callbacks (before the reporting ones) and return it."""
+        cb = cls()
+        trainer.callback_handler.callbacks.insert(0, cb)
+        return cb
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs is not None:
+            logs.update(metrics.latest())
