@@ -54,3 +54,28 @@ def test_status_of_a_live_job_then_of_the_same_job_killed(shm_dir, tmp_path, cap
     assert "step 4 left by an interrupted save (removed when a store opens): " in disk_line, disk_line
     code, out, _ = run(capsys, "status", cfg, "--watch", "0")
     assert code == 2
+
+
+def test_status_shows_a_replication_in_flight_as_the_peer_copies_lagging(shm_dir, tmp_path, capsys):
+    """A 2-node job with a peer tier whose replication of step 2 is held: on node 0, the RAM tier has step 2
+    and the copies node 0 keeps for node 1 are still at step 1, one step behind."""
+    import gloo_job
+
+    ram = os.path.join(shm_dir, "node0")
+    cfg = tmp_path / "tiers.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "memory", "path": ram, "name": "ram"}, {"kind": "peer"}]}))
+    procs = gloo_job.start_job(2, CHILD.parent / "status_peer_child.py", shm_dir)
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "READY", p.stderr.read()
+        code, out, err = run(capsys, "status", cfg)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=60)
+    assert code == 0, err
+    ram_line, copies_line = out.splitlines()
+    assert ram_line.startswith(f"tier ram (memory, {ram}): step 2, committed "), ram_line
+    assert copies_line.startswith(f"tier ram/peers/rank_00000 (PeerTier copies for other nodes, {ram}/peers/"
+                                  "rank_00000): step 1, committed "), copies_line
+    assert ", 1 step behind" in copies_line and "a job is running" in copies_line, copies_line

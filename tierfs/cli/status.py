@@ -2,9 +2,10 @@
 themselves (no server), from any node, while the job runs or after it ended.
 
 Per tier: the newest committed step and its age, how many steps it is behind the newest any tier has (an
-object tier's upload lagging), what is in flight (steps with files but no marker yet: a save or upload
-under way, its files and bytes so far and when it last wrote), and for a tier of this machine's RAM, the
-processes using it (a running job). Where no process uses the target's RAM tier, the job is not running on
+object tier's upload or a replication lagging), what is in flight (steps with files but no marker yet: a
+save, an upload or a replication under way, its files and bytes so far and when it last wrote), and for a
+tier of this machine's RAM, the processes using it (a running job). The copies a peer tier keeps for other
+nodes, in the RAM tier's directory, are listed after it, one line per rank of this node. Where no process uses the target's RAM tier, the job is not running on
 this node and a step in flight is one an interrupted save left; the next store to open removes it.
 ``--watch`` prints it again every few seconds, in place, until interrupted. Nothing is changed.
 """
@@ -22,6 +23,7 @@ from .._readable import duration, size
 from ..errors import TierfsError
 from ..tiers.base import Tier
 from ..tiers.capabilities import LocalFiles
+from ..tiers.memory import MemoryTier
 from . import UsageError, error
 from .targets import add_target_args, select, storage_options_from_args, tiers_from_target
 
@@ -76,9 +78,30 @@ def tier_status(tier: Tier) -> TierStatus:
     return st
 
 
+#: the folders of a RAM tier where the peer tiers keep the copies a rank holds for other nodes
+COPIES = {"peers": "PeerTier", "erasure": "ErasureCodedTier"}
+
+
+def with_copies(tiers: list[Tier]) -> list[tuple[Tier, str]]:
+    """``tiers`` with their kinds, each RAM tier followed by the copies its ranks keep for other nodes (a
+    peer tier's, in the RAM tier's directory: ``<ram>/peers/rank_<r>``), each as a tier of its own."""
+    out: list[tuple[Tier, str]] = []
+    for t in tiers:
+        out.append((t, t.kind))
+        if isinstance(t, MemoryTier):
+            for folder, kind in COPIES.items():
+                for d in sorted((t.path / folder).glob("rank_*")) if (t.path / folder).is_dir() else []:
+                    out.append((MemoryTier(d, name=f"{t.name}/{folder}/{d.name}"), f"{kind} copies for other nodes"))
+    return out
+
+
 def job_status(tiers: list[Tier]) -> list[TierStatus]:
-    """Every tier's status, with how far each is behind the newest committed step of any."""
-    out = [tier_status(t) for t in tiers]
+    """Every tier's status (and of the copies kept for other nodes: their replication), with how far each is
+    behind the newest committed step of any."""
+    out = []
+    for t, kind in with_copies(tiers):
+        out.append(tier_status(t))
+        out[-1].kind = kind
     top = max((s.newest for s in out if s.newest is not None), default=None)
     for s in out:
         if top is not None and s.error is None:
