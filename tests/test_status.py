@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from tierfs.cli import main
 
 CHILD = Path(__file__).resolve().parent / "children" / "status_child.py"
@@ -79,3 +81,30 @@ def test_status_shows_a_replication_in_flight_as_the_peer_copies_lagging(shm_dir
     assert copies_line.startswith(f"tier ram/peers/rank_00000 (PeerTier copies for other nodes, {ram}/peers/"
                                   "rank_00000): step 1, committed "), copies_line
     assert ", 1 step behind" in copies_line and "a job is running" in copies_line, copies_line
+
+
+def test_watch_prints_the_status_again_until_interrupted(shm_dir, tmp_path):
+    """``--watch``: a report, then another, each headed by the time; Ctrl-C (SIGINT) ends it with status 0."""
+    from tierfs import TieredStore
+    from tierfs.tiers import MemoryTier
+
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(1, {"w": np.ones(3)})
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent.parent)}
+    p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "status", shm_dir, "--watch", "0.05"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        heads = []
+        while len(heads) < 2:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            if line.startswith("tierfs status "):
+                heads.append(line)
+                assert "(every 0.05 s; Ctrl-C ends)" in line
+            elif line.strip():
+                assert line.startswith(f"tier ram (memory, {shm_dir}): step 1, committed "), line
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
