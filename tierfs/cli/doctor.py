@@ -67,8 +67,9 @@ def check_torch() -> Check:
     try:
         import torch
     except ImportError:
-        return Check("torch", False, "not installed", "pip install 'tierfs[torch]' (torch >= 2.6; the CPU build "
-                                                         "from https://download.pytorch.org/whl/cpu on a machine without a GPU)")
+        return Check("torch", False, "not installed",
+                     "pip install 'tierfs[torch]' (torch >= 2.6; the CPU build from "
+                     "https://download.pytorch.org/whl/cpu on a machine without a GPU)")
     version = torch.__version__
     parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
     if parts < TORCH_MIN:
@@ -77,7 +78,8 @@ def check_torch() -> Check:
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         return Check("torch", True, f"{version}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s) "
                                     f"({', '.join(names)})")
-    build = f"CUDA {torch.version.cuda} build, no device visible" if getattr(torch.version, "cuda", None) else "CPU build"
+    cuda = getattr(torch.version, "cuda", None)
+    build = f"CUDA {cuda} build, no device visible" if cuda else "CPU build"
     return Check("torch", True, f"{version} ({build})")
 
 
@@ -92,7 +94,8 @@ def check_node_identity(env: dict[str, str]) -> Check:
     local = env.get("LOCAL_WORLD_SIZE", "").strip()
     if local.isdigit() and int(local) > 0:
         return Check("node identity", True, f"rank // {local} (torchrun's LOCAL_WORLD_SIZE)")
-    hint = f" (this is Slurm node {env['SLURM_NODEID']}: TIERFS_NODE_RANK=$SLURM_NODEID)" if env.get("SLURM_NODEID") else ""
+    slurm = env.get("SLURM_NODEID")
+    hint = f" (this is Slurm node {slurm}: TIERFS_NODE_RANK=$SLURM_NODEID)" if slurm else ""
     return Check("node identity", False, "no TIERFS_NODE_RANK, GROUP_RANK or LOCAL_WORLD_SIZE: every process "
                  "would count as node 0's, so peers could hold copies on the same node",
                  f"export TIERFS_NODE_RANK=<this node's index>{hint}, or launch with torchrun, which sets GROUP_RANK")

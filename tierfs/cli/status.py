@@ -5,8 +5,9 @@ Per tier: the newest committed step and its age, how many steps it is behind the
 object tier's upload or a replication lagging), what is in flight (steps with files but no marker yet: a
 save, an upload or a replication under way, its files and bytes so far and when it last wrote), and for a
 tier of this machine's RAM, the processes using it (a running job). The copies a peer tier keeps for other
-nodes, in the RAM tier's directory, are listed after it, one line per rank of this node. Where no process uses the target's RAM tier, the job is not running on
-this node and a step in flight is one an interrupted save left; the next store to open removes it.
+nodes, in the RAM tier's directory, are listed after it, one line per rank of this node. Where no process
+uses the target's RAM tier, the job is not running on this node and a step in flight is one an interrupted
+save left; the next store to open removes it.
 ``--watch`` prints it again every few seconds, in place, until interrupted. Nothing is changed.
 """
 
@@ -120,7 +121,7 @@ def _ago(t: float | None, now: float) -> str:
 
 
 def lines(statuses: list[TierStatus], now: float) -> list[str]:
-    """The report, a line per tier and one for the job."""
+    """The report, a line per tier."""
     live = running(statuses)
     out = []
     for s in statuses:
