@@ -91,8 +91,11 @@ def test_watch_prints_the_status_again_until_interrupted(shm_dir, tmp_path):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         store.save(1, {"w": np.ones(3)})
     env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent.parent)}
+    # SIGINT as a terminal's Ctrl-C delivers it: a suite run in the background (``make test &``) has it ignored,
+    # which the child would inherit
     p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "status", shm_dir, "--watch", "0.05"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         heads = []
         while len(heads) < 2:
