@@ -162,7 +162,7 @@ def test_lightning_logs_tierfs_figures_next_to_the_loss(shm_dir, tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=8)
     metrics.serve(None)  # kept for the logger, not served
     try:
-        io = TieredCheckpointIO([MemoryTier(shm_dir)])
+        io = TieredCheckpointIO([MemoryTier(shm_dir)], blocking=True)  # committed (its figures noted) on return
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, plugins=[io], logger=CSVLogger(tmp_path),
                              log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
