@@ -398,7 +398,7 @@ def bench_tierfs(case: Case, env: Env) -> None:
             store.wait_until_finished()
             step += 1
         if env.cuda:
-            from tierfs import _device
+            from tierfs.device import copies as _device
 
             locked = _device.pinned_bytes()
             case.notes.append(f"tierfs holds {locked / GB:.2f} GB of the RAM tier's buffers page-locked after "

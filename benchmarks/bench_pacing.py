@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch.distributed as dist
 
-    from tierfs._worker import BACKGROUND_NICE, Throttle
+    from tierfs.util.worker import BACKGROUND_NICE, Throttle
     from tierfs.ranks import TorchGroup
     from tierfs.tiers.peer import Wire
 

@@ -46,7 +46,7 @@ from _common import GB, MiB, Result, Scratch, launch_ranks, log, machine_note, t
 
 from _lostnode import lost_node, report as report_lost_node  # noqa: E402
 
-from tierfs._worker import BACKGROUND_NICE  # noqa: E402
+from tierfs.util.worker import BACKGROUND_NICE  # noqa: E402
 
 
 # -- inside each rank -------------------------------------------------------------------------------

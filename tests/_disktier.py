@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierfs._fileio import atomic_write, make_private_dir
+from tierfs.util.fileio import atomic_write, make_private_dir
 from tierfs.format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from tierfs.policies import PreserveAll
 from tierfs.tiers import Capacity, Tier, register

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierfs import (ArgumentError, CheckpointManager, CheckpointManagerOptions, ChecksumError, RestoreError,
                     StateMismatchError, TieredStore, TierfsError, TierUnavailableError)
-from tierfs._worker import Throttle
+from tierfs.util.worker import Throttle
 from tierfs.adapters.dcp import TieredReader, TieredWriter, export_dcp
 from tierfs.cli import main
 from tierfs.fs import TieredFileSystem

@@ -116,7 +116,7 @@ def _as_nobody(fn: Callable[[], Any], timeout: float = 60.0) -> tuple[str, str]:
 
 
 def test_a_disk_directory_works_with_a_warning(tmp_path, caplog):
-    from tierfs._rootdir import filesystem_type
+    from tierfs.tiers.rootdir import filesystem_type
 
     if filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("tmp_path is on tmpfs here")

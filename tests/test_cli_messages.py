@@ -1,5 +1,5 @@
 """What people read: ``verify`` naming a damaged block by its file, bytes and key; ``plan`` and ``simulate``
-output and options; sizes, durations and rates in human units (:mod:`tierfs._readable`) in the CLI, in
+output and options; sizes, durations and rates in human units (:mod:`tierfs.util.readable`) in the CLI, in
 ``RestoreInfo`` and in the store's log lines."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tierfs import CheckpointManager, TieredStore
-from tierfs import _readable
+from tierfs.util import readable as _readable
 from tierfs.cli import main
 from tierfs.core.restore.pipeline import RestoreInfo
 from tierfs.format import manifest_filename, step_dirname, user_key

@@ -214,7 +214,7 @@ def test_a_page_lock_is_held_while_the_buffer_is_reused_and_let_go_before_it_is_
         memos = [tier.buffer_memo(1, name) for name in tier.file_sizes(1)]
         memos = [m for m in memos if m is not None]
         assert memos
-        for memo in memos:  # as tierfs._device.pin keeps a registration
+        for memo in memos:  # as tierfs.device.copies.pin keeps a registration
             memo.held["page-locked"] = lambda: released.append(True)
         for step in (2, 3, 4):
             store.save(step, state)
@@ -257,7 +257,7 @@ print(torch.cuda.is_initialized())
 def test_an_optimizer_loaded_again_is_read_again(shm_dir: str) -> None:
     """What an overlapped save leaves running is found by address; a load of the optimizer's state makes new
     state tensors, whose copies must still be left running (and nothing else)."""
-    from tierfs._device import Overlap
+    from tierfs.device.copies import Overlap
 
     m, opt = model_and_optimizer(6)
     before = Overlap.of(opt)

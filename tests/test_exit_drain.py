@@ -24,7 +24,8 @@ import fsspec
 import numpy as np
 import pytest
 
-from tierfs import CheckpointManager, TieredStore, _exit
+from tierfs import CheckpointManager, TieredStore
+from tierfs.util import exitwork as _exit
 from tierfs.errors import ArgumentError, TierfsError, TierUnavailableError
 from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
 

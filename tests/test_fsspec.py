@@ -288,7 +288,7 @@ def test_names_cannot_leave_the_ram_directory(shm_dir, tmp_path):
 def test_listings_never_show_writes_in_flight(tmp_path, shm_dir, monkeypatch):
     """A temporary name is not a file: ls/find/glob/walk leave out writes in flight in RAM, the drain's
     upload to a local target (listed from inside that upload) and what a crashed writer left."""
-    from tierfs._fileio import is_tmp_name
+    from tierfs.util.fileio import is_tmp_name
     from tierfs.fs import upload as _upload
 
     target = tmp_path / "t"

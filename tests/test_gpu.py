@@ -35,7 +35,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tierfs import ArgumentError, CheckpointManager, DeviceError, TieredStore, _device  # noqa: E402
+from tierfs import ArgumentError, CheckpointManager, DeviceError, TieredStore  # noqa: E402
+from tierfs.device import copies as _device  # noqa: E402
 from tierfs.policies import LatestN  # noqa: E402
 from tierfs.testing import hooks  # noqa: E402
 from tierfs.tiers import MemoryTier  # noqa: E402
@@ -93,7 +94,7 @@ def is_tmpfs(path: str) -> bool:
 
 def pin_off() -> str | None:
     """Why page-locking is off in this process (None: it is on)."""
-    mod = sys.modules.get("tierfs._pinning", _device)
+    mod = sys.modules.get("tierfs.device.pinning", _device)
     return getattr(mod, "_pin_off", None)
 
 

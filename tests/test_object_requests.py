@@ -28,7 +28,7 @@ import gloo_job
 from _faultproxy import FaultProxy
 from tierfs import TieredStore, TierUnavailableError
 from tierfs.cli import main
-from tierfs._retry import Throttled, retry, throttled
+from tierfs.util.retry import Throttled, retry, throttled
 from tierfs.format import MARKER, step_dirname
 from tierfs.format.keys import key
 from tierfs.policies import LatestN

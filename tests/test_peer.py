@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import gloo_job
-from tierfs._worker import BACKGROUND_NICE
+from tierfs.util.worker import BACKGROUND_NICE
 from tierfs.errors import TierfsError
 from tierfs.format import step_dirname
 from tierfs.tiers import PeerTier

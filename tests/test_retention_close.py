@@ -84,7 +84,7 @@ def test_the_open_names_why_a_step_has_no_marker():
     """Saves commit in order, so a step above every committed one is a save cut short; below one, a step
     the tier's keep policy drops was dropped by retention, and one it keeps is a save or copy that did
     not finish."""
-    from tierfs._lifecycle import uncommitted_cause
+    from tierfs.core.lifecycle import uncommitted_cause
     from tierfs.policies import EveryNSteps
 
     latest = ObjectTier("memory://tierfs-why", keep=LatestN(2))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tierfs._worker import THROTTLE_BURST, Throttle
+from tierfs.util.worker import THROTTLE_BURST, Throttle
 
 
 class Clock:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from . import _blocks
+from .format import blockio as _blocks
 from .errors import ChecksumError, FormatError, StepNotFoundError
 from .format import (MARKER, Manifest, Marker, crc32c, listed_in, manifest_filename, manifest_from_marker,
                      step_digest)

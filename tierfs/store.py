@@ -14,14 +14,17 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _args, _exit, _lifecycle, metrics as _metrics, state as st
-from ._calls import Calls, serial
-from ._upload import restore_device
-from ._worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
+from . import metrics as _metrics, state as st
+from .util import args as _args
+from .util import exitwork as _exit
+from .core import lifecycle as _lifecycle
+from .core.calls import Calls, serial
+from .device.upload import restore_device
+from .util.worker import DEFAULT_BACKGROUND_BANDWIDTH, Throttle
 from .core.catchup import catch_up
 from .core.context import check_tiers
-from ._storereads import ShardReads
-from ._storeupkeep import Upkeep
+from .core.storereads import ShardReads
+from .core.upkeep import Upkeep
 from .core.reads import Reader
 from .core.restore.pipeline import Restore, RestoreInfo
 from .core.restore.plan import RestorePlan, gather_plan, lost_steps
@@ -351,7 +354,7 @@ class TieredStore(ShardReads, Upkeep):
         self._calls.restored(step)
 
     def _check_order(self, step: Any) -> None:
-        """A save of ``step`` from this thread removes no step another thread saved (see :mod:`tierfs._calls`)."""
+        """A save of ``step`` from this thread removes no step another thread saved (see :mod:`tierfs.core.calls`)."""
         self._calls.check_save(step, self._ctx.ledger.restored)
 
     # -- life cycle ---------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tierfs import TieredStore, _device
+from tierfs import TieredStore
+from tierfs.device import copies as _device
 from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier
 
@@ -78,7 +79,7 @@ def main() -> None:
         pinned = _device.pinned_bytes()
     print(json.dumps({"refused": len(refused), "memlock_warnings": [m for m in kept.messages if "RLIMIT_MEMLOCK" in m],
                       "warnings": kept.messages, "exact": exact, "pinned_bytes": pinned,
-                      "pin_off": getattr(sys.modules.get("tierfs._pinning", _device), "_pin_off", None)}), flush=True)
+                      "pin_off": getattr(sys.modules.get("tierfs.device.pinning", _device), "_pin_off", None)}), flush=True)
 
 
 if __name__ == "__main__":

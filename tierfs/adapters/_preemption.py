@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from .._readable import duration
+from ..util.readable import duration
 from ..store import TieredStore
 
 log = logging.getLogger("tierfs")

@@ -14,8 +14,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .. import _args, _device
-from .._rootdir import check_local_url
+from ..util import args as _args
+from ..device import copies as _device
+from ..tiers.rootdir import check_local_url
 from ..ranks import seconds
 from ..ranks.agree import any_rank
 from ..errors import ArgumentError

@@ -29,9 +29,9 @@ from typing import IO, Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import _args
-from .._fileio import atomic_write
-from .._rootdir import check_local_url
+from ..util import args as _args
+from ..util.fileio import atomic_write
+from ..tiers.rootdir import check_local_url
 from ..errors import ArgumentError, StepNotFoundError
 from ..store import TieredStore
 from ..tiers.base import AnyTier

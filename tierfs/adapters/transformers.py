@@ -71,7 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import metrics, state as st
-from .._fileio import atomic_write
+from ..util.fileio import atomic_write
 from ..errors import ArgumentError, StateMismatchError
 from ..format import crc32c
 from ..store import TieredStore

@@ -35,7 +35,7 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from .. import _args
+from ..util import args as _args
 from ..errors import ArgumentError, TierfsError
 
 PROG = "tierfs"

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from .._readable import rate, size
+from ..util.readable import rate, size
 from .display import add_no_progress
 from .targets import storage_options_from_args
 from .numbers import parse_bytes, positive_int
@@ -18,7 +18,7 @@ from .numbers import parse_bytes, positive_int
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``tierfs bench``: measure the tiers here; print the figures and write the JSON plan/simulate read."""
-    from .. import _args
+    from ..util import args as _args
     from . import measure
 
     storage_options = storage_options_from_args(args)

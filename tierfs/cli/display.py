@@ -1,5 +1,5 @@
 """What the commands show people: ages, and a progress bar on stderr while bytes move (sizes, durations
-and rates: :mod:`tierfs._readable`)."""
+and rates: :mod:`tierfs.util.readable`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from .._readable import duration
+from ..util.readable import duration
 from ..errors import TierfsError
 from ..tiers.base import Tier
 

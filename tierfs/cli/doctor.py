@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .._readable import size
+from ..util.readable import size
 from ..tiers.base import Tier
 from ..tiers.memory import MemoryTier
 from ..tiers.object import ObjectTier

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._readable import duration, rate, size
+from ..util.readable import duration, rate, size
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..protocol import step_manifests
 from ..tiers.base import Tier

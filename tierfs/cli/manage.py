@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import _args
-from .._rootdir import check_local_url
-from .._readable import duration, rate, size
+from ..util import args as _args
+from ..tiers.rootdir import check_local_url
+from ..util.readable import duration, rate, size
 from ..errors import TierfsError, TierUnavailableError
 from ..tiers.base import Tier
 from ..tiers.capabilities import LocalFiles

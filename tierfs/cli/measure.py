@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .._blocks import as_u8
+from ..format.blockio import as_u8
 from ..errors import FormatError
 from ..format import read_json
 

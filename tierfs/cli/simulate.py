@@ -15,7 +15,7 @@ from typing import Any
 from .. import planning as pl
 from ..planning import coordination, layouts, store_requests as requests
 from ..planning.losses import LossCount, count_losses
-from .._readable import duration, rate, size
+from ..util.readable import duration, rate, size
 from .plan import add_model_args, inputs_from_args, usage_errors
 from .numbers import int_at_least, parse_count, parse_duration
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .._readable import duration, size
+from ..util.readable import duration, size
 from ..errors import TierfsError
 from ..tiers.base import Tier
 from ..tiers.capabilities import LocalFiles

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import _blocks
+from ..format import blockio as _blocks
 from ..errors import ChecksumError, FormatError, StepExistsError, TierfsError
 from ..format import Manifest, blocks, crc32c
 from ..protocol import batches, commit, copy_shard, step_manifests

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import _args
-from .._rootdir import check_local_url
+from ..util import args as _args
+from ..tiers.rootdir import check_local_url
 from .. import config
 from ..errors import TierUnavailableError
 from ..tiers import registry

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import _hooks, _stages
-from .._worker import Throttle, Worker
+from ..util import hooks as _hooks
+from ..util import stages as _stages
+from ..util.worker import Throttle, Worker
 from ..ranks import Group
 from ..errors import BackgroundError, TierfsError
 from .ledger import StepLedger

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from .. import _args
+from ..util import args as _args
 from ..errors import ArgumentError
 from ..tiers.base import AnyTier, Replicator, Tier
 from ..tiers.capabilities import Staging, staging
@@ -50,7 +50,7 @@ def check_tiers(tiers: Iterable[AnyTier]) -> tuple[list[AnyTier], list[Replicato
 
 @dataclass
 class Context:
-    """Everything a store's paths share (built when the store opens, :mod:`tierfs._lifecycle`)."""
+    """Everything a store's paths share (built when the store opens, :mod:`tierfs.core.lifecycle`)."""
 
     tiers: list[AnyTier]  # every tier, fastest first: the first is a file tier
     ledger: StepLedger

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from .. import _args
+from ..util import args as _args
 from ..errors import ArgumentError, TierfsError
 from ..format import Entry, align, crc32c, shard_filename
 from ..ranks.groups import SingleProcess as _SingleProcess

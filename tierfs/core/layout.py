@@ -26,7 +26,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import _device, _hooks, state as st
+from .. import state as st
+from ..device import copies as _device
+from ..util import hooks as _hooks
 from ..errors import ArgumentError
 from ..format import Entry, Manifest, entry_name_problem, shown_name, user_key
 from .dataparallel import Sharing, place
@@ -205,8 +207,8 @@ class ShardLayout:
     def copy(self, values: Sequence[Any], dst: list[Any], step: int = 0, overlap: Any = None,
              buffers: Sequence[tuple[Any, np.ndarray]] = ()) -> Any:
         """Copy every array leaf of ``values`` (a state of this structure) into its view. CPU tensors and
-        arrays are copied here; CUDA tensors (and with ``overlap``, a :class:`tierfs._device.Overlap`, the CPU
-        tensors it names) on the copy thread: their :class:`~tierfs._device.Copies`, queued, is returned
+        arrays are copied here; CUDA tensors (and with ``overlap``, a :class:`tierfs.device.copies.Overlap`, the CPU
+        tensors it names) on the copy thread: their :class:`~tierfs.device.copies.Copies`, queued, is returned
         (None when there are none). ``buffers``: the mapped buffers and memos the views are of."""
         kinds = self.kinds
         tsrc, tdst, tj = [], [], []
@@ -334,7 +336,7 @@ class Staged:
     buffers: list[np.ndarray]  # the bytes of each array entry, in manifest order
     tiers: list[str] | None = None  # the tiers whose save policies took the step (in its marker)
     commit: str | None = None  # the save's id (in its marker and manifest)
-    copies: Any = None  # the copies still running on the copy thread (tierfs._device.Copies), or None
+    copies: Any = None  # the copies still running on the copy thread (tierfs.device.copies.Copies), or None
 
     def settle(self) -> None:
         """Wait for the copies into the buffers to end, failed or not, before the buffers go."""

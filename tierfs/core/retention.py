@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Callable, Mapping
 
-from .._stages import stage
+from ..util.stages import stage
 from ..errors import TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import StepInfo

@@ -18,8 +18,13 @@ import threading
 import time
 from typing import Any, Mapping
 
-from .. import _args, _blocks, _device, _nogc, _readable, metrics as _metrics, state as st
-from .._stages import stage
+from .. import metrics as _metrics, state as st
+from ..util import args as _args
+from ..format import blockio as _blocks
+from ..device import copies as _device
+from ..util import nogc as _nogc
+from ..util import readable as _readable
+from ..util.stages import stage
 from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, manifest_filename
@@ -45,7 +50,7 @@ class SavePath:
         self.ctx, self.retention = ctx, retention
         # the structures saved most recently, newest first, with the replicated= declaration of each
         self._layouts: list[tuple[ShardLayout, Any]] = []
-        self.copies: Any = None  # the newest save's copies on the copy thread (tierfs._device.Copies)
+        self.copies: Any = None  # the newest save's copies on the copy thread (tierfs.device.copies.Copies)
 
     # -- choosing the tiers -------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
@@ -198,7 +203,7 @@ class SavePath:
     def _stage(self, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
                metrics: Mapping[str, Any] | None, overlap: Any = None) -> Staged:
         """Copy the arrays into the first tier's buffers, through the layout's views of them (a device's
-        tensors and an overlapped save's are copied on the copy thread: see :mod:`tierfs._device`)."""
+        tensors and an overlapped save's are copied on the copy thread: see :mod:`tierfs.device.copies`)."""
         p, first = self.ctx, self.ctx.first
         bufs = p.staging.buffers(step, layout.files)  # raises CapacityError before anything is written
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import fsspec
 
-from .. import _exit
+from ..util import exitwork as _exit
 from . import upload
 from .writeback import Drain
 
@@ -30,7 +30,7 @@ def drain_for(root: Path, target: fsspec.AbstractFileSystem, key: tuple, *, budg
               exit_timeout: float) -> Drain:
     """This process's drain for the RAM directory ``root`` and the target identified by ``key``; made
     by the first caller, whose options it keeps. Its uploads still pending at interpreter exit are
-    finished within ``exit_timeout`` seconds (:mod:`tierfs._exit`)."""
+    finished within ``exit_timeout`` seconds (:mod:`tierfs.util.exitwork`)."""
     dkey = (os.getpid(), str(root), key)
     with _DRAINS_LOCK:
         d = _DRAINS.get(dkey)

@@ -33,9 +33,10 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.transaction import Transaction
 from fsspec.utils import stringify_path, tokenize
 
-from .. import _args, _exit
-from .._fileio import make_private_dir
-from .._worker import DEFAULT_BACKGROUND_BANDWIDTH
+from ..util import args as _args
+from ..util import exitwork as _exit
+from ..util.fileio import make_private_dir
+from ..util.worker import DEFAULT_BACKGROUND_BANDWIDTH
 from ..errors import ArgumentError
 from . import options as opt
 from . import upload

@@ -1,6 +1,6 @@
 """Listings of ``tiered::``: the union of what RAM holds and what the target holds, complete files only.
 
-A listing never shows the temporary name of a write in flight (``tierfs._fileio.is_tmp_name``): not
+A listing never shows the temporary name of a write in flight (``tierfs.util.fileio.is_tmp_name``): not
 the RAM side's, not the one a drain's upload to a local target uses, not another tierfs writer's. Where
 both hold a file, RAM's entry (the newest bytes) wins; ``"tier"`` says which answered.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .._fileio import is_tmp_name
+from ..util.fileio import is_tmp_name
 from .ramdir import RamDir
 
 if TYPE_CHECKING:

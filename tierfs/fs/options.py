@@ -2,9 +2,9 @@
 
 Options may come from the caller or from fsspec's config as strings (``FSSPEC_TIERED_BUDGET=...``); each
 bad one is a one-line :class:`~tierfs.errors.ArgumentError` naming it. The RAM directory follows the RAM
-tier's rules (:mod:`tierfs._rootdir`: no system directory, a warning when not on tmpfs).
+tier's rules (:mod:`tierfs.tiers.rootdir`: no system directory, a warning when not on tmpfs).
 
-The target is checked as an object tier's URL is (:func:`tierfs._args.object_url`): a typo such as
+The target is checked as an object tier's URL is (:func:`tierfs.util.args.object_url`): a typo such as
 ``tiered::s3:/bucket/run`` is an error, not a directory ``./s3:/bucket/run``. Through a chained URL fsspec
 hands the filesystem the target's path already resolved (a path without a protocol made absolute below
 the current directory), so there a relative path cannot be told from an absolute one: a local target
@@ -21,9 +21,9 @@ from typing import Any
 
 import fsspec
 
-from .. import _args
-from .._fileio import make_private_dir
-from .._rootdir import check_root, default_path, root_dir, warn_unless_memory
+from ..util import args as _args
+from ..util.fileio import make_private_dir
+from ..tiers.rootdir import check_root, default_path, root_dir, warn_unless_memory
 from ..ranks import seconds
 from ..errors import ArgumentError, TierUnavailableError
 

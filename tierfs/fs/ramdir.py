@@ -4,7 +4,7 @@
 (in order of writing: least recently written first), makes the private temporary files that writes in
 progress go to, and lists only complete files. It knows nothing of the target or of uploads: the drain
 (``writeback.Drain``) decides what may be evicted and holds its lock around every change of names.
-Files, temporary names and directories are made the way the RAM tier makes them (``tierfs._fileio``);
+Files, temporary names and directories are made the way the RAM tier makes them (``tierfs.util.fileio``);
 room is computed by the tiers' rule (:class:`tierfs.tiers.base.Capacity`).
 """
 
@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator
 
-from .._fileio import FILE_MODE, TMP_PREFIX, is_tmp_name, make_private_dir, process_alive, tmp_name, tmp_owner
+from ..util.fileio import FILE_MODE, TMP_PREFIX, is_tmp_name, make_private_dir, process_alive, tmp_name, tmp_owner
 from ..errors import ArgumentError
 from ..tiers.base import Capacity
 

@@ -7,7 +7,7 @@ import errno
 import io
 from typing import TYPE_CHECKING, Any
 
-from .._fileio import private_opener
+from ..util.fileio import private_opener
 
 if TYPE_CHECKING:
     from .writeback import Drain

@@ -2,9 +2,9 @@
 
 Each thread takes a file from the drain's queue, uploads the bytes of the generation it opened (a rewrite
 meanwhile is uploaded after), and marks the RAM copy read-only once the target has them. Uploads are
-made the way the store moves bytes: paced by the shared :class:`tierfs._worker.Throttle`, at the
-background priority (:func:`tierfs._worker.lower_priority`), retried with backoff on transient errors
-(:func:`tierfs._retry.retry`), and written to a local target by :func:`tierfs._fileio.atomic_write`
+made the way the store moves bytes: paced by the shared :class:`tierfs.util.worker.Throttle`, at the
+background priority (:func:`tierfs.util.worker.lower_priority`), retried with backoff on transient errors
+(:func:`tierfs.util.retry.retry`), and written to a local target by :func:`tierfs.util.fileio.atomic_write`
 (temporary name, fsync, rename, fsync of the directory).
 """
 
@@ -17,10 +17,10 @@ import shutil
 import time
 from typing import IO, TYPE_CHECKING, NamedTuple
 
-from .. import _readable
-from .._fileio import atomic_write
-from .._retry import PERMANENT, retry, short
-from .._worker import lower_priority
+from ..util import readable as _readable
+from ..util.fileio import atomic_write
+from ..util.retry import PERMANENT, retry, short
+from ..util.worker import lower_priority
 from .ramdir import rel_path
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ _DURABLE_MODE = 0o400  # a RAM copy whose bytes are on the target
 
 class Failure(NamedTuple):
     """A file's failed upload: the generation tried, why (one line), and whether retrying cannot fix it
-    (:data:`tierfs._retry.PERMANENT`: a missing bucket, no permission)."""
+    (:data:`tierfs.util.retry.PERMANENT`: a missing bucket, no permission)."""
 
     gen: int
     why: str
@@ -111,18 +111,18 @@ def upload(d: "Drain", fd: int, rel: str) -> None:
 
 
 class ExitWork:
-    """What a drain has left to upload when the interpreter exits (see :mod:`tierfs._exit`).
+    """What a drain has left to upload when the interpreter exits (see :mod:`tierfs.util.exitwork`).
 
     Made once per exit pass. Its first wait queues every file not yet durable (a manual drain's too; one
     whose upload failed gets one more try) and waits until each is uploaded or has failed again.
 
-    A file whose upload then fails for good (a missing bucket, no permission: ``tierfs._retry.PERMANENT``)
+    A file whose upload then fails for good (a missing bucket, no permission: ``tierfs.util.retry.PERMANENT``)
     is moved to the RAM directory's ``.tierfs-failed/`` (same relative path), which no listing shows and
     no later process uploads: it is not retried by every process that uses the RAM directory, and it is
     not lost. Once the target is fixed, ``TieredFileSystem.retry_failed()`` (or moving it back below the RAM
     directory, where the next process using that directory and target adopts it) uploads it. A file whose
     upload failed otherwise (the store down, a timeout) stays in place, and the next process retries it.
-    Either way the process exits with status 1 (:mod:`tierfs._exit`).
+    Either way the process exits with status 1 (:mod:`tierfs.util.exitwork`).
     """
 
     def __init__(self, d: "Drain") -> None:

@@ -5,7 +5,7 @@ sizes, temporary files, listings), the set of files not yet durable on the targe
 copies when room is short, and the upload threads (``upload``). A file's RAM copy becomes read-only
 (mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
 uploading. The filesystem (``filesystem.py``) uses the drain's named operations only. At interpreter exit
-the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs._exit`,
+the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs.util.exitwork`,
 :class:`upload.ExitWork`, which also moves aside the files whose upload failed for good, so that no
 later process retries them).
 """
@@ -27,9 +27,10 @@ from typing import IO, Any, Callable, Iterable, Union
 
 import fsspec
 
-from .. import _exit, _readable
-from .._fileio import FILE_MODE, private_opener
-from .._worker import Throttle
+from ..util import exitwork as _exit
+from ..util import readable as _readable
+from ..util.fileio import FILE_MODE, private_opener
+from ..util.worker import Throttle
 from ..errors import BackgroundError, CapacityError
 from . import upload
 from .ramdir import RamDir, rel_path

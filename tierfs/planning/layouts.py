@@ -18,7 +18,7 @@ from .erasure import (Erasure, erasure_loss_probability, erasure_ram, group_size
 from .formulas import RamBudget, ram_per_host
 from .inputs import PlanInputs
 from .optimise import Plan
-from .._readable import duration, size
+from ..util.readable import duration, size
 
 #: a layout: ``r`` replicas (``PeerTier(replicas=r)``, ring placement) or an erasure code
 Spec = Union[int, Erasure]

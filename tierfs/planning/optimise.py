@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from .formulas import RamBudget, cluster_mttf, ram_per_host, sustained_bandwidth, young_daly
 from .inputs import PlanInputs
 from .model import FailureClass, Strategy, TierModel, expected_goodput
-from .._readable import duration
+from ..util.readable import duration
 
 
 @dataclass(frozen=True)

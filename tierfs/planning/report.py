@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from .layouts import compare, format_layouts, layouts_to_dict
 from .optimise import Plan
-from .._readable import duration, rate, size
+from ..util.readable import duration, rate, size
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .._args import names, optional_step
+from ..util.args import names, optional_step
 from ..errors import ArgumentError
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from .._args import instance, number, shown, step_numbers
+from ..util.args import instance, number, shown, step_numbers
 from ..errors import ArgumentError
 from .base import PreservationPolicy, StepInfo
 

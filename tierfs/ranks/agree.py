@@ -11,7 +11,8 @@ import hashlib
 import json
 from typing import Any, Callable, Sequence
 
-from .. import _stages, errors as _errors
+from .. import errors as _errors
+from ..util import stages as _stages
 from .groups import Group
 
 Classify = Callable[[BaseException], "type[_errors.TierfsError]"]
@@ -83,7 +84,7 @@ def outcomes(group: Group, mine: Any = None, failure: BaseException | None = Non
     """Every rank's outcome of a step, in rank order (collective): ``[None, mine, None]`` where the rank got
     through it, ``[kind, reason, stage]`` where it failed with ``failure`` (``kind``: the name of the error
     class ``classify(failure)`` gives, TierfsError by default; ``reason``: ``"Type: message"``; ``stage``:
-    where it failed, see :mod:`tierfs._stages`, or None)."""
+    where it failed, see :mod:`tierfs.util.stages`, or None)."""
     if failure is None:
         payload: list[Any] = [None, mine, None]
     else:

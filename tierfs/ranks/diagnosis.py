@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _stages
+from ..util import stages as _stages
 from ..errors import RankWaitError
 from . import waits
 

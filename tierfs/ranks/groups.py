@@ -11,7 +11,7 @@ made when first used: each rank talks to its ring's neighbours, so the sockets i
 the job; bulk transfers are point to point, between the ranks that exchange. The waits of one operation
 share one deadline, the group's ``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in
 time, or whose process is gone (noticed as soon as its connections drop), makes the waiting rank raise
-:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs._stages`) and exactly the
+:class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs.util.stages`) and exactly the
 ranks that made it fail (a point-to-point wait names its peer, a collective finds them out through
 :mod:`tierfs.ranks.diagnosis`). A rank that sees such a failure closes its connections on every group
 (:mod:`tierfs.ranks.severing`), so the ranks blocked on it fail too, at once; from then on every wait of
@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import numpy as np
 
-from .. import _stages
+from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
 from . import collectives, diagnosis, pool, severing, waits
 from .waits import Operation

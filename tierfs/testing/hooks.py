@@ -11,7 +11,7 @@ Points (keyword arguments passed):
 ``block`` (``name``, ``nbytes``)
     Before each block of an entry is copied or checked (staging a save, verifying, restoring).
 ``stage`` (``stage``, ``step``, ``tier``)
-    A stage of a save or a restore starts on this rank (see :mod:`tierfs._stages` for the stages:
+    A stage of a save or a restore starts on this rank (see :mod:`tierfs.util.stages` for the stages:
     ``staging``, ``checksum``, ``manifest``, ``marker``, ``copy``, ``replication``, ``planning``,
     ``read``, ``fetch``, ``receive``, ``localize``, ``reseed``, ``retention``, ``open``). A hook that raises fails that
     stage on this rank, as a real failure there would: fault tests use it to check that every rank hears
@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-from .._hooks import _registry
+from ..util.hooks import _registry
 
 POINTS = ("block", "copy", "pin", "rename", "stage", "transfer")
 

@@ -5,7 +5,7 @@ Object stores serve a prefix at a limited rate (S3: about 3,500 writes and 5,500
 prefix partition; GCS ramps up from about 1,000 writes per second) and answer beyond it with 503 SlowDown
 or 429. A budget for the whole job, ``requests_per_second``, split evenly over its ranks, keeps every rank
 within its share without talking to the others: the job as a whole never asks for more than the budget.
-The pacing is the background throttle's (:class:`tierfs._worker.Throttle`), counting requests, not bytes.
+The pacing is the background throttle's (:class:`tierfs.util.worker.Throttle`), counting requests, not bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable
 
-from .._worker import Throttle
+from ..util.worker import Throttle
 
 
 def job_size() -> int:

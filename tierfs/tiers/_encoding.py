@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .. import _blocks
-from .._stages import stage
+from ..format import blockio as _blocks
+from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
 from . import _erasure

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import _args
+from ..util import args as _args
 from ..errors import ArgumentError
 
 MAX_PIECES = 256  #: the most pieces (data + parity) of a stripe: Reed-Solomon over GF(2^8) has 256

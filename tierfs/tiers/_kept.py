@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._fileio import make_private_dir
-from .._worker import BACKGROUND_NICE
+from ..util.fileio import make_private_dir
+from ..util.worker import BACKGROUND_NICE
 from ..errors import TierfsError
 from .base import Capacity, Replicator, Tier
 from .memory import MemoryTier

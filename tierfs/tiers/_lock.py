@@ -37,8 +37,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .._fileio import process_alive
-from .._rootdir import mapping_processes
+from ..util.fileio import process_alive
+from .rootdir import mapping_processes
 from ..errors import TierUnavailableError
 from ..format import MARKER
 from ._mapped import map_private, no_space

@@ -2,7 +2,7 @@
 
 Not :class:`concurrent.futures.ThreadPoolExecutor`: the interpreter joins its threads at exit, however long
 their transfer takes (a throttled copy, a server that does not answer), and refuses new work once its exit
-hooks began. Background work left at exit is finished within a bound (:mod:`tierfs._exit`); these daemon
+hooks began. Background work left at exit is finished within a bound (:mod:`tierfs.util.exitwork`); these daemon
 threads never hold the exit past it.
 """
 

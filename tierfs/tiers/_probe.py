@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._fileio import make_private_dir
-from .._retry import retry, short
-from .._rootdir import check_root
+from ..util.fileio import make_private_dir
+from ..util.retry import retry, short
+from .rootdir import check_root
 from ..errors import TierUnavailableError
 
 #: protocols whose "bucket" is a local directory

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .. import _readable
+from ..util import readable as _readable
 from ..errors import CapacityError
 from ._mapped import Pool
 from .base import Capacity

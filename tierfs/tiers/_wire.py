@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import _blocks
+from ..format import blockio as _blocks
 from ..ranks import framed
 from ..ranks.waits import said
 from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, Union, 
 
 import numpy as np
 
-from .. import _args
-from .._blocks import as_u8
+from ..util import args as _args
+from ..format.blockio import as_u8
 from ..format import MARKER, Manifest, Marker
 from ..policies import FixedIntervalPolicy, PreservationPolicy, SavePolicy
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from .. import _readable
+from ..util import readable as _readable
 from ..errors import CapacityError
 from ..format import validate_filename
 from .base import Tier

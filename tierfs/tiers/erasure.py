@@ -27,8 +27,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import _args, _blocks
-from .._stages import describe, operation
+from ..util import args as _args
+from ..format import blockio as _blocks
+from ..util.stages import describe, operation
 from ..errors import ArgumentError, ChecksumError, TierfsError
 from ..format import Manifest, crc32c, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy

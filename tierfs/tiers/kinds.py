@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from .._args import object_url
-from .._rootdir import check_local_url
+from ..util.args import object_url
+from .rootdir import check_local_url
 from ..errors import FormatError
 from .base import AnyTier
 from .erasure import ErasureCodedTier

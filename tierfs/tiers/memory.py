@@ -22,9 +22,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import _args
-from .._fileio import atomic_write, make_private_dir
-from .._rootdir import check_root, default_path, root_dir, warn_unless_memory
+from ..util import args as _args
+from ..util.fileio import atomic_write, make_private_dir
+from .rootdir import check_root, default_path, root_dir, warn_unless_memory
 from ..errors import TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy

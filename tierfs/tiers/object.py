@@ -5,7 +5,7 @@ marker, written last, alone makes the step exist. Files upload concurrently; lar
 concurrent ranged reads into one buffer, so a restore moves exactly the step's bytes.
 
 Every request spends this rank's share of the job's request budget, if one is set, and is retried on
-transient errors (:func:`tierfs._retry.retry`; throttling is waited out, not counted); one still failing
+transient errors (:func:`tierfs.util.retry.retry`; throttling is waited out, not counted); one still failing
 after the last attempt is a :class:`~tierfs.errors.TierUnavailableError` naming the tier, the step and the
 file, whatever the client raised. Permanent errors (404, 403) are raised at once.
 
@@ -26,11 +26,11 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import fsspec
 
-from .. import _args
-from .._blocks import as_u8
-from .._fileio import atomic_write, is_tmp_name
-from .._retry import PATIENCE, PERMANENT, renamed, retry, short
-from .._rootdir import check_local_url
+from ..util import args as _args
+from ..format.blockio import as_u8
+from ..util.fileio import atomic_write, is_tmp_name
+from ..util.retry import PATIENCE, PERMANENT, renamed, retry, short
+from .rootdir import check_local_url
 from ..errors import TierfsError, TierUnavailableError
 from ..format import MARKER, SPREAD_VERSION, Marker, validate_filename
 from ..policies import PreservationPolicy, PreserveAll, SavePolicy

@@ -24,8 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import _args
-from .._stages import describe, operation, stage
+from ..util import args as _args
+from ..util.stages import describe, operation, stage
 from ..errors import ArgumentError, TierfsError
 from ..format import MARKER, Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy

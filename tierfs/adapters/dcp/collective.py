@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _stages
+from ...util import stages as _stages
 from ...errors import RankWaitError
 #: the tag of the broadcast's messages
 TAG = 1 << 20

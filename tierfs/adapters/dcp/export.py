@@ -11,9 +11,9 @@ from typing import IO, Any, Callable, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
-from ... import _args
-from ..._fileio import atomic_write
-from ..._rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
+from ...util import args as _args
+from ...util.fileio import atomic_write
+from ...tiers.rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
 from ...errors import ArgumentError, StepNotFoundError, TierfsError
 from ...format import DCP_EXTRA_PREFIX
 from ...store import TieredStore
@@ -32,7 +32,7 @@ def check_directory(directory: Any, what: str) -> str:
     """An export's output directory, checked before anything is read or written: a local path (not a URL),
     not a file, not a system directory (``/``, ``/etc/...``, ``/usr/...``, ``/tmp`` itself, ...) and not on
     a kernel file system: the export fills it with checkpoint files. The rules of a local tier's directory
-    (:mod:`tierfs._rootdir`), by path and file system type, not by permission (root may write anywhere).
+    (:mod:`tierfs.tiers.rootdir`), by path and file system type, not by permission (root may write anywhere).
 
     Parameters
     ----------

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 
-from ... import _nogc, state as st
+from ... import state as st
+from ...util import nogc as _nogc
 from ...core.layout import ReadViews
 from ...ranks import agree, outcomes, ranks_failed
 from ...errors import ArgumentError, RestoreError, StateMismatchError, TierfsError

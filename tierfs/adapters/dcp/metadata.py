@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.futures import Future
 
-from ... import _args, state as st
+from ... import state as st
+from ...util import args as _args
 from ...errors import ArgumentError, FormatError
 from ...format import dcp_entry_name, user_key
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ... import _args
+from ...util import args as _args
 from ...ranks import seconds
 from ...errors import ArgumentError, FormatError, StateMismatchError, StepNotFoundError, TierfsError
 from ...store import TieredStore

@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ... import _args, _nogc, state as st
+from ... import state as st
+from ...util import args as _args
+from ...util import nogc as _nogc
 from ...core.dataparallel import Sharing
 from ...ranks import agree, seconds
 from ...errors import ArgumentError, FormatError, TierfsError

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from ..._fileio import atomic_write
+from ...util.fileio import atomic_write
 from ...errors import ArgumentError, FormatError, TierfsError
 from ...store import TieredStore
 

@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from torch.distributed.checkpoint import BytesStorageMetadata, Metadata, SavePlan
 
-from ... import _args
+from ...util import args as _args
 from ...errors import FormatError, TierfsError
 from ...store import TieredStore
 from .._torchstate import run_dcp

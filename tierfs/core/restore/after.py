@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ... import _blocks, _readable
-from ..._stages import stage
+from ...format import blockio as _blocks
+from ...util import readable as _readable
+from ...util.stages import stage
 from ...ranks import Group
 from ...ranks.agree import any_rank
 from ...errors import TierfsError

@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ... import _blocks, _readable
+from ...format import blockio as _blocks
+from ...util import readable as _readable
 from ...format import Entry, Manifest
 from ...tiers import _wire
 from ...tiers.base import ReceiveInto

@@ -9,7 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ... import _blocks, _hooks, _nogc, _upload
+from ...format import blockio as _blocks
+from ...util import hooks as _hooks
+from ...util import nogc as _nogc
+from ...device import upload as _upload
 from ...errors import TierfsError
 from ...format import Entry, Manifest
 from ...tiers._wire import lands

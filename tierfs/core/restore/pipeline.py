@@ -25,8 +25,8 @@ import functools
 import logging
 from typing import Callable, Sequence
 
-from ..._stages import operation
-from ..._worker import Detached
+from ...util.stages import operation
+from ...util.worker import Detached
 from ...ranks import agreement
 from ...ranks.reports import publish
 from ...errors import RestoreError, RestoreIncompleteError

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..._stages import stage
+from ...util.stages import stage
 from ...errors import (ArgumentError, CheckpointLostError, DeviceError, StateMismatchError, StepNotFoundError,
                        TierfsError)
 from ...protocol import common_steps

@@ -17,7 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ... import _blocks, _nogc, state as st
+from ... import state as st
+from ...format import blockio as _blocks
+from ...util import nogc as _nogc
 from ...errors import DeviceError, StateMismatchError
 from ...format import Entry, Manifest
 from ...tiers.base import Tier

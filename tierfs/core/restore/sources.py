@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ... import _blocks, _readable
-from ..._stages import stage
+from ...format import blockio as _blocks
+from ...util import readable as _readable
+from ...util.stages import stage
 from ...ranks import Group
 from ...ranks.agree import views
 from ...errors import ArgumentError, DeviceError, StateMismatchError, TierfsError

@@ -19,7 +19,7 @@ Exit status: work that failed at exit, or was cut short by the bound, makes the 
 status 1 (after every exit handler registered since tierfs was imported has run), so that a job whose
 last checkpoint or upload is not durable does not look successful; ``exit_timeout=0`` (finish nothing
 at exit, on purpose) leaves the status alone. A program that ended by Ctrl-C still ends by SIGINT
-(:mod:`tierfs._exitstatus`).
+(:mod:`tierfs.util.exitstatus`).
 
 The order matters. tierfs's background threads are daemon threads: the interpreter does not wait for
 them, and stops them once its exit handlers have run. The work is finished in two passes:
@@ -48,9 +48,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from ._args import DEFAULT_EXIT_TIMEOUT, EXIT_TIMEOUT_ENV as ENV, exit_seconds, shown_seconds  # noqa: F401
-from ._exitstatus import die_by_sigint, fail, main_interrupted
-from ._retry import short
+from .args import DEFAULT_EXIT_TIMEOUT, EXIT_TIMEOUT_ENV as ENV, exit_seconds, shown_seconds  # noqa: F401
+from .exitstatus import die_by_sigint, fail, main_interrupted
+from .retry import short
 
 log = logging.getLogger("tierfs")
 

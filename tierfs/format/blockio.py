@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import _hooks
-from .errors import ChecksumError, FormatError
-from .format import Entry, Manifest, blocks, crc32c
+from ..util import hooks as _hooks
+from ..errors import ChecksumError, FormatError
+from . import Entry, Manifest, blocks, crc32c
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

@@ -17,8 +17,8 @@ import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import ArgumentError, TierUnavailableError, URLArgumentError
-from .state import Trusted
+from ..errors import ArgumentError, TierUnavailableError, URLArgumentError
+from ..state import Trusted
 
 #: the largest step number: a step directory is ``step_`` and 12 digits
 MAX_STEP = 10**12 - 1
@@ -323,7 +323,7 @@ def object_url(value: Any, what: str, *, relative: bool = False) -> str:
         f"'file://{os.path.abspath(os.path.expanduser(url))}'")
 
 
-# -- exit_timeout (tierfs._exit) ---------------------------------------------------------------------
+# -- exit_timeout (tierfs.util.exitwork) ---------------------------------------------------------------------
 def exit_seconds(value: Any, what: str = "exit_timeout") -> float:
     """An ``exit_timeout`` in seconds, checked.
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from . import _args
-from ._calls import Calls, serial
-from ._device import Copies
-from .core.context import Context
-from .core.retention import Retention
-from .core.saving import SavePath
-from .errors import TierfsError
+from ..util import args as _args
+from .calls import Calls, serial
+from ..device.copies import Copies
+from .context import Context
+from .retention import Retention
+from .saving import SavePath
+from ..errors import TierfsError
 
 log = logging.getLogger("tierfs")
 

@@ -1,7 +1,7 @@
 """Restores into GPU memory: each verified block copied host-to-device as the next is verified.
 
-:class:`Upload` makes the :class:`tierfs._blocks.Job` of an entry whose target is a CUDA tensor: the
-checking thread verifies a block of the RAM tier's mapping (page-locked once, :mod:`tierfs._pinning`) and
+:class:`Upload` makes the :class:`tierfs.format.blockio.Job` of an entry whose target is a CUDA tensor: the
+checking thread verifies a block of the RAM tier's mapping (page-locked once, :mod:`tierfs.device.pinning`) and
 issues its ``non_blocking`` copy on the device's side stream, then checks the next block while that one
 copies. :meth:`Upload.finish` waits for every copy before the mapping may go or the targets are used.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ._device import _torch, side_stream
-from ._pinning import pin
-from .errors import ArgumentError
+from .copies import _torch, side_stream
+from .pinning import pin
+from ..errors import ArgumentError
 
 
 def device_of(device: Any) -> Any:
@@ -57,9 +57,9 @@ class Upload:
         return s
 
     def job(self, e: Any, file: np.ndarray, target: Any, manifest: Any, verified: bool, memo: Any) -> Any:
-        """The :class:`tierfs._blocks.Job` that verifies entry ``e`` (of ``manifest``) in ``file`` (its
+        """The :class:`tierfs.format.blockio.Job` that verifies entry ``e`` (of ``manifest``) in ``file`` (its
         mapped bytes; page-locked once, through ``memo``) and copies each block into ``target``."""
-        from . import _blocks
+        from ..format import blockio as _blocks
 
         torch = _torch()
         pin(memo, file)

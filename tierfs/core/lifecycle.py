@@ -7,7 +7,7 @@ tier's) do not exist yet. When the constructor fails after that (a tier that can
 contradiction, a bad argument), :meth:`Opening.undo` closes what was opened and removes the directories it
 created that are still empty; a directory that existed before is never removed.
 
-:class:`StoreWork` is what :mod:`tierfs._exit` finishes at exit for a store left open: its commits and
+:class:`StoreWork` is what :mod:`tierfs.util.exitwork` finishes at exit for a store left open: its commits and
 copies, then it closes the store.
 """
 
@@ -19,26 +19,27 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
-from . import _readable, metrics as _metrics
-from ._retry import short
-from ._rootdir import missing_dirs, remove_new_dirs
-from ._stages import stage
-from .errors import TierfsError
-from ._worker import BACKGROUND_NICE, Throttle, Worker
-from .core.ledger import StepLedger
-from .core.background import Background
-from .core.ownership import Ownership
-from .core.context import Context
-from .policies import StepInfo
-from .ranks import Group, agreement
-from .ranks.groups import env_node_source
-from .ranks.nodes import observe
-from .ranks.pool import POOL, Lease
-from .tiers.base import AnyTier, Replicator, Tier
-from .tiers.capabilities import LocalFiles, SharedDirectory, SharedStore
+from .. import metrics as _metrics
+from ..util import readable as _readable
+from ..util.retry import short
+from ..tiers.rootdir import missing_dirs, remove_new_dirs
+from ..util.stages import stage
+from ..errors import TierfsError
+from ..util.worker import BACKGROUND_NICE, Throttle, Worker
+from .ledger import StepLedger
+from .background import Background
+from .ownership import Ownership
+from .context import Context
+from ..policies import StepInfo
+from ..ranks import Group, agreement
+from ..ranks.groups import env_node_source
+from ..ranks.nodes import observe
+from ..ranks.pool import POOL, Lease
+from ..tiers.base import AnyTier, Replicator, Tier
+from ..tiers.capabilities import LocalFiles, SharedDirectory, SharedStore
 
 if TYPE_CHECKING:
-    from .store import TieredStore
+    from ..store import TieredStore
 
 log = logging.getLogger("tierfs")
 
@@ -191,7 +192,7 @@ def _idle(worker: Worker) -> bool:
 
 
 class StoreWork:
-    """A store's background work at exit (:class:`tierfs._exit.Work`): the steps whose commit or copies
+    """A store's background work at exit (:class:`tierfs.util.exitwork.Work`): the steps whose commit or copies
     are unfinished, and the jobs its workers still have."""
 
     def __init__(self, store: "TieredStore") -> None:

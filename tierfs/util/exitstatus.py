@@ -1,7 +1,7 @@
 """The exit status of a process whose background work at exit failed or was cut short (see
-:mod:`tierfs._exit`): status :data:`FAILED_STATUS` (1), or death by SIGINT when the program ended by Ctrl-C.
+:mod:`tierfs.util.exitwork`): status :data:`FAILED_STATUS` (1), or death by SIGINT when the program ended by Ctrl-C.
 
-Its exit handler is registered when tierfs is imported (by :mod:`tierfs._exit`, before any handler of
+Its exit handler is registered when tierfs is imported (by :mod:`tierfs.util.exitwork`, before any handler of
 its own), so it runs last, after every exit handler registered since.
 """
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _args
-from .core.context import Context
-from .core.reads import Reader
-from .core.restore.sources import Skipped
-from .errors import TierfsError
-from .format import Entry, Manifest, Marker
-from .ranks import Group
-from .tiers.base import Tier
+from ..util import args as _args
+from .context import Context
+from .reads import Reader
+from .restore.sources import Skipped
+from ..errors import TierfsError
+from ..format import Entry, Manifest, Marker
+from ..ranks import Group
+from ..tiers.base import Tier
 
 
 class ShardReads:

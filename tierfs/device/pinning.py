@@ -50,7 +50,7 @@ def pin(memo: Any, buf: np.ndarray) -> bool:
         _pin_off = "TIERFS_PIN=0"
     if _pin_off is not None:
         return False
-    from . import _hooks
+    from ..util import hooks as _hooks
 
     ptr, n = buf.ctypes.data, buf.nbytes
     flags = _REGISTER_PORTABLE | (0 if buf.flags.writeable else _REGISTER_READ_ONLY)

@@ -20,7 +20,7 @@ import contextlib
 import threading
 from typing import Iterator
 
-from . import _hooks
+from . import hooks as _hooks
 
 STAGES = ("open", "staging", "checksum", "manifest", "marker", "copy", "replication", "planning", "read",
           "fetch", "receive", "localize", "reseed", "retention")

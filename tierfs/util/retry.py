@@ -16,8 +16,8 @@ import random
 import time
 from typing import Callable, TypeVar
 
-from . import metrics as _metrics
-from .errors import TierUnavailableError
+from .. import metrics as _metrics
+from ..errors import TierUnavailableError
 
 log = logging.getLogger("tierfs")
 T = TypeVar("T")

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _args
-from .errors import ArgumentError
+from . import args as _args
+from ..errors import ArgumentError
 
 log = logging.getLogger("tierfs")
 

@@ -18,9 +18,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ._args import shown
-from .errors import ArgumentError, TierUnavailableError
-from .format import validate_filename
+from ..util.args import shown
+from ..errors import ArgumentError, TierUnavailableError
+from ..format import validate_filename
 
 log = logging.getLogger("tierfs")
 

@@ -27,9 +27,9 @@ import functools
 import threading
 from typing import Any, Callable, TypeVar, cast
 
-from . import _args
-from .core import timeline
-from .errors import ArgumentError
+from ..util import args as _args
+from . import timeline
+from ..errors import ArgumentError
 
 #: the steps (the highest) whose saver is remembered; a save below all of them is rare enough to allow
 MAX_RECORDED = 4096

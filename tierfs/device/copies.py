@@ -5,7 +5,7 @@ Each CUDA tensor is copied device-to-host straight into its view of the tier's m
 first waits on the stream that produced the tensor. The copies are issued by one copy thread per process,
 in chunks of about :data:`CHUNK` bytes, each followed by a CUDA event: the checksum of a tensor starts as
 soon as its own chunk is copied (:meth:`Copies.ready`), not after the last copy. The mapped buffers are
-page-locked before their first copy (:mod:`tierfs._pinning`).
+page-locked before their first copy (:mod:`tierfs.device.pinning`).
 
 **Overlap.** ``save(..., overlap=...)`` names the tensors that only an optimizer step changes (the
 parameters and the optimizers' state): their copies may still be running when ``save`` returns, and every
@@ -13,7 +13,7 @@ other tensor (a BatchNorm's statistics, which forward changes) is copied first a
 (:class:`Copies`) is what a loop waits on before it changes them; an optimizer named in ``overlap`` waits
 on it in a step pre-hook. CPU tensors named so are copied by the copy thread too.
 
-Restores to a device are :mod:`tierfs._upload`'s. Nothing here touches CUDA unless a tensor is on a CUDA
+Restores to a device are :mod:`tierfs.device.upload`'s. Nothing here touches CUDA unless a tensor is on a CUDA
 device: importing tierfs initialises no CUDA state.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._pinning import pin, pinned_bytes
-from .errors import ArgumentError, DeviceError
+from .pinning import pin, pinned_bytes
+from ..errors import ArgumentError, DeviceError
 
 log = logging.getLogger("tierfs")
 
@@ -323,7 +323,7 @@ def side_stream(device: Any) -> Any:
 
 
 def _issue(copies: Copies) -> None:
-    from . import _hooks
+    from ..util import hooks as _hooks
 
     torch = _torch()
     for memo, buf in copies._buffers:

@@ -12,7 +12,7 @@ import itertools
 import os
 from typing import IO, Any, Callable, Union
 
-from . import _hooks
+from . import hooks as _hooks
 
 #: prefix of temporary names: listings leave such names out, and a name of this form is never a
 #: user's (``.tierfs-tmp-<pid>-<n>``: the pid tells whether the writer is still alive)
@@ -90,7 +90,7 @@ def make_private_dir(path: "os.PathLike[str] | str") -> None:
     """Create ``path`` (and parents) with mode 0700; refuse a directory other users can enter."""
     from pathlib import Path
 
-    from .errors import TierUnavailableError
+    from ..errors import TierUnavailableError
 
     p = Path(path)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
