@@ -333,7 +333,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def report(args, world: int, nbytes: int, gathered: list[dict[str, list[float]]]) -> None:
-    every = {k: [t for r in gathered for t in r[k]] for k in gathered[0]}
+    # every rank's figures under every key any rank has: some phases time only the ranks they concern
+    every = {k: [t for r in gathered for t in r.get(k, [])] for k in dict.fromkeys(k for r in gathered for k in r)}
     print(f"## Peer replication, {world} ranks x {args.size_mib} MiB, ring, replicas=1\n")
     print(f"- machine: {machine_note()}")
     print(f"- command: `.venv/bin/python benchmarks/bench_peer.py --size-mib {args.size_mib} --repeats "
