@@ -15,7 +15,7 @@ import os
 import posixpath
 import shutil
 import time
-from typing import IO, TYPE_CHECKING, NamedTuple
+from typing import IO, TYPE_CHECKING, Iterable, NamedTuple, Protocol
 
 from ..util import readable as _readable
 from ..util.fileio import atomic_write
@@ -24,7 +24,14 @@ from ..util.worker import lower_priority
 from .ramdir import rel_path
 
 if TYPE_CHECKING:
-    from .writeback import Drain
+    import threading
+    from collections import deque
+    from pathlib import Path
+
+    import fsspec
+
+    from ..util.worker import Throttle
+    from .ramdir import RamDir
 
 log = logging.getLogger("tierfs")
 
@@ -40,7 +47,43 @@ class Failure(NamedTuple):
     permanent: bool
 
 
-def run(d: "Drain") -> None:
+class Drain(Protocol):
+    """What the upload threads and the work at exit use of a drain (``writeback.Drain``, which starts
+    the threads on :func:`run`): its state, read and changed under ``cond``'s lock, and its names for
+    places on the target."""
+
+    cond: threading.Condition
+    ramdir: RamDir
+    target: fsspec.AbstractFileSystem
+    throttle: Throttle
+    local_target: bool
+    mode: str
+    retries: int
+    dirty: dict[str, int]  # files whose newest bytes are not yet on the target -> generation
+    failed: dict[str, Failure]
+    remote: set[str]
+    busy: set[str]
+    queue: deque[str]
+    queued: set[str]
+    counters: dict[str, int]
+
+    @property
+    def root(self) -> Path: ...
+
+    def tpath(self, rel: str) -> str: ...
+
+    def where(self, rel: str) -> str: ...
+
+    def place(self, rels: Iterable[str]) -> str: ...
+
+    def enqueue(self, rel: str) -> None: ...
+
+    def _start(self) -> None: ...
+
+    def _adopt(self, p: Path) -> bool: ...
+
+
+def run(d: Drain) -> None:
     """An upload thread's loop (runs for the life of the process)."""
     lower_priority()
     while True:
@@ -94,7 +137,7 @@ def run(d: "Drain") -> None:
         os.close(fd)
 
 
-def upload(d: "Drain", fd: int, rel: str) -> None:
+def upload(d: Drain, fd: int, rel: str) -> None:
     """Copy the open RAM file ``fd`` to ``rel`` on the target."""
     dst = d.tpath(rel)
     if d.local_target:  # whole or not at all, and synced, like every local write of tierfs
@@ -125,7 +168,7 @@ class ExitWork:
     Either way the process exits with status 1 (:mod:`tierfs.util.exitwork`).
     """
 
-    def __init__(self, d: "Drain") -> None:
+    def __init__(self, d: Drain) -> None:
         self.d = d
         self._queued = False
         self.set_aside: dict[str, int] = {}  # files moved to the failed uploads -> bytes
@@ -219,7 +262,7 @@ class ExitWork:
         """Nothing to release: the drain lives as long as the process."""
 
 
-def retry_failed(d: "Drain") -> int:
+def retry_failed(d: Drain) -> int:
     """Move the files whose upload failed for good at an earlier exit (``ramdir.FAILED``, see
     :class:`ExitWork`) back into place in ``d``'s RAM directory and queue them; returns how many. A file
     written again since stays as written (its failed copy, older, is dropped)."""
@@ -240,7 +283,7 @@ def retry_failed(d: "Drain") -> int:
     return moved
 
 
-def exit_work(d: "Drain") -> ExitWork | None:
+def exit_work(d: Drain) -> ExitWork | None:
     """The drain's work at exit; None when its RAM directory is gone (nothing is left to upload)."""
     if not d.root.exists():
         return None

@@ -2,10 +2,11 @@
 
 One :class:`Drain` per process and (RAM directory, target) keeps the RAM directory (``ramdir.RamDir``:
 sizes, temporary files, listings), the set of files not yet durable on the target, eviction of durable
-copies when room is short, and the upload threads (``upload``). A file's RAM copy becomes read-only
-(mode 0400) once its upload succeeded, so after a restart the writable ones are known to still need
-uploading. The filesystem (``filesystem.py``) uses the drain's named operations only. At interpreter exit
-the uploads still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs.util.exitwork`,
+copies when room is short, and the upload threads (``upload.run``, which sees the drain through the
+``upload.Drain`` protocol, so that imports go one way). A file's RAM copy becomes read-only (mode 0400)
+once its upload succeeded, so after a restart the writable ones are known to still need uploading. The
+filesystem (``filesystem.py``) uses the drain's named operations only. At interpreter exit the uploads
+still pending are finished within the drain's ``exit_timeout`` (:mod:`tierfs.util.exitwork`,
 :class:`upload.ExitWork`, which also moves aside the files whose upload failed for good, so that no
 later process retries them).
 """
