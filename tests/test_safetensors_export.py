@@ -153,3 +153,57 @@ def test_sizes_shards_and_steps_that_are_not_tensors(shm_dir, tmp_path):
             export_safetensors(store, tmp_path / "hf")
         with pytest.raises(ArgumentError, match="dtype"):
             export_safetensors(store, tmp_path / "hf", dtype="int8")
+
+
+def test_tied_weights_are_written_once_and_from_pretrained_ties_them_again(gpt2, shm_dir, tmp_path, capsys):
+    """GPT-2's lm_head.weight is its token embedding: --tie writes it once, as save_pretrained does, and
+    from_pretrained ties them again; files are 0644 under the usual umask (0600 when asked); a tie of two
+    different tensors, and a config that unties embeddings, are refused; messages name the caller's argument."""
+    from transformers import GPT2LMHeadModel
+
+    sd = gpt2.state_dict()
+    assert "lm_head.weight" in sd  # the state dict holds both names
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(4, {"model": sd})
+        store.wait_until_finished()
+        old = os.umask(0o022)
+        try:
+            out = export_safetensors(store, tmp_path / "hf", prefix="model.", config=gpt2.config.to_dict(),
+                                     tie={"lm_head.weight": "transformer.wte.weight"})
+        finally:
+            os.umask(old)
+        assert out.tied == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in out.weight_map
+        got = load_file(tmp_path / "hf" / "model.safetensors")
+        assert set(got) == set(sd) - {"lm_head.weight"}
+        assert all(torch.equal(got[k], sd[k]) for k in got)
+        assert {f: oct(os.stat(tmp_path / "hf" / f).st_mode & 0o777) for f in os.listdir(tmp_path / "hf")} == \
+            {"model.safetensors": "0o644", "config.json": "0o644"}
+        model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+        assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+        loaded = model.state_dict()
+        assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+        private = export_safetensors(store, tmp_path / "private", prefix="model.", file_mode=0o600)
+        assert oct(os.stat(tmp_path / "private" / private.files[0]).st_mode & 0o777) == "0o600"
+        with pytest.raises(ArgumentError, match=r"tie lm_head.weight=transformer.h.0.ln_1.bias: the two differ"):
+            export_safetensors(store, tmp_path / "bad", prefix="model.", tie={"lm_head.weight": "transformer.h.0.ln_1.bias"})
+        with pytest.raises(ArgumentError, match="no tensor 'lm_head.w'"):
+            export_safetensors(store, tmp_path / "bad", prefix="model.", tie={"lm_head.w": "transformer.wte.weight"})
+        with pytest.raises(ArgumentError, match="tie_word_embeddings: false"):
+            export_safetensors(store, tmp_path / "bad", prefix="model.", tie={"lm_head.weight": "transformer.wte.weight"},
+                               config={**gpt2.config.to_dict(), "tie_word_embeddings": False})
+        with pytest.raises(FileExistsError, match=r"pass overwrite=True to replace it$"):
+            export_safetensors(store, tmp_path / "hf", prefix="model.")
+    assert not os.path.exists(tmp_path / "bad" / "model.safetensors")
+
+    args = ["export", shm_dir, str(tmp_path / "cli"), "--safetensors", "--prefix", "model.", "--no-progress",
+            "--tie", "lm_head.weight=transformer.wte.weight", "--mode", "640"]
+    assert main(args) == 0
+    assert "lm_head.weight" not in load_file(tmp_path / "cli" / "model.safetensors")
+    assert oct(os.stat(tmp_path / "cli" / "model.safetensors").st_mode & 0o777) == "0o640"
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "pass --overwrite to replace it" in err and "overwrite=True" not in err
+    assert main(args[:-2] + ["--mode", "9"]) == 2
+    assert "--mode must be octal" in capsys.readouterr().err

@@ -35,6 +35,18 @@ class StepExistsError(TierfsError):
     """A step that is already committed was saved again without ``overwrite=True``."""
 
 
+class OutputExistsError(TierfsError, FileExistsError):
+    """An export's destination already holds an export. The message says how to replace it in the caller's
+    terms: ``overwrite=True`` in Python; :meth:`on_command_line` gives the same error naming ``--overwrite``."""
+
+    def __init__(self, what: str, argument: str = "overwrite=True") -> None:
+        self.what = what
+        super().__init__(f"{what}; pass {argument} to replace it")
+
+    def on_command_line(self, flag: str = "--overwrite") -> "OutputExistsError":
+        return OutputExistsError(self.what, flag)
+
+
 class RestoreError(TierfsError):
     """No tier could serve a verified copy of the step."""
 

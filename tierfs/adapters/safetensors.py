@@ -24,18 +24,19 @@ import logging
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..util import args as _args
-from ..util.fileio import atomic_write
+from ..util.fileio import atomic_write, shared_file_mode
 from ..tiers.rootdir import check_local_url
-from ..errors import ArgumentError, StepNotFoundError
+from ..errors import ArgumentError, OutputExistsError, StepNotFoundError
 from ..store import TieredStore
 from ..tiers.base import AnyTier
 from . import _steptensors as steptensors
+from ._ties import check_ties, left_out
 from .dcp.export import check_directory
 
 log = logging.getLogger("tierfs")
@@ -64,6 +65,7 @@ class SafetensorsExport:
     files: list[str]
     weight_map: dict[str, str]
     total_size: int
+    tied: dict[str, str] = field(default_factory=dict)
 
 
 def parse_size(value: Any, what: str = "max_shard_size") -> int:
@@ -96,7 +98,9 @@ def parse_dtype(value: Any) -> torch.dtype | None:
 class Destination:
     """The output folder: a local directory (files written whole: temporary name, rename) or an fsspec URL."""
 
-    def __init__(self, directory: Any, what: str, storage_options: Mapping[str, Any] | None) -> None:
+    def __init__(self, directory: Any, what: str, storage_options: Mapping[str, Any] | None,
+                 mode: int | None = None) -> None:
+        self.mode = shared_file_mode() if mode is None else mode
         if isinstance(directory, os.PathLike):
             directory = os.fspath(directory)
         if not isinstance(directory, str) or not directory:
@@ -133,7 +137,7 @@ class Destination:
 
     def write(self, name: str, data: Callable[[IO[bytes]], None] | bytes) -> None:
         if self.fs is None:
-            atomic_write(os.path.join(self.path, name), data)
+            atomic_write(os.path.join(self.path, name), data, mode=self.mode)
             return
         with self.fs.open(f"{self.path.rstrip('/')}/{name}", "wb") as f:
             data(f) if callable(data) else f.write(data)
@@ -184,7 +188,8 @@ def export_safetensors(source: TieredStore | Sequence[AnyTier], directory: str |
                        dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                        config: Mapping[str, Any] | str | os.PathLike[str] | None = None, overwrite: bool = False,
                        storage_options: Mapping[str, Any] | None = None,
-                       progress: Callable[[int], None] | None = None) -> SafetensorsExport:
+                       progress: Callable[[int], None] | None = None, tie: Mapping[str, str] | None = None,
+                       file_mode: int | None = None) -> SafetensorsExport:
     """Write the tensors of ``step`` (default: the newest committed one) as a Hugging Face safetensors folder.
 
     Parameters
@@ -216,14 +221,26 @@ def export_safetensors(source: TieredStore | Sequence[AnyTier], directory: str |
         fsspec options for a URL ``directory``.
     progress : callable, optional
         Called with the bytes of each entry read.
+    tie : mapping of str to str, optional
+        Tied weights, written once as ``save_pretrained`` writes them: ``{"lm_head.weight":
+        "model.embed_tokens.weight"}`` leaves the first out and keeps the second, by their names in the
+        folder (after ``prefix``). The two must hold the same bytes in the step. ``from_pretrained`` ties
+        them again when the model's config ties its embeddings (``tie_word_embeddings``, true unless the
+        config says otherwise; a ``config`` that says false is refused).
+    file_mode : int, optional
+        The files' permissions. Default: what a plain ``open`` gives under the process's umask (0o644 with
+        the usual one), as for any model folder meant to be read by others. A checkpoint's own files stay
+        private to the job (0o600); an export is a model to share, so it is not.
 
     Returns
     -------
     SafetensorsExport
-        The files written and each tensor's file.
+        The files written, each tensor's file, and the ties left out (``tied``).
 
     Raises
     ------
+    OutputExistsError
+        ``directory`` holds an export already and ``overwrite`` is false (a ``FileExistsError`` too).
     ArgumentError
         A bad argument, a step of another kind (a Hugging Face Trainer's files), no tensor with ``prefix``.
     StepNotFoundError
@@ -232,24 +249,31 @@ def export_safetensors(source: TieredStore | Sequence[AnyTier], directory: str |
         No tier holds a verified copy of a needed entry, or the folder cannot be written.
     """
     what = "export_safetensors directory"
-    folder = Destination(directory, what, storage_options)
+    if file_mode is not None and (not isinstance(file_mode, int) or isinstance(file_mode, bool)
+                                  or not 0 <= file_mode <= 0o777):
+        raise ArgumentError(f"file_mode must be permission bits such as 0o644, got {_args.shown(file_mode)}")
+    folder = Destination(directory, what, storage_options, file_mode)
+    ties = check_ties(tie)
     step = _args.optional_step(step)
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     if prefix is not None and not isinstance(prefix, str):
         raise ArgumentError(f"prefix must be a str such as 'model.', got {_args.shown(prefix)}")
     data = None if config is None else config_bytes(config)  # read and checked before anything is written
+    if ties and data is not None and json.loads(data).get("tie_word_embeddings", True) is False:
+        raise ArgumentError(f"config says tie_word_embeddings: false, so from_pretrained would not tie "
+                            f"{', '.join(f'{a}={b}' for a, b in ties.items())}: drop the tie or fix the config")
     if isinstance(source, TieredStore):
-        return _export(source, folder, step, tiers, prefix, cast, limit, data, overwrite, progress)
+        return _export(source, folder, step, tiers, prefix, cast, limit, data, overwrite, progress, ties)
     from ..ranks.groups import SingleProcess
 
     with TieredStore(list(source), group=SingleProcess(), cleanup=False, background_bandwidth=None) as store:
-        return _export(store, folder, step, tiers, prefix, cast, limit, data, overwrite, progress)
+        return _export(store, folder, step, tiers, prefix, cast, limit, data, overwrite, progress, ties)
 
 
 def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Sequence[str] | None,
             prefix: str | None, cast: torch.dtype | None, limit: int, config: bytes | None, overwrite: bool,
-            progress: Callable[[int], None] | None) -> SafetensorsExport:
+            progress: Callable[[int], None] | None, ties: Mapping[str, str]) -> SafetensorsExport:
     names = _args.names(tiers, "tiers", [t.name for t in store.tiers])
     held = store.common_steps(names)
     if step is None:
@@ -261,6 +285,10 @@ def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Se
                                 f"{held[-10:]}")
     found = steptensors.tensors(store, step, names)
     wanted = _select(found, prefix, step)
+    rename = {t.name: _strip(t.name, prefix) for t in wanted}
+    if ties:
+        dropped = left_out(store, step, names, wanted, rename, ties)
+        wanted = [t for t in wanted if t.name not in dropped]
     out_dtype = {t.name: cast if cast is not None and t.dtype.is_floating_point else t.dtype for t in wanted}
     bad = sorted({str(d) for d in out_dtype.values() if d not in DTYPES})
     if bad:
@@ -271,13 +299,11 @@ def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Se
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     old = [n for n in folder.names() if _SHARD.match(n) or n == INDEX]
     if old and not overwrite:
-        raise FileExistsError(f"{folder.where} already holds an export ({sorted(old)[0]}); pass overwrite=True "
-                              "(--overwrite) to replace it")
+        raise OutputExistsError(f"{folder.where} already holds an export ({sorted(old)[0]})")
     folder.prepare()
     for n in old:
         folder.remove(n)
     by_name = {t.name: t for t in wanted}
-    rename = {t.name: _strip(t.name, prefix) for t in wanted}
     weight_map: dict[str, str] = {}
     for file, shard in zip(files, shards):
         got = steptensors.read(store, step, names, [by_name[n] for n in shard], progress)
@@ -292,7 +318,8 @@ def _export(store: TieredStore, folder: Destination, step: int | None, tiers: Se
     if len(files) > 1:  # last: the folder is complete
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         folder.write(INDEX, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-    return SafetensorsExport(step, folder.where, files + ([INDEX] if len(files) > 1 else []), weight_map, total)
+    return SafetensorsExport(step, folder.where, files + ([INDEX] if len(files) > 1 else []), weight_map, total,
+                             dict(ties))
 
 
 def _select(found: list[steptensors.Tensor], prefix: str | None, step: int) -> list[steptensors.Tensor]:

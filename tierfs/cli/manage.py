@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..util import args as _args
 from ..tiers.rootdir import check_local_url
 from ..util.readable import duration, rate, size
-from ..errors import TierfsError, TierUnavailableError
+from ..errors import OutputExistsError, TierfsError, TierUnavailableError
 from ..tiers.base import Tier
 from ..tiers.capabilities import LocalFiles
 from . import UsageError
@@ -192,8 +192,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                          "--safetensors (a Hugging Face safetensors folder)")
     if args.safetensors:
         return _export_safetensors(args)
-    if args.prefix is not None or args.dtype is not None or args.max_shard_size is not None or args.config:
-        raise UsageError("--prefix, --dtype, --max-shard-size and --config go with --safetensors")
+    if args.prefix is not None or args.dtype is not None or args.max_shard_size is not None or args.config or \
+            args.tie or args.mode is not None:
+        raise UsageError("--prefix, --dtype, --max-shard-size, --config, --tie and --mode go with --safetensors")
     try:
         from ..adapters.dcp.export import check_directory
         from ..adapters.dcp import export_dcp
@@ -232,6 +233,8 @@ def _export(args: argparse.Namespace, write: Callable[[Any, Any, Any, Any], Any]
             bar: Any = progress_bar(total, f"export step {step}", args)
             try:
                 out = write(store, step, chosen, bar.update if bar else None)
+            except OutputExistsError as e:
+                raise e.on_command_line("--overwrite") from None
             finally:
                 if bar is not None:
                     bar.close()
@@ -240,15 +243,28 @@ def _export(args: argparse.Namespace, write: Callable[[Any, Any, Any, Any], Any]
     return out, time.perf_counter() - t0
 
 
+def _file_mode(text: str) -> int:
+    """``--mode``'s octal permission bits (``644``, ``0o640``)."""
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise UsageError(f"--mode must be octal permission bits such as 644 or 600, got {text!r}")
+    return mode
+
+
 def _export_safetensors(args: argparse.Namespace) -> int:
     """``tierfs export --safetensors``: the step's tensors as ``*.safetensors`` shards and their index."""
     try:
         from ..adapters.safetensors import export_safetensors, parse_size
     except ImportError as e:
         raise TierfsError(f"export --safetensors needs torch ({e}); pip install 'tierfs[torch]'") from None
-    from ..adapters.safetensors import Destination, config_bytes, parse_dtype
+    from ..adapters.safetensors import Destination, check_ties, config_bytes, parse_dtype
 
     limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size is not None else "5GB"
+    ties = check_ties(args.tie, "--tie") if args.tie else None
+    mode = _file_mode(args.mode) if args.mode is not None else None
     parse_dtype(args.dtype)
     if args.config is not None:
         config_bytes(args.config)  # --config read and checked before any tier is opened or anything written
@@ -256,7 +272,8 @@ def _export_safetensors(args: argparse.Namespace) -> int:
     Destination(args.directory, "DIR", dst_opts)  # never a system directory, before any tier is read
     out, dt = _export(args, lambda store, step, chosen, progress: export_safetensors(
         store, args.directory, step, tiers=chosen, prefix=args.prefix, dtype=args.dtype, max_shard_size=limit,
-        config=args.config, overwrite=args.overwrite, storage_options=dst_opts, progress=progress))
+        config=args.config, overwrite=args.overwrite, storage_options=dst_opts, progress=progress, tie=ties,
+        file_mode=mode))
     print(f"exported step {out.step} to {out.directory}: {len(out.weight_map)} tensors in "
           f"{len(out.files) - (len(out.files) > 1)} .safetensors file(s), {size(out.total_size)} in {duration(dt)} "
           f"({rate(out.total_size, dt)}); load it with safetensors.torch.load_file or from_pretrained")
@@ -325,6 +342,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE", help="--safetensors: the most bytes per file (default "
                                                             "5GB; 500MB, 2GiB)")
     p.add_argument("--config", metavar="FILE", help="--safetensors: a config.json to write beside the tensors")
+    p.add_argument("--tie", metavar="A=B", action="append", help="--safetensors: A is tied to B (e.g. "
+                   "lm_head.weight=model.embed_tokens.weight): written once, as B, as save_pretrained does; repeat "
+                   "for more")
+    p.add_argument("--mode", metavar="OCTAL", help="--safetensors: the files' permissions (default: 666 less the "
+                   "umask, 644 usually; a model folder is for others to read)")
     p.add_argument("--dst-storage-options", metavar="JSON", help="--safetensors: storage options for a URL DIR")
     p.add_argument("-O", dest="dst_option", action="append", metavar="KEY=VALUE",
                    help="--safetensors: one storage option for a URL DIR (repeatable)")

@@ -56,11 +56,12 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], data: Source, *, fsync: bool = True) -> None:
+def atomic_write(path: str | os.PathLike[str], data: Source, *, fsync: bool = True, mode: int | None = None) -> None:
     """Write ``path`` whole or not at all.
 
     ``data`` is a bytes-like object (written straight from its buffer, no copy) or a function that
-    writes into the open temporary file. The temporary file is removed on any failure.
+    writes into the open temporary file. The temporary file is removed on any failure. The file is
+    private to its owner (:data:`FILE_MODE`) unless ``mode`` says otherwise (set before it is renamed).
     """
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
@@ -72,6 +73,8 @@ def atomic_write(path: str | os.PathLike[str], data: Source, *, fsync: bool = Tr
             else:
                 f.write(memoryview(data).cast("B"))
             f.flush()
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             if fsync:
                 os.fsync(f.fileno())
         _hooks.at("rename", path=path)
@@ -110,3 +113,16 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def shared_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file: 0o666 less the process's umask (0o644 with the
+    usual umask of 0o022), read from ``/proc/self/status`` where Linux says it (no change to the umask)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o644

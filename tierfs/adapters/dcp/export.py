@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ...util import args as _args
 from ...util.fileio import atomic_write
 from ...tiers.rootdir import KERNEL_FS, SYSTEM_DIRS, SYSTEM_TREES, filesystem_type
-from ...errors import ArgumentError, StepNotFoundError, TierfsError
+from ...errors import ArgumentError, OutputExistsError, StepNotFoundError, TierfsError
 from ...format import DCP_EXTRA_PREFIX
 from ...store import TieredStore
 from . import extra as _extra
@@ -119,7 +119,7 @@ def export_dcp(store: TieredStore, directory: str | os.PathLike, step: int | Non
     meta_path = os.path.join(directory, ".metadata")
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(meta_path) and not overwrite:
-        raise FileExistsError(f"{directory} already holds a DCP checkpoint (.metadata); pass overwrite=True")
+        raise OutputExistsError(f"{directory} already holds a DCP checkpoint (.metadata)")
 
     # the global metadata, rebuilt from the coordinator's manifest (JSON, no pickle), as TieredReader does
 
