@@ -2,7 +2,7 @@
 member's shard (a restore). See :mod:`tierfs.tiers.erasure` for what they keep and why.
 
 Both move pieces block by block in rounds of :meth:`~tierfs.ranks.groups.TorchGroup.exchange`, each block
-followed by a tail (:func:`~tierfs.tiers.erasure.seal`) its receiver checks. A member that cannot read a
+followed by a tail (:func:`~tierfs.tiers._stripes.seal`) its receiver checks. A member that cannot read a
 piece still sends its blocks, marked bad, so every round keeps its shape and no rank waits for bytes.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 
@@ -20,13 +20,32 @@ from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
 from . import _erasure
-from ._stripes import Payload, Stripes, pack, split, unpack
+from ._stripes import PARITY, STRIPES, TAIL, Payload, Stripes, check_block, pack, seal, split, unpack
 from .base import Fetched, Pace
 
 if TYPE_CHECKING:
-    from .erasure import ErasureCodedTier
+    from .memory import MemoryTier
 
 log = logging.getLogger("tierfs")
+
+
+class ErasureCodedTier(Protocol):
+    """What the two exchanges use of an :class:`~tierfs.tiers.erasure.ErasureCodedTier` (which calls
+    them): its place in its group, its code and block size, and what it keeps."""
+
+    name: str
+    rank: int
+    parity: int
+    block: int  # bytes of a piece moved and checked at a time
+
+    @property
+    def local(self) -> MemoryTier: ...
+
+    def members(self, rank: int | None = None) -> list[int]: ...
+
+    def own_payload(self, step: int) -> Payload: ...
+
+    def kept(self, step: int) -> tuple[Stripes, dict[str, Any], np.ndarray]: ...
 
 
 @functools.lru_cache(maxsize=8)
@@ -57,8 +76,6 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
                  only: set[int] | None, pace: Pace | None, error: str | None) -> tuple[dict[int, str | None], bool]:
     """This rank's part of computing its group's parity of ``step``; returns ``({member: error}, whether this
     rank wrote pieces)``. ``only``: the ranks that compute theirs (None: all)."""
-    from .erasure import PARITY, STRIPES, TAIL, check_block, seal
-
     members = tier.members()
     if only is not None and not only & set(members):
         return {}, False  # a re-seed of another group
@@ -152,8 +169,6 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
 def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int, int]) -> Fetched | str | None:
     """This rank's part of rebuilding its group's members in ``assign``: the rebuilt shard on such a
     member (or why it failed), None on the others."""
-    from .erasure import TAIL, check_block, seal
-
     members = tier.members()
     lost = sorted(q for q in assign if q in members)
     if not lost:

@@ -11,6 +11,10 @@ other node holds, in name order, zero-padded to the group's longest) is cut into
 of ``chunk`` bytes. There are ``m`` stripes; stripe ``j``'s parity pieces are kept by members ``j, j+1, ...,
 j+parity-1`` (mod ``m``), and its ``d`` data pieces are one chunk of each other member, in member order. So
 every member keeps ``parity`` pieces of ``chunk`` bytes: ``parity/d`` of a payload.
+
+**Blocks.** Pieces move :data:`BLOCK` bytes at a time, each followed on the wire by a tail of :data:`TAIL`
+bytes (:func:`seal`) that its receiver checks (:func:`check_block`). A member keeps its parity pieces of a
+step in :data:`PARITY`, and beside them the stripes record in :data:`STRIPES`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FormatError, TierfsError
+from ..errors import ChecksumError, FormatError, TierfsError
+from ..format import crc32c
 
 #: bytes of a piece moved (and checksummed) at a time: the working buffers are a few of these per stripe
 BLOCK = 4 << 20
+#: bytes after every block on the wire: its crc32c (uint32), whether it is good (1), padding
+TAIL = 8
+#: what a member keeps of a step: its parity pieces, and the stripes record (with each parity block's crc32c)
+PARITY, STRIPES = "parity.bin", "stripes.json"
 
 
 def ec_groups(nodes: Sequence[int], data: int, parity: int) -> list[list[int]]:
@@ -173,3 +182,23 @@ def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
         return record, blobs
     except (ValueError, KeyError, TypeError) as e:
         raise FormatError(f"malformed message from a group member: {e}") from None
+
+
+def check_block(data: np.ndarray, tail: np.ndarray, what: str, crc: bool = True) -> None:
+    """Raise ChecksumError unless a received block's tail says it is good and (``crc``) its crc32c matches."""
+    if tail[4] != 1:
+        raise ChecksumError(f"{what}: its sender could not read it")
+    if not crc:
+        return
+    want = int(tail[:4].view(np.uint32)[0])
+    got = crc32c(data)
+    if got != want:
+        raise ChecksumError(f"{what}: checksum mismatch (sent {want:#010x}, received {got:#010x})")
+
+
+def seal(buf: np.ndarray, n: int, ok: bool) -> None:
+    """Write the tail of a block of ``n`` bytes at the start of ``buf``: its crc32c and whether it is good."""
+    buf[n:n + TAIL] = 0
+    buf[n:n + 4].view(np.uint32)[0] = crc32c(buf[:n]) if ok else 0
+    buf[n + 4] = 1 if ok else 0
+

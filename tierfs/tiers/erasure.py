@@ -30,20 +30,17 @@ import numpy as np
 from ..util import args as _args
 from ..format import blockio as _blocks
 from ..util.stages import describe, operation
-from ..errors import ArgumentError, ChecksumError, TierfsError
-from ..format import Manifest, crc32c, manifest_filename
+from ..errors import ArgumentError, TierfsError
+from ..format import Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from ..ranks.agree import any_rank
 from . import _erasure
-from ._stripes import BLOCK, Payload, Stripes, ec_groups
+from ._stripes import BLOCK, PARITY, STRIPES, Payload, Stripes, ec_groups
 from ._kept import KeptInRam
 from .base import FailedCopy, Fetched, Pace, ReceiveInto, Tier
 from .memory import MemoryTier
 
 log = logging.getLogger("tierfs")
-
-PARITY, STRIPES = "parity.bin", "stripes.json"
-TAIL = 8  # bytes after every block on the wire: its crc32c (uint32), whether it is good (1), padding
 
 __all__ = ["ErasureCodedTier"]
 
@@ -213,23 +210,3 @@ def _agree(g: Any, errors: Mapping[int, str | None]) -> list[FailedCopy]:
     if not any_rank(g, bool(mine)):
         return []
     return [(int(s), int(t), str(why)) for part in g.all_gather(mine) for s, t, why in part]
-
-
-def check_block(data: np.ndarray, tail: np.ndarray, what: str, crc: bool = True) -> None:
-    """Raise ChecksumError unless a received block's tail says it is good and (``crc``) its crc32c matches."""
-    if tail[4] != 1:
-        raise ChecksumError(f"{what}: its sender could not read it")
-    if not crc:
-        return
-    want = int(tail[:4].view(np.uint32)[0])
-    got = crc32c(data)
-    if got != want:
-        raise ChecksumError(f"{what}: checksum mismatch (sent {want:#010x}, received {got:#010x})")
-
-
-def seal(buf: np.ndarray, n: int, ok: bool) -> None:
-    """Write the tail of a block of ``n`` bytes at the start of ``buf``: its crc32c and whether it is good."""
-    buf[n:n + TAIL] = 0
-    buf[n:n + 4].view(np.uint32)[0] = crc32c(buf[:n]) if ok else 0
-    buf[n + 4] = 1 if ok else 0
-
