@@ -124,11 +124,11 @@ def test_a_job_of_three_nodes_goes_back_on_every_rank(shm_dir, tmp_path):
         assert r["steps"] == {"3": ["file"], "6": ["file"], "7": ["ram"], "8": ["ram", "peer"]}, r
     again = run_job(3, CHILDREN / "timeline_child.py", shm_dir, obj, "resume")
     assert [(r["step"], r["run"], r["exact"]) for r in again] == [(8, 2, True)] * 3
-    for r in again:  # the manager restores once: the store's restore, its plan to pick the step, a DCP check
+    for r in again:  # the manager restores once: the store's restore, its plan gathered once, a DCP check
         step, run, exact, calls, reads, _ = r["manager"]
         store_calls, store_reads, plan_calls = r["store_cost"]
         assert (step, run, exact) == (8, 2, True) and reads == store_reads == 1, r
-        assert calls == store_calls + plan_calls + 1, r
+        assert plan_calls > 0 and calls == store_calls + 1, r
     shutil.rmtree(Path(shm_dir) / "node1")  # replaced: its shard of step 8 is only on its peer
     again = run_job(3, CHILDREN / "timeline_child.py", shm_dir, obj, "resume")
     assert [r["manager"][:3] for r in again] == [[8, 2, True]] * 3

@@ -22,7 +22,6 @@ import numpy as np
 import torch.distributed as dist
 
 from tierfs import CheckpointManager, TieredStore
-from tierfs.adapters import _restoring
 from tierfs.errors import TierfsError
 from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.testing import hooks
@@ -107,7 +106,7 @@ def main() -> None:
             for step in (7, 8):
                 store.save(step, state_for(rank, step, 2))
         else:
-            _, plan_calls, _ = cost(lambda: _restoring.plan(store, [t.name for t in store.tiers]))
+            _, plan_calls, _ = cost(lambda: store.restore_plan([t.name for t in store.tiers]))
             (got, info), calls, reads = cost(store.restore)
             out["store_cost"] = [calls, reads, plan_calls]
             want = state_for(rank, info.step, got["run"])

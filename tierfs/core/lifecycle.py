@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Protocol
 
 from .. import metrics as _metrics
 from ..util import readable as _readable
@@ -37,9 +37,6 @@ from ..ranks.nodes import observe
 from ..ranks.pool import POOL, Lease
 from ..tiers.base import AnyTier, Replicator, Tier
 from ..tiers.capabilities import LocalFiles, SharedDirectory, SharedStore
-
-if TYPE_CHECKING:
-    from ..store import TieredStore
 
 log = logging.getLogger("tierfs")
 
@@ -191,11 +188,25 @@ def _idle(worker: Worker) -> bool:
     return q is None or not q.unfinished_tasks
 
 
+class Store(Protocol):
+    """What the exit finishes of a :class:`~tierfs.TieredStore`: its context, whether it is closed, raising
+    its background failures, closing it."""
+
+    _ctx: Context
+    _closed: bool
+
+    def raise_background_errors(self) -> None:
+        """Raise the first error background work hit since the last call, if any."""
+
+    def close(self) -> None:
+        """Finish background work, then release every tier."""
+
+
 class StoreWork:
     """A store's background work at exit (:class:`tierfs.util.exitwork.Work`): the steps whose commit or copies
     are unfinished, and the jobs its workers still have."""
 
-    def __init__(self, store: "TieredStore") -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self.ctx: Context = store._ctx
 
@@ -279,7 +290,7 @@ class StoreWork:
             log.warning("tierfs: at exit, closing the store failed (%s)", short(e, with_type=True))
 
 
-def exit_work(store: "TieredStore") -> StoreWork | None:
+def exit_work(store: Store) -> StoreWork | None:
     """The store's work at exit; None once it is closed."""
     return None if store._closed else StoreWork(store)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import Any, Callable, Mapping, Protocol, cast
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from ...errors import ArgumentError, RestoreError, StateMismatchError, TierfsErr
 from ...format import DCP_EXTRA_PREFIX, dcp_entry_name
 from ...store import RestoreInfo, TieredStore
 from .. import _torchstate as ts
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
 
 log = logging.getLogger("tierfs")
 
@@ -48,6 +45,32 @@ class Plan:
     entries: list[tuple[str, str, bool]]  # (entry name, fqn, whether it is a DTensor's local shard)
     metadata: st.Trusted  # this rank's manifest metadata (the coordinator's holds DCP's Metadata), checked once
     sharing: Any = None  # the items other ranks hold too (TieredWriter.sharing), the same object every save
+
+
+class _Options(Protocol):
+    @property
+    def enable_async_checkpointing(self) -> bool: ...
+
+
+class Manager(Protocol):
+    """What :func:`save` uses of the :class:`~tierfs.CheckpointManager` it saves for."""
+
+    _dcp_plan: Plan | None  # the last DCP save's plan, replayed for the same structure
+
+    @property
+    def store(self) -> TieredStore: ...
+
+    @property
+    def options(self) -> _Options: ...
+
+    @property
+    def overlap(self) -> Any: ...
+
+    def _replaces(self, step: int) -> bool:
+        """Whether an existing ``step`` is saved again."""
+
+    def _before(self) -> str:
+        """Which run saved the existing step, for the log."""
 
 
 def structure(flat: Mapping[str, Any]) -> list[Any] | None:
@@ -101,7 +124,7 @@ def _shown(path: list[Any]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
-def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
+def save(mgr: Manager, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
          force: bool, preempted: bool) -> bool:
     """``dcp.save`` of the state's tensors through TieredWriter; the rest as JSON/arrays beside them.
     A state of the structure saved before is written with the previous save's plan (see :class:`Plan`).
@@ -165,10 +188,12 @@ def save(mgr: "CheckpointManager", step: int, state: Mapping[str, Any], metrics:
     return bool(writer.saved)
 
 
-def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tiers: list[str]
-            ) -> tuple[Any, RestoreInfo]:
+def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tiers: list[str],
+            into: Callable[[Mapping[str, Any]], RestoreInfo]) -> tuple[Any, RestoreInfo]:
     """``dcp.load`` of a step saved by :func:`save`, in place when ``state`` is given. Returns the step (with
-    ``state``) or the restored state, and what the restore did."""
+    ``state``) or the restored state, and what the restore did. ``into({entry: tensor})``: the store's
+    restore of the step through the manager's plan, when every tensor of the target is a whole entry of the
+    rank's own shard (no DCP planning then)."""
     import torch.distributed.checkpoint as dcp
 
     from .reader import TieredReader, check_target
@@ -210,7 +235,7 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
         raise ts.Unusable([(",".join(tiers), step, f"rank {r}: {why}") for r, (_, why, _) in failed.items()])
     assert saved is not None
     if direct is not None and all(v[1] for v in views):  # every rank's tensors are whole entries of its shard
-        info = store.restore_into(direct, step, tiers=tiers)  # collective; a RestoreError tries an older step
+        info = into(direct)  # collective; a RestoreError tries an older step
         for path, value in saved.plain:
             ts.assign(state, path, ts.decode(value, saved.arrays))
         info.metrics, info.seconds = dict(saved.metrics), time.perf_counter() - t0

@@ -66,8 +66,9 @@ def reseed(ctx: Context, rep: Replicator, s: int, plan: RestorePlan, shard: Shar
     """After restoring the newest step ``s``, give ranks that lost their replicas the copies they kept for
     others again: in the background, on the replicator's copy worker (every rank submits it here, in the
     same order), so the restore returns as soon as the state is in place."""
-    if any(step > s for step, _ in plan.holders):
-        return  # peers keep a newer step: that one matters
+    if any(step > s for step, _ in plan.holders) or s in plan.reseeded:
+        return  # peers keep a newer step: that one matters; or a restore of this plan re-seeded it already
+    plan.reseeded.add(s)
     pairs = plan.lost_replicas(s, rep.targets)
     if not pairs:
         return

@@ -62,9 +62,13 @@ class Restore:
         self.bundles = Bundles(ctx, rep)
         self.skipped: Skipped = []
 
-    def run(self, step: int | None, adopt: bool = False) -> RestoreInfo:
-        with operation("restore"):  # what a wait outside a stage says it waited in
-            plan = gather_plan(self.ctx, self.usable, self.check, self.base)
+    def run(self, step: int | None, adopt: bool = False, plan: RestorePlan | None = None) -> RestoreInfo:
+        """Restore ``step`` (None: the newest every rank can get, else older ones), choosing from ``plan``
+        (default: gathered now; a caller restoring several times over one plan gathers it once and notes
+        in it what each restore changed, see :mod:`.session`)."""
+        if plan is None:
+            with operation("restore"):  # what a wait outside a stage says it waited in
+                plan = gather_plan(self.ctx, self.usable, self.check, self.base)
         names = [t.name for t in self.usable]
         leave = self.sink is not None and not adopt  # localize: every rank's first tier before returning
         for s in plan.steps(step, names):

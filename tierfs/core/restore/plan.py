@@ -37,6 +37,8 @@ class RestorePlan:
     fast: list[set[int]] = field(default_factory=list)  # the steps each rank holds before the replicator
     #: why the replicator cannot give back shards of a step (e.g. a group that lost more than its parity)
     notes: dict[int, str] = field(default_factory=dict)
+    #: the steps whose lost replicas a restore of this plan sent again (:func:`~.after.reseed`): once
+    reseeded: set[int] = field(default_factory=set)
 
     @property
     def every(self) -> set[int]:
@@ -64,6 +66,31 @@ class RestorePlan:
                 raise lost
             raise StepNotFoundError(f"nothing to restore: no committed step on {list(tiers)}")
         return sorted(common, reverse=True)
+
+    def candidates(self, step: int | None, tiers: Sequence[str]) -> list[int]:
+        """The steps to try, newest first: ``[step]`` when given, else every step each rank can get; none
+        when no rank holds a step (and no ``step`` is given). Raises as :meth:`steps` does, also when
+        ``step`` is given and ranks hold steps none of which every rank can get."""
+        if not self.every and step is None:
+            return []
+        steps = self.steps(None, tiers) if self.every else []  # lost steps are an error, also when step is given
+        return steps if step is None else self.steps(step, tiers)
+
+    def not_in_ram(self, step: int) -> bool:
+        """Whether some rank's RAM (the tiers before the peer tier) lacks ``step``. The same on every rank;
+        never true without a peer tier among the tiers read (every tier counts as RAM then)."""
+        return any(step not in fast for fast in self.fast)
+
+    def only_at_peers(self, step: int) -> bool:
+        """Whether some rank can get its shard of ``step`` only from a peer (none of its own tiers holds it)."""
+        return any(step not in own for own in self.own)
+
+    def localized(self, step: int) -> None:
+        """Note that every rank's shard of ``step`` was brought into its RAM (a restore that localized it):
+        a later restore of this plan reads it there (a rank whose copy is not there after all gets it from
+        a peer then, as any rank whose own copy fails)."""
+        for held in self.own + self.fast:
+            held.add(step)
 
     def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
         """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
