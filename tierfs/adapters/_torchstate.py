@@ -5,6 +5,9 @@ strings, lists, tuples, dicts, bytes, numpy arrays) is kept out of DCP, which wo
 per rank beside the rank's DCP items: one JSON entry (the index) plus one array entry per numpy array.
 :func:`split` separates the two, :func:`extra` encodes the rest and :func:`decode`/:func:`assign` put it
 back; :func:`run_dcp` calls DCP so that a rank's failure comes out as the original exception.
+
+:func:`encode` and :func:`decode` are tierfs's one encoding of such values as JSON and arrays; a data
+loader's state (:mod:`tierfs.adapters.loaderstate`) is stored with them too.
 """
 
 from __future__ import annotations
@@ -123,54 +126,143 @@ def key(path: Sequence[Any]) -> tuple[tuple[str, str], ...]:
     return tuple((type(k).__name__, str(k)) for k in path)
 
 
-def encode(v: Any, arrays: list[np.ndarray], path: Sequence[Any]) -> Any:
-    """A JSON value that :func:`decode` turns back into ``v`` exactly (types included)."""
+#: the tags of the JSON objects :func:`encode` makes for what JSON alone would lose
+_TAGS = ("$f", "$t", "$d", "$b", "$a", "$T")
+
+
+def encode(v: Any, arrays: list[np.ndarray], where: str) -> Any:
+    """A JSON value :func:`decode` turns back into ``v``, types included, without pickle.
+
+    Parameters
+    ----------
+    v : object
+        None, bool, int, float, str, bytes, a numpy array or scalar, a torch tensor, or a list, tuple or
+        dict (any keys, in order) of them.
+    arrays : list of numpy.ndarray
+        Where the arrays and tensors in ``v`` go (appended, each contiguous and 1-d; a tensor as its
+        bytes, ``uint8``); the JSON value names them by their index in it.
+    where : str
+        How errors name ``v``; an element's name adds its index or key.
+
+    Returns
+    -------
+    object
+        A JSON value: tuples as ``{"$t": [...]}``, dicts as ``{"$d": [[key, value], ...]}``, non-finite
+        floats as ``{"$f": "nan"}``, bytes as ``{"$b": base64}``, arrays as ``{"$a": i, "dtype": ...,
+        "shape": ..., "scalar": ...}``, tensors as ``{"$T": i, "dtype": ..., "shape": ...}``.
+
+    Raises
+    ------
+    ArgumentError
+        ``v`` holds a value of another type (named by ``where``), a tensor subclass, or an array of a
+        dtype the store cannot hold.
+    """
     if v is None or isinstance(v, (bool, str)):
         return v
     if isinstance(v, int):
         return int(v)
     if isinstance(v, float):
         return float(v) if math.isfinite(v) else {"$f": repr(float(v))}
-    if isinstance(v, list):
-        return [encode(x, arrays, path) for x in v]
-    if isinstance(v, tuple):
-        return {"$t": [encode(x, arrays, path) for x in v]}
-    if isinstance(v, Mapping):
-        return {"$d": [[encode(k, arrays, path), encode(x, arrays, path)] for k, x in v.items()]}
-    if isinstance(v, (bytes, bytearray)):
+    torch = _torch()
+    if torch is not None and isinstance(v, torch.Tensor):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            raise ArgumentError(f"{where}: a {type(v).__name__} cannot be stored without pickle; give plain "
+                                "tensors")
+        leaf = st.to_leaf(where, v)  # the store's dtype allowlist; detached, on the CPU, contiguous
+        assert leaf.data is not None
+        arrays.append(leaf.data)
+        return {"$T": len(arrays) - 1, "dtype": leaf.dtype, "shape": list(leaf.shape)}
+    if isinstance(v, (bytes, bytearray, memoryview)):
         return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
-    if isinstance(v, (np.ndarray, np.generic)):
+    if isinstance(v, (np.ndarray, np.generic)):  # (numpy's bytes_ is bytes, above)
         a = np.asarray(v)
-        st.check_leaf(fqn(path), a)  # numeric dtypes only, named by the user's key
-        arrays.append(a)
-        return {"$a": len(arrays) - 1, "shape": list(a.shape), "scalar": isinstance(v, np.generic)}
-    raise ArgumentError(f"{fqn(path)!r}: cannot store a {type(v).__name__} without pickle; use tensors, numpy "
-                    "arrays, numbers, strings, bytes, or lists/tuples/dicts of them")
-
-
-def decode(v: Any, arrays: Mapping[int, np.ndarray]) -> Any:
+        st.check_leaf(where, a)  # numeric dtypes only
+        arrays.append(np.ascontiguousarray(a).reshape(-1))
+        return {"$a": len(arrays) - 1, "dtype": a.dtype.str, "shape": list(a.shape),
+                "scalar": isinstance(v, np.generic)}
     if isinstance(v, list):
-        return [decode(x, arrays) for x in v]
+        return [encode(x, arrays, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, tuple):
+        return {"$t": [encode(x, arrays, f"{where}[{i}]") for i, x in enumerate(v)]}
+    if isinstance(v, Mapping):
+        return {"$d": [[encode(k, arrays, f"{where} (a key)"), encode(x, arrays, f"{where}[{k!r}]")]
+                       for k, x in v.items()]}
+    raise ArgumentError(f"{where}: cannot store a value of type {type(v).__name__} without pickle; use tensors, "
+                        "numpy arrays, numbers, strings, bytes, None, or lists, tuples and dicts of them")
+
+
+def decode(v: Any, arrays: Mapping[int, np.ndarray], what: str = "a saved state") -> Any:
+    """The value :func:`encode` encoded (tensors as new torch tensors, arrays as new numpy arrays).
+
+    Also reads the arrays of the older record form, ``{"$a": i, "shape": ..., "scalar": ...}`` without a
+    dtype, whose array ``i`` is the array itself (in its dtype; a 0-d one kept 1-d): the manager's values
+    beside the DCP items were written so before there was one encoder.
+
+    Parameters
+    ----------
+    v : object
+        The JSON value (after a round trip through JSON or not).
+    arrays : mapping of int to numpy.ndarray
+        The arrays ``v`` names, by index.
+    what : str
+        How errors name the saved state.
+
+    Raises
+    ------
+    FormatError
+        ``v`` is damaged, names an array ``arrays`` lacks, or uses an encoding this version does not read.
+    """
+    if isinstance(v, list):
+        return [decode(x, arrays, what) for x in v]
     if not isinstance(v, dict):
         return v
-    if "$f" in v:
-        return float(v["$f"])
-    if "$t" in v:
-        return tuple(decode(x, arrays) for x in v["$t"])
-    if "$d" in v:
-        return {decode(k, arrays): decode(x, arrays) for k, x in v["$d"]}
-    if "$b" in v:
-        return base64.b64decode(v["$b"])
-    if "$a" in v:
-        a = arrays[int(v["$a"])].reshape(tuple(v["shape"]))  # the store keeps 0-d arrays as 1-d
-        return a[()] if v.get("scalar") else a
-    raise StateMismatchError(f"unknown value encoding {sorted(v)!r} in the checkpoint")
+    tag = next((t for t in _TAGS if t in v), None)
+    try:
+        if tag == "$f":
+            return float(v["$f"])
+        if tag == "$t":
+            return tuple(decode(x, arrays, what) for x in v["$t"])
+        if tag == "$d":
+            return {_hashable(decode(k, arrays, what)): decode(x, arrays, what) for k, x in v["$d"]}
+        if tag == "$b":
+            return base64.b64decode(v["$b"])
+        if tag == "$a" and "dtype" not in v:  # the older form: the array itself
+            a = _array(arrays, v["$a"], what).reshape(tuple(v["shape"]))  # the store keeps 0-d arrays as 1-d
+            return a[()] if v.get("scalar") else a
+        if tag == "$a":
+            a = _bits(arrays, v["$a"], what).view(np.dtype(str(v["dtype"]))).reshape(tuple(v["shape"])).copy()
+            st.check_leaf(f"an array of {what}", a)
+            return a[()] if v.get("scalar") else a
+        if tag == "$T":
+            t, raw = st.allocate("torch", str(v["dtype"]), v["shape"])  # validates the dtype
+            bits = _bits(arrays, v["$T"], what)
+            if bits.size != raw.size:
+                raise FormatError(f"a tensor of {what} holds {bits.size} bytes, its dtype and shape need {raw.size}")
+            raw[...] = bits
+            return t
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise FormatError(f"{what} is damaged ({type(e).__name__}: {e})") from None
+    raise FormatError(f"unknown value encoding {sorted(v)!r} in {what}")
+
+
+def _array(arrays: Mapping[int, np.ndarray], i: Any, what: str) -> np.ndarray:
+    if int(i) not in arrays:
+        raise FormatError(f"{what} names array {i!r}, which the step lacks")
+    return arrays[int(i)]
+
+
+def _bits(arrays: Mapping[int, np.ndarray], i: Any, what: str) -> np.ndarray:
+    return np.ascontiguousarray(_array(arrays, i, what)).reshape(-1).view(np.uint8)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
 
 
 def extra(parts: Split) -> dict[str, Any]:
     """The entries TieredWriter(extra=...) stores for this rank: the index and the numpy arrays."""
     arrays: list[np.ndarray] = []
-    plain = [[p, encode(v, arrays, p)] for p, v in parts.plain]
+    plain = [[p, encode(v, arrays, repr(fqn(p)))] for p, v in parts.plain]
     index = [INDEX_FORMAT, 1, plain, parts.lists, [[f, p] for f, p in parts.paths.items()]]
     for i, a in enumerate(arrays):
         st.to_leaf(f"a{i}", a)  # numeric dtypes only

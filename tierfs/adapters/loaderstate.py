@@ -5,13 +5,13 @@ A ``torchdata.stateful_dataloader.StatefulDataLoader``, or any object with ``sta
 rank and given back its state when the step is restored, so a job resumed mid-epoch sees exactly the
 batches an uninterrupted run would see next.
 
-How it is stored: each object's ``state_dict()`` is encoded as one JSON value (:func:`encode`) plus one
-array per tensor or numpy array in it; nothing is pickled. The JSON keeps what JSON alone would lose:
-tuples (``{"$t": [...]}``), dicts with any keys in order (``{"$d": [[key, value], ...]}``), non-finite
-floats (``{"$f": "nan"}``), bytes (``{"$b": base64}``), numpy arrays and scalars (``{"$a": i, ...}``) and
-torch tensors (``{"$T": i, "dtype": ..., "shape": ...}``, their bytes as a ``uint8`` array, any dtype,
-bfloat16 included). A value of another type is an :class:`~tierfs.errors.ArgumentError` naming its key
-before anything is written.
+How it is stored: each object's ``state_dict()`` is encoded as one JSON value (:func:`encode`, the
+encoding the manager keeps its other non-tensor values in too) plus one array per tensor or numpy array in
+it; nothing is pickled. The JSON keeps what JSON alone would lose: tuples (``{"$t": [...]}``), dicts
+with any keys in order (``{"$d": [[key, value], ...]}``), non-finite floats (``{"$f": "nan"}``), bytes
+(``{"$b": base64}``), numpy arrays and scalars (``{"$a": i, ...}``) and torch tensors (``{"$T": i,
+"dtype": ..., "shape": ...}``, their bytes as a ``uint8`` array, any dtype, bfloat16 included). A value
+of another type is an :class:`~tierfs.errors.ArgumentError` naming its key before anything is written.
 
 In a saved state the objects' states are one reserved top-level key, :data:`KEY`, holding ``"index"``
 (the JSON: format, version, and each object's encoded state by its name) and ``"a0"``, ``"a1"``, ... (the
@@ -25,15 +25,14 @@ torchtitan manager store it the same way.
 
 from __future__ import annotations
 
-import base64
-import math
-import sys
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
 from .. import state as st
 from ..errors import ArgumentError, FormatError, StateMismatchError
+from . import _torchstate as ts
+from ._torchstate import encode as encode  # the one encoding of non-tensor values (see decode below)
 
 #: the reserved top-level key of a saved state that holds the objects' states
 KEY = "__stateful__"
@@ -42,8 +41,6 @@ FORMAT = "tierfs.stateful"
 VERSION = 1
 #: the name of an object given alone (``loader=dl``) rather than in a mapping of names
 DEFAULT_NAME = "loader"
-
-_TAGS = ("$f", "$t", "$d", "$b", "$a", "$T")
 
 
 def objects(value: Any, what: str = "loader") -> dict[str, Any]:
@@ -79,84 +76,10 @@ def objects(value: Any, what: str = "loader") -> dict[str, Any]:
     return items
 
 
-def encode(v: Any, arrays: list[np.ndarray], where: str) -> Any:
-    """A JSON value :func:`decode` turns back into ``v`` (types included); arrays and tensors are appended
-    to ``arrays`` (tensors as their bytes, ``uint8``). ``where`` names ``v`` in errors."""
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int):
-        return int(v)
-    if isinstance(v, float):
-        return float(v) if math.isfinite(v) else {"$f": repr(float(v))}
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(v, torch.Tensor):
-        if type(v) not in (torch.Tensor, torch.nn.Parameter):
-            raise ArgumentError(f"{where}: a {type(v).__name__} in a loader's state cannot be stored; give "
-                                "plain tensors")
-        leaf = st.to_leaf(where, v)  # the store's dtype allowlist; detached, on the CPU, contiguous
-        assert leaf.data is not None
-        arrays.append(leaf.data)
-        return {"$T": len(arrays) - 1, "dtype": leaf.dtype, "shape": list(leaf.shape)}
-    if isinstance(v, (np.ndarray, np.generic)):
-        a = np.asarray(v)
-        st.check_leaf(where, a)  # numeric dtypes only
-        arrays.append(np.ascontiguousarray(a).reshape(-1))
-        return {"$a": len(arrays) - 1, "dtype": a.dtype.str, "shape": list(a.shape),
-                "scalar": isinstance(v, np.generic)}
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return {"$b": base64.b64encode(bytes(v)).decode("ascii")}
-    if isinstance(v, list):
-        return [encode(x, arrays, f"{where}[{i}]") for i, x in enumerate(v)]
-    if isinstance(v, tuple):
-        return {"$t": [encode(x, arrays, f"{where}[{i}]") for i, x in enumerate(v)]}
-    if isinstance(v, Mapping):
-        return {"$d": [[encode(k, arrays, f"{where} (a key)"), encode(x, arrays, f"{where}[{k!r}]")]
-                       for k, x in v.items()]}
-    raise ArgumentError(f"{where}: cannot store a value of type {type(v).__name__} without pickle; a loader's state "
-                        "may hold numbers, strings, bytes, None, tensors, numpy arrays and lists, tuples and dicts of "
-                        "them")
-
-
 def decode(v: Any, arrays: Mapping[int, np.ndarray]) -> Any:
-    """The value :func:`encode` encoded (tensors as new torch tensors, arrays as new numpy arrays)."""
-    if isinstance(v, list):
-        return [decode(x, arrays) for x in v]
-    if not isinstance(v, dict):
-        return v
-    tag = next((t for t in _TAGS if t in v), None)
-    try:
-        if tag == "$f":
-            return float(v["$f"])
-        if tag == "$t":
-            return tuple(decode(x, arrays) for x in v["$t"])
-        if tag == "$d":
-            return {_hashable(decode(k, arrays)): decode(x, arrays) for k, x in v["$d"]}
-        if tag == "$b":
-            return base64.b64decode(v["$b"])
-        if tag == "$a":
-            a = _bits(arrays, v["$a"]).view(np.dtype(str(v["dtype"]))).reshape(tuple(v["shape"])).copy()
-            st.check_leaf("a loader's array", a)
-            return a[()] if v.get("scalar") else a
-        if tag == "$T":
-            t, raw = st.allocate("torch", str(v["dtype"]), v["shape"])  # validates the dtype
-            bits = _bits(arrays, v["$T"])
-            if bits.size != raw.size:
-                raise FormatError(f"a loader's tensor holds {bits.size} bytes, its dtype and shape need {raw.size}")
-            raw[...] = bits
-            return t
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise FormatError(f"a loader's saved state is damaged ({type(e).__name__}: {e})") from None
-    raise FormatError(f"unknown value encoding {sorted(v)!r} in a loader's saved state")
-
-
-def _bits(arrays: Mapping[int, np.ndarray], i: Any) -> np.ndarray:
-    if int(i) not in arrays:
-        raise FormatError(f"a loader's saved state names array {i!r}, which the step lacks")
-    return np.ascontiguousarray(arrays[int(i)]).reshape(-1).view(np.uint8)
-
-
-def _hashable(k: Any) -> Any:
-    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
+    """The value :func:`encode` encoded (tensors as new torch tensors, arrays as new numpy arrays); a
+    FormatError names the loader's saved state."""
+    return ts.decode(v, arrays, "a loader's saved state")
 
 
 def tree(objs: Mapping[str, Any], wrap: Callable[[Any], Any] = lambda x: x) -> dict[str, Any]:
@@ -252,8 +175,6 @@ def dcp_extra(objs: Mapping[str, Any]) -> dict[str, Any]:
     """The entries ``TieredWriter(extra=...)`` stores for ``objs`` in this rank's shard: the objects' states
     as a :class:`~tierfs.CheckpointManager` stores its non-tensor values (so ``export_dcp`` and the
     manager read them too)."""
-    from . import _torchstate as ts
-
     return ts.extra(ts.split({KEY: tree(objs)}))
 
 
@@ -261,7 +182,6 @@ def read_dcp(store: Any, step: int, tiers: Sequence[str] | None = None) -> dict[
     """The loader state stored beside the DCP items of this rank's shard of ``step`` (rank 0's for a rank
     the saving job did not have); None when there is none. Reads without collectives."""
     from ..format import DCP_EXTRA_PREFIX
-    from . import _torchstate as ts
     from .dcp import extra as _extra
 
     world = store.read_marker(step, tiers=tiers).world_size
