@@ -19,9 +19,9 @@ import numpy as np
 from . import diagnosis, severing
 
 if TYPE_CHECKING:
-    from .groups import TorchGroup
+    from .member import Member
 
-def all_reduce(g: "TorchGroup", values: Sequence[int], op: str = "min") -> list[int]:
+def all_reduce(g: "Member", values: Sequence[int], op: str = "min") -> list[int]:
     """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), on
     every rank of ``g``."""
     import torch
@@ -31,7 +31,7 @@ def all_reduce(g: "TorchGroup", values: Sequence[int], op: str = "min") -> list[
     return [int(v) for v in t.tolist()]
 
 
-def broadcast(g: "TorchGroup", obj: Any, src: int) -> Any:
+def broadcast(g: "Member", obj: Any, src: int) -> Any:
     """Rank ``src``'s ``obj`` (JSON) on every rank of ``g``: its length, then its bytes."""
     import torch
 
@@ -45,7 +45,7 @@ def broadcast(g: "TorchGroup", obj: Any, src: int) -> Any:
     return json.loads(buf.tobytes())
 
 
-def all_gather(g: "TorchGroup", row: np.ndarray) -> np.ndarray:
+def all_gather(g: "Member", row: np.ndarray) -> np.ndarray:
     """Every rank's uint8 ``row`` (the same length on every rank), as the rows of an array in rank order:
     an all-reduce (a sum) of an array holding this rank's row in its place and zeros elsewhere, so that a
     gather too only ever talks to the ring's neighbours (its bytes grow with the job, its connections do
@@ -58,7 +58,7 @@ def all_gather(g: "TorchGroup", row: np.ndarray) -> np.ndarray:
     return rows.numpy()
 
 
-def all_gather_ints(g: "TorchGroup", values: Sequence[int]) -> np.ndarray:
+def all_gather_ints(g: "Member", values: Sequence[int]) -> np.ndarray:
     """Every rank's int64 ``values`` (the same count on every rank), as the rows of an array in rank order:
     8 bytes per value and rank (:func:`all_gather`'s way)."""
     import torch
@@ -69,7 +69,7 @@ def all_gather_ints(g: "TorchGroup", values: Sequence[int]) -> np.ndarray:
     return rows.numpy()
 
 
-def _run(g: "TorchGroup", start: Any) -> None:
+def _run(g: "Member", start: Any) -> None:
     """Start a collective and wait for it within the operation's time; a failure closes this rank's
     connections on every group (so the ranks blocked on it fail too) and names the ranks that made it
     fail (:func:`~tierfs.ranks.diagnosis.diagnose`). Once a failure is known, raise it at once."""

@@ -38,7 +38,7 @@ from ..errors import RankWaitError
 from . import waits
 
 if TYPE_CHECKING:
-    from .groups import TorchGroup
+    from .member import Member
 
 #: seconds the first rank to report waits for more reports after the last one came in
 SETTLE = 1.0
@@ -135,6 +135,11 @@ def launched(dist: Any, job: int) -> None:
         record.launch = job
 
 
+def launch(dist: Any) -> int | None:
+    """The number of this launch of the job (see :func:`launched`), once noted."""
+    return _current(dist).launch
+
+
 def known(dist: Any) -> Verdict | None:
     """The verdict on this launch of the job, once this process found one out."""
     return _current(dist).verdict if dist is not None else None
@@ -151,7 +156,7 @@ def raise_known(dist: Any, rank: int, where: str | None = None) -> None:
         raise verdict.error(where if where is not None else _stages.current(), rank, later=True)
 
 
-def diagnose(g: "TorchGroup", oper: waits.Operation, why: str) -> RankWaitError:
+def diagnose(g: "Member", oper: waits.Operation, why: str) -> RankWaitError:
     """The error naming the ranks that made a collective of ``g`` fail with ``why`` on this rank (see the
     module docstring; this rank's connections are closed already)."""
     if waits.kind_of(why) == waits.LATE:  # gloo closed, or will close, this rank's connections on the group
@@ -159,7 +164,7 @@ def diagnose(g: "TorchGroup", oper: waits.Operation, why: str) -> RankWaitError:
     return find_out(g, oper, waits.kind_of(why), why).error(_stages.current(), g.rank)
 
 
-def find_out(g: "TorchGroup", oper: waits.Operation, kind: str, why: str = "") -> Verdict:
+def find_out(g: "Member", oper: waits.Operation, kind: str, why: str = "") -> Verdict:
     """The verdict on the job's failed ranks (see the module docstring): found out by the first failure
     this process sees, then kept; another thread failing meanwhile waits for it."""
     record = _current(g._dist)
@@ -169,7 +174,7 @@ def find_out(g: "TorchGroup", oper: waits.Operation, kind: str, why: str = "") -
         return record.verdict
 
 
-def _ask(g: "TorchGroup", oper: waits.Operation, kind: str, why: str, launch: int) -> Verdict:
+def _ask(g: "Member", oper: waits.Operation, kind: str, why: str, launch: int) -> Verdict:
     """Report this rank's failure to the job's store and get the verdict."""
     where = _stages.current()
     store = job_store(g._dist)

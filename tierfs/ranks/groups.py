@@ -44,7 +44,7 @@ import numpy as np
 
 from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
-from . import collectives, diagnosis, pool, severing, waits
+from . import collectives, diagnosis, liveness, pool, severing, waits
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -177,6 +177,11 @@ class TorchGroup:
             self._job = collectives.all_reduce(self, [secrets.randbits(62) if self.rank == 0 else 0], "max")[0]
         pool.POOL.named(self._job)
         diagnosis.launched(self._dist, self._job)
+        launch, store = diagnosis.launch(self._dist), diagnosis.job_store(self._dist)
+        if launch is not None:
+            liveness.publish(self._dist, self.rank, launch, store)
+        #: ``gone(peer)``: whether a peer's process ended (long waits on it are watched)
+        self._gone = liveness.watcher(launch, store)
         severing.watch(self)  # closed after a failure of the job's ranks
 
     @property
@@ -240,7 +245,8 @@ class TorchGroup:
         where = _stages.current()  # the receiving thread reports the caller's stage
         diagnosis.raise_known(self._dist, self.rank, where)  # a rank failed before: at once
         with self._failing(), self.bounded() as op:
-            io = waits.Round(op, bulk=pace is not None or on_received is not None)  # data: moves on as it lands
+            io = waits.Round(op, bulk=pace is not None or on_received is not None,  # data: moves on as it lands
+                             gone=self._gone)
 
             def receive() -> None:
                 for i, w in enumerate(works):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from . import waits
 
 if TYPE_CHECKING:
-    from .groups import TorchGroup
+    from .member import Member
 
 #: the tag of the message waited for (none of tierfs's transfers uses it)
 TAG = 0x7E5E
@@ -36,11 +36,11 @@ _WAIT = datetime.timedelta(milliseconds=1)
 
 #: the groups of this process in use: each made by a collective of every rank (its ring's neighbours are
 #: connected), and not closed yet
-_live: "weakref.WeakSet[TorchGroup]" = weakref.WeakSet()
+_live: "weakref.WeakSet[Member]" = weakref.WeakSet()
 _lock = threading.Lock()
 
 
-def watch(g: "TorchGroup") -> None:
+def watch(g: "Member") -> None:
     """Close ``g`` too when a failure of the job's ranks is seen (:func:`sever_all`)."""
     with _lock:
         _live.add(g)

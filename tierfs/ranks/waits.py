@@ -20,12 +20,21 @@ others see its connections drop as if its process had ended, and its own later o
 fail at once. A rank that did not arrive in time is therefore named before ranks whose connections
 dropped (which may be ranks that gave up waiting for it), and failures caused by this rank's own closed
 connections (:data:`CLOSED`) never name anyone.
+
+gloo fails an operation started after a peer's connection dropped, but not one under way with it: a
+message of several MiB half sent to, or half received from, a rank whose process was killed waits on to
+the timeout. So a round may be given ``gone(peer)`` (:mod:`tierfs.ranks.liveness`): each wait then runs on
+a thread of its own while the round looks, every :data:`POLL` seconds, whether the peer's process is still
+there; once it is not, the wait fails as a dropped connection (:data:`GONE`), at once, and the round's
+later waits on that peer too. The abandoned operations are waited for on a thread of their own (gloo
+ends them at its timeout); nothing is sent or received on them any more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -36,6 +45,8 @@ from ..errors import RankWaitError
 GRACE = 1.0
 #: the shortest wait handed to the backend (a zero timeout may read as none)
 _SHORTEST = 0.002
+#: seconds between two looks at a watched peer while a wait on it goes on
+POLL = 0.2
 
 #: kinds of failure: the peer's connection dropped (its process ended, or it gave up on the group);
 #: nothing came in time; this rank's own connections were closed after an earlier timeout; anything else
@@ -161,10 +172,11 @@ class Round:
         A bulk transfer: every wait that ends moves the deadline on (:meth:`Operation.progress`).
     """
 
-    def __init__(self, op: Operation, bulk: bool = False) -> None:
-        self.op, self.bulk = op, bulk
+    def __init__(self, op: Operation, bulk: bool = False, gone: Callable[[int], bool] | None = None) -> None:
+        self.op, self.bulk, self.gone = op, bulk, gone
         self.failures: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._lost: set[int] = set()  # peers whose process ended: their operations are abandoned
 
     def start(self, peer: int, post: Callable[[], Any]) -> Any:
         """``post()`` an operation with ``peer``; None if it cannot start (its connection is gone: noted)."""
@@ -179,8 +191,17 @@ class Round:
         whether it completed (else its failure is noted)."""
         if work is None:
             return False
+        if peer in self._lost:
+            _reap_later(work, self.op.timeout)
+            return False
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.op.allowed()))
+            if self.gone is None:
+                work.wait(timeout=datetime.timedelta(seconds=self.op.allowed()))
+            elif not _watched(work, self.op.allowed(), peer, self.gone):
+                self._lost.add(peer)
+                self._fail(peer, f"Connection closed by peer: the process of rank {peer} ended (its socket of "
+                                 "tierfs closed)")
+                return False
         except RuntimeError as e:
             self._fail(peer, str(e))
             return False
@@ -196,3 +217,74 @@ class Round:
         """The round's failures, ``{rank: backend message}``, noted in the operation."""
         self.op.note(self.failures)
         return dict(self.failures)
+
+
+def _watched(work: Any, seconds: float, peer: int, gone: Callable[[int], bool]) -> bool:
+    """Wait for ``work`` up to ``seconds`` (its failure raised), looking every :data:`POLL` seconds whether
+    ``peer``'s process is still there; False once it is not (the wait goes on on its thread, abandoned)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    _WAITERS.run(run)
+    while not done.wait(POLL):
+        if gone(peer):
+            return False
+    if failure:
+        raise failure[0]
+    return True
+
+
+class _Threads:
+    """Daemon threads that run the watched waits, started as they are needed and reused."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        if start:
+            threading.Thread(target=self._loop, name="tierfs-wait", daemon=True).start()
+        self._queue.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            self._queue.get()()
+            with self._lock:
+                self._idle += 1
+
+
+def _reap_later(work: Any, seconds: float) -> None:
+    """Wait for ``work``, abandoned on a peer that is gone, on a thread that waits for such operations one
+    after the other (started when first needed)."""
+    with _reaper["lock"]:
+        if not _reaper["started"]:
+            threading.Thread(target=_reap, name="tierfs-reap", daemon=True).start()
+            _reaper["started"] = True
+    _reaped.put((work, seconds))
+
+
+def _reap() -> None:
+    while True:
+        work, seconds = _reaped.get()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except Exception:  # noqa: BLE001 - their failure was reported already
+            pass
+
+
+_WAITERS = _Threads()
+_reaped: "queue.SimpleQueue[tuple[Any, float]]" = queue.SimpleQueue()
+_reaper: dict[str, Any] = {"lock": threading.Lock(), "started": False}
