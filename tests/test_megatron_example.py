@@ -26,6 +26,9 @@ import pytest
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
+from tierfs import TieredStore  # noqa: E402
+from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
 CHILD = ROOT / "tests" / "children" / "megatron_gpt_child.py"
@@ -54,9 +57,8 @@ def stderr_of(logs: Path) -> str:
     return "\n".join(f"--- rank {r} ---\n{(logs / f'rank{r}.err').read_text()[-3000:]}" for r in range(2))
 
 
-def run(args: list[str], logs: Path) -> str:
-    """Run the example to the end; both ranks must succeed. Returns rank 0's output."""
-    procs = start(EXAMPLE, args, logs)
+def finish(procs: list[subprocess.Popen], args: list[str], logs: Path) -> str:
+    """Wait for the job's end; both ranks must succeed. Returns rank 0's output."""
     outs = []
     try:
         for p in procs:
@@ -70,9 +72,23 @@ def run(args: list[str], logs: Path) -> str:
     return outs[0]
 
 
+def run(args: list[str], logs: Path) -> str:
+    """Run the example to the end; both ranks must succeed. Returns rank 0's output."""
+    return finish(start(EXAMPLE, args, logs), args, logs)
+
+
 def digests(out: str, kind: str) -> dict[int, tuple[str, str]]:
     """``{step: (model digest, optimizer digest)}`` of the ``saved`` or ``loaded`` lines of an output."""
     return {int(s): (m, o) for s, m, o in re.findall(rf"^{kind} step (\d+) model (\w+) optimizer (\w+)", out, re.M)}
+
+
+def steps_held(ram: Path, url: str, opts: dict) -> dict[int, list[str]]:
+    """``{step: [tier names]}`` of the committed steps in the RAM directory and on S3, as a store lists them."""
+    store = TieredStore([MemoryTier(str(ram)), ObjectTier(url, opts)], cleanup=False)
+    try:
+        return store.steps()
+    finally:
+        store.close()
 
 
 def resumed(out: str) -> tuple[int, str]:
@@ -91,12 +107,14 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
     step 6, bit-exact; and loaded at TP=1 x DP=2, every tensor gathered whole bit-exact."""
     url, opts = s3_url
     ram, ckpt = Path(shm_dir) / "ram", tmp_path / "ckpt"
-    common = ["--ram", str(ram), "--object", url, "--endpoint-url", opts["endpoint_url"], "--ckpt", str(ckpt),
-              "--digest"]
+
+    def example_args(ram: Path, ckpt: Path, *more: str) -> list[str]:
+        return ["--ram", str(ram), "--ckpt", str(ckpt), "--object", url, "--endpoint-url", opts["endpoint_url"],
+                "--digest", *more]
 
     # the job is killed mid-run: both ranks stop in step 5's commit (they say so on stdout), then SIGKILL
     logs = tmp_path / "killed"
-    procs = start(CHILD, ["5", *common, "--tp", "2", "--steps", "8"], logs)
+    procs = start(CHILD, ["5", *example_args(ram, ckpt, "--tp", "2", "--steps", "8")], logs)
     lines: queue.Queue = queue.Queue()
     outs: list[list[str]] = [[], []]
 
@@ -106,8 +124,9 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
             lines.put((rank, line))
         lines.put((rank, None))  # the rank's stdout closed: it exited
 
-    for rank, p in enumerate(procs):
-        threading.Thread(target=read, args=(rank, p), daemon=True).start()
+    readers = [threading.Thread(target=read, args=(rank, p), daemon=True) for rank, p in enumerate(procs)]
+    for t in readers:
+        t.start()
     paused = set()
     try:
         while paused != {0, 1}:
@@ -121,14 +140,17 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p in procs:
+    for p, t in zip(procs, readers):
         assert p.wait(timeout=TIMEOUT) == -signal.SIGKILL
+        t.join(timeout=TIMEOUT)  # the rest of its output: its stdout is closed
     first = "".join(outs[0])
     saved = digests(first, "saved")
     assert {1, 2, 3, 4, 5} <= set(saved), first
+    held = steps_held(ram, url, opts)  # step 5 never committed anywhere; S3 may not have step 3 yet
+    assert {s for s, tiers in held.items() if "ram" in tiers} == {3, 4} and set(held) <= {3, 4}, held
 
     # the same node again: RAM holds steps 3 and 4 (step 5 never committed)
-    second = run([*common, "--tp", "2", "--steps", "6"], tmp_path / "ram-resume")
+    second = run(example_args(ram, ckpt, "--tp", "2", "--steps", "6"), tmp_path / "ram-resume")
     assert resumed(second) == (4, "[['ram'], ['ram']]"), second
     assert digests(second, "loaded") == {4: saved[4]}, second
     again = digests(second, "saved")
@@ -136,17 +158,24 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
     assert again[5] == saved[5], second  # trained on from step 4 exactly as the killed run did
     assert re.search(r"^tiers hold: step 3: s3, step 5: ram, step 6: ram\+s3$", second, re.M), second
 
-    # new machines: RAM and the checkpoint directories gone, S3 holds steps 3 and 6
+    # new machines: RAM and the checkpoint directories gone, S3 holds steps 3 and 6. Two jobs at once, each
+    # on its own new machine (own RAM and checkpoint directories), both loading step 6 from S3: one at the
+    # saving layout, the other at TP=1 x DP=2, resharded from the TP=2 shards
     shutil.rmtree(ram)
     shutil.rmtree(ckpt)
-    third = run([*common, "--tp", "2", "--steps", "6"], tmp_path / "object-resume")
+    tp2 = example_args(ram, ckpt, "--tp", "2", "--steps", "6")
+    tp1 = example_args(Path(f"{ram}-tp1"), Path(f"{ckpt}-tp1"), "--tp", "1", "--steps", "6")
+    jobs = [(start(EXAMPLE, args, tmp_path / name), args, tmp_path / name)
+            for args, name in ((tp2, "object-resume"), (tp1, "tp1"))]
+    try:
+        third, fourth = [finish(*job) for job in jobs]
+    finally:
+        for procs, _, _ in jobs:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
     assert resumed(third) == (6, "[['s3'], ['s3']]"), third
     assert digests(third, "loaded") == {6: again[6]}, third
-
-    # another layout: TP=1 x DP=2 loads step 6, resharded from the TP=2 shards
-    shutil.rmtree(ram, ignore_errors=True)  # (the load from S3 may have left nothing in RAM)
-    shutil.rmtree(ckpt)
-    fourth = run([*common, "--tp", "1", "--steps", "6"], tmp_path / "tp1")
     assert "GPTModel at TP=1 x DP=2" in fourth, fourth
     assert resumed(fourth) == (6, "[['s3'], ['s3']]"), fourth
     assert digests(fourth, "loaded") == {6: again[6]}, fourth
