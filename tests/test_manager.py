@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions
-from tierfs.policies import (AnyPreservationPolicy, BestN, EveryNSteps, FixedIntervalPolicy,
-                             LatestN, RestorePolicy)
+from tierfs.policies import (AnyPreservationPolicy, AnySavePolicy, BestN, EveryNSteps, FixedIntervalPolicy,
+                             LatestN, PreemptionCheckpointingPolicy, RestorePolicy)
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
@@ -227,6 +227,24 @@ def test_sigterm_saves_last_step_to_preemption_tiers(shm_dir, tmp_path):
     with CheckpointManager([ObjectTier(f"file://{tmp_path}/o")]) as mgr:
         assert mgr.latest_step() == last, "the step at preemption reached the object tier"
         assert mgr.restore()["x"].tolist() == [last] * 4
+
+
+def test_the_save_after_reached_preemption_goes_to_the_preemption_tiers_though_one_did_before(shm_dir, tmp_path):
+    """SIGTERM between ``reached_preemption(step)`` (False) and ``save(step)``: that save goes to the preemption
+    tiers, and so does the loop's last one, after ``reached_preemption`` said True (the loop stops there)."""
+    pre = AnySavePolicy([FixedIntervalPolicy(1000), PreemptionCheckpointingPolicy()])
+    obj = f"file://{tmp_path}/o"
+    with CheckpointManager([MemoryTier(shm_dir), ObjectTier(obj, save=pre)], handle_sigterm=True) as mgr:
+        assert not mgr.reached_preemption(1)
+        signal.raise_signal(signal.SIGTERM)  # (handled on this thread before the next call)
+        assert mgr.should_save(1)
+        assert mgr.save(1, {"x": np.full(4, 1)})
+        assert mgr.reached_preemption(2)
+        assert mgr.should_save(2)
+        assert mgr.save(2, {"x": np.full(4, 2)})
+        assert mgr.save(3, {"x": np.full(4, 3)})  # to RAM only: once more, not every save
+        mgr.wait_until_finished()
+    assert ObjectTier(obj).committed_steps() == [1, 2]
 
 
 def test_sigterm_in_a_loop_that_never_asks_saves_once_then_ends_as_sigterm_would(shm_dir, tmp_path):

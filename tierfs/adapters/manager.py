@@ -14,11 +14,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ..util import args as _args
+from ..util import args as _args, readable
 from ..device import copies as _device
 from ..tiers.rootdir import check_local_url
 from ..ranks import seconds
-from ..ranks.agree import any_rank
 from ..errors import ArgumentError
 from . import _restoring, _torchstate as ts, loaderstate
 from ._preemption import DEFAULT_SIGTERM_GRACE, Preemption
@@ -87,12 +86,16 @@ class CheckpointManager:
     restore_policy:
         Which tiers a restore may read and in which order (default: fastest verified first).
     handle_sigterm:
-        Install a SIGTERM handler: ``reached_preemption`` turns true, and the next ``save`` (one) goes to the
-        tiers whose save policy includes ``PreemptionCheckpointingPolicy`` (to every tier if none does).
+        Install a SIGTERM handler (every rank passes the same value): ``reached_preemption`` turns true, and
+        the next ``save`` (one) goes, on every rank, to the tiers whose save policy includes
+        ``PreemptionCheckpointingPolicy`` (to every tier if none does), whichever rank got the signal. On
+        several ranks each ``save`` then starts with an all-reduce of one number (see
+        :mod:`tierfs.adapters._preemption`).
     sigterm_grace:
         Seconds (or a ``timedelta``, default 30) a loop has after SIGTERM to hear of it through
-        ``reached_preemption``. A loop that does not ask is ended then, as an unhandled SIGTERM would end it,
-        once its saves are durable (within ``exit_timeout``).
+        ``reached_preemption``. A loop that does not ask is stopped then: its next ``save`` saves nothing,
+        waits until the preemption save is durable (within ``exit_timeout``; later saves' copies are not
+        waited for) and ends the process as an unhandled SIGTERM would, on every rank.
     use_dcp:
         How torch state is saved. ``None`` (the default): a state holding at least one ``torch.Tensor``
         (DTensor and other subclasses included) goes through PyTorch Distributed Checkpoint (``dcp.save``
@@ -165,7 +168,8 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would write anything."""
+        """Whether ``save(step, ...)`` would write anything. Not collective: on several ranks the preemption
+        tiers count once the ranks agreed that one got SIGTERM (at a ``save`` or ``reached_preemption``)."""
         step = _args.step(step)
         with self.store._calls.lock:
             if self._exists(step) and not self._replaces(step):
@@ -202,17 +206,26 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None, force: bool,
                   loader: Any) -> bool:
-        preempted = self._preemption.pending()
-        through_dcp = self._through_dcp(state)
-        state = loaderstate.attach(state, loader, trusted=not through_dcp)
-        if through_dcp:
-            from .dcp import managed
+        pre = self._preemption
+        try:
+            preempted, ending = pre.agree()  # (with handle_sigterm: one all-reduce, the same on every rank)
+            if ending:  # the loop did not hear of SIGTERM in time: this save is not made, the process ends
+                pre.end(f"{readable.duration(pre.grace)} ago and the training loop did not stop (it never called "
+                        f"reached_preemption): step {step} is not saved")
+            through_dcp = self._through_dcp(state)
+            state = loaderstate.attach(state, loader, trusted=not through_dcp)
+            if through_dcp:
+                from .dcp import managed
 
-            saved = managed.save(self, step, state, metrics, force, preempted)
-        else:
-            saved = self._save(step, state, metrics, force, preempted)
+                saved = managed.save(self, step, state, metrics, force, preempted)
+            else:
+                saved = self._save(step, state, metrics, force, preempted)
+        except Exception as e:
+            if pre.ends_on(e):  # another rank ended on SIGTERM amid this save, or the grace is over
+                pre.end(f"came and the save of step {step} failed ({type(e).__name__}: {e})")
+            raise
         if saved and preempted:
-            self._preemption.saved()  # once: later saves follow the tiers' usual policies
+            pre.saved(step)  # once: later saves follow the tiers' usual policies
         return saved
 
     def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None, force: bool,
@@ -320,13 +333,11 @@ class CheckpointManager:
     # -- preemption ---------------------------------------------------------------------------------
     def reached_preemption(self, step: int) -> bool:
         """True once the job was told to stop (SIGTERM, on any rank): the loop saves (once more, to the
-        preemption tiers) and stops. Collective on several ranks."""
+        preemption tiers, even if a save since the signal went there already) and stops; no exit is forced
+        then. Collective on several ranks."""
         _args.step(step)
         with self.store._calls.lock:  # a collective: not amid another thread's save
-            flag = any_rank(self.store.group, self._preemption.signalled)
-        if flag:
-            self._preemption.heard()
-        return flag
+            return self._preemption.asked()
 
     # -- life cycle ---------------------------------------------------------------------------------
     def delete(self, step: int) -> None:

@@ -1,0 +1,81 @@
+"""One rank of a gloo job (each rank its own node and RAM directory) for tests/test_preemption.py:
+
+    sigterm_ranks_child.py train SHM URL LOGDIR GRACE [stall]
+    sigterm_ranks_child.py restore SHM URL STEP
+
+``train``: a loop that never calls ``reached_preemption`` saves every step (RAM every 5 steps; the object
+tier at URL every 50th step or on preemption; ``background_bandwidth=4e6``; ``sigterm_grace=GRACE``) up to
+a far-off end, writing ``STEP SAVED`` to LOGDIR/rank<r>.log after each save. At step 21 rank 1 prints
+``reached 21`` and reads a line from stdin (the test sends SIGTERM, then the line), so the first save after
+the signal is step 22. With ``stall`` the loop makes no save call after step 23: it waits for ever.
+``restore``: restores STEP (the RAM tier empty, so from the object tier) and compares it with what was
+saved, bit for bit; prints one JSON line. Storage options as JSON in ``TIERFS_TEST_STORAGE_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+import torch.distributed as dist
+
+from tierfs import CheckpointManager
+from tierfs.policies import AnySavePolicy, FixedIntervalPolicy, PreemptionCheckpointingPolicy
+from tierfs.tiers import MemoryTier, ObjectTier
+
+from _child import finish  # tests/children/ is the script's directory, first on sys.path
+
+END = 10 ** 9  # the loop's natural end: never reached
+
+
+def state_for(rank: int, step: int) -> dict:
+    rng = np.random.default_rng(1000 * rank + step)
+    return {"w": rng.standard_normal(20_000 + rank).astype(np.float32), "step": step}
+
+
+def manager(ram: str, url: str, grace: float = 30.0) -> CheckpointManager:
+    opts = json.loads(os.environ["TIERFS_TEST_STORAGE_OPTIONS"])
+    tiers = [MemoryTier(ram, save=FixedIntervalPolicy(5)),
+             ObjectTier(url, opts, save=AnySavePolicy([FixedIntervalPolicy(50), PreemptionCheckpointingPolicy()]))]
+    return CheckpointManager(tiers, handle_sigterm=True, sigterm_grace=grace, background_bandwidth=4e6, timeout=120)
+
+
+def train(rank: int, shm: str, url: str, logdir: str, grace: float, stall: bool) -> None:
+    mgr = manager(os.path.join(shm, f"node{rank}"), url, grace)
+    with open(os.path.join(logdir, f"rank{rank}.log"), "w") as log:
+        for step in range(1, END):
+            saved = mgr.save(step, state_for(rank, step))
+            print(step, saved, file=log, flush=True)
+            if step == 21 and rank == 1:
+                print("reached 21", flush=True)
+                sys.stdin.readline()  # SIGTERM came before this line did
+            if stall and step == 23:
+                threading.Event().wait()  # no save call any more (a long evaluation, a hung data loader)
+    finish({"rank": rank, "ended": "naturally"})
+
+
+def restore(rank: int, shm: str, url: str, step: int) -> None:
+    with manager(os.path.join(shm, f"restore{rank}"), url) as mgr:
+        got = mgr.restore(step=step)
+        info = mgr.last_restore_info
+    want = state_for(rank, step)
+    same = got["step"] == step and got["w"].dtype == want["w"].dtype and got["w"].tobytes() == want["w"].tobytes()
+    assert info is not None
+    finish({"rank": rank, "same": bool(same), "tier": info.tier})
+
+
+def main() -> None:
+    mode, shm, url = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if mode == "train":
+        train(rank, shm, url, sys.argv[4], float(sys.argv[5]), sys.argv[6:] == ["stall"])
+    else:
+        restore(rank, shm, url, int(sys.argv[4]))
+
+
+if __name__ == "__main__":
+    main()
