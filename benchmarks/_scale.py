@@ -18,10 +18,10 @@ directory removed first: its shard comes from its peer).
 
 How each rank's part is told apart: the child counts its own calls into torch.distributed (wrappers
 installed before tierfs is imported) and reads its sockets in /proc; each rank talks to S3 through its own
-port of a request-counting HTTP proxy (:class:`CountingProxy`), and to the job's TCPStore, which this
-process hosts as torchrun's agent does, through its own port of a proxy that counts TCPStore requests
-(:class:`StoreProxy`: gloo's rendezvous runs in C++, out of reach of a Python wrapper). The child asks the
-proxy for its counts before and after each operation.
+port of the tests' request-counting HTTP proxy (``tests/_faultproxy.py``'s ``FaultProxy``, no faults set),
+and to the job's TCPStore, which this process hosts as torchrun's agent does, through its own port of a
+proxy that counts TCPStore requests (:class:`StoreProxy`: gloo's rendezvous runs in C++, out of reach of a
+Python wrapper). The child asks the proxy for its counts before and after each operation.
 
 Figures per rank and operation (:data:`FIGURES`): calls into torch.distributed (collectives and
 point-to-point messages) and the tensor bytes they moved, process groups created, TCPStore requests,
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import statistics
@@ -46,12 +45,18 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 import uuid
 from typing import Iterable, Mapping, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+TESTS = os.path.join(REPO, "tests")
+if TESTS not in sys.path:  # the object store's proxy is the tests' (tests/_faultproxy.py)
+    sys.path.append(TESTS)
+
+from _faultproxy import FaultProxy  # noqa: E402
+from _httpwire import close_quietly  # noqa: E402
+
 CHILD = os.path.join(REPO, "tests", "children", "scale_child.py")
 BUCKET = "tierfs-scale"
 
@@ -107,271 +112,6 @@ _AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 _AWS_ENV_DROP = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION",
                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-_MAX_HEADER = 64 << 10
-
-
-# -- the request-counting proxy --------------------------------------------------------------------------
-class _Closed(Exception):
-    pass
-
-
-def classify(method: str, target: str) -> str:
-    """The kind of an S3 request: LIST, PUT, HEAD, GET, DELETE or OTHER (path-style addressing)."""
-    path, _, query = target.partition("?")
-    q = urllib.parse.parse_qs(query, keep_blank_values=True)
-    segs = [s for s in urllib.parse.unquote(path).split("/") if s]
-    on_bucket = len(segs) <= 1
-    if method == "HEAD":
-        return "HEAD"
-    if method == "GET":
-        if on_bucket:
-            return "LIST" if {"list-type", "prefix", "delimiter"} & q.keys() or not q else "OTHER"
-        return "GET" if "uploadId" not in q else "OTHER"
-    if method == "PUT":
-        return "PUT" if not on_bucket else "OTHER"
-    if method == "DELETE":
-        return "DELETE" if not on_bucket or "uploadId" in q else "OTHER"
-    if method == "POST":
-        if "delete" in q:
-            return "DELETE"
-        if "uploads" in q or "uploadId" in q:
-            return "PUT"
-    return "OTHER"
-
-
-def key_prefix(method: str, head: bytes) -> str:
-    """The key prefix a request works under: its key's folder (under the bucket), a listing's ``prefix``."""
-    target = head.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
-    path, _, query = target.partition("?")
-    segs = [s for s in urllib.parse.unquote(path).split("/") if s]
-    q = urllib.parse.parse_qs(query, keep_blank_values=True)
-    if len(segs) <= 1:  # on the bucket: a listing (the folder of its prefix), or a batch delete
-        return q.get("prefix", [""])[0].rsplit("/", 1)[0] if "/" in q.get("prefix", [""])[0] else ""
-    return "/".join(segs[1:-1])
-
-
-def keys_listed(body: bytes) -> int:
-    """Keys (and common prefixes) in a ListObjects(V2) response: its KeyCount, else its <Key> and <Prefix>
-    elements under CommonPrefixes."""
-    m = re.search(rb"<KeyCount>(\d+)</KeyCount>", body)
-    if m:
-        return int(m.group(1))
-    return len(re.findall(rb"<Key>", body)) + len(re.findall(rb"<CommonPrefixes>", body))
-
-
-class CountingProxy:
-    """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream``, one port per rank (``url(rank)``), that
-    counts each rank's requests by kind (:func:`classify`), the keys its listings returned and the keys
-    its deletes named. ``GET /__scale__/counts`` on a rank's port answers that rank's counts (JSON) and is
-    not forwarded. Requests and responses pass byte for byte (framing as in tests/_faultproxy.py), but for
-    the server's ``Connection: close`` (werkzeug's, on every response): the client's connection stays open,
-    as S3's do; each request goes to the server on a connection of its own."""
-
-    def __init__(self, upstream: str, ranks: int) -> None:
-        u = urllib.parse.urlsplit(upstream)
-        self.upstream = (u.hostname, u.port)
-        self._lock = threading.Lock()
-        self.counts: list[dict[str, int]] = []
-        self._listeners: list[socket.socket] = []
-        self._conns: set[socket.socket] = set()
-        self._closed = False
-        self.ensure(ranks)
-
-    def ensure(self, ranks: int) -> None:
-        """Have a port for at least ``ranks`` ranks."""
-        while len(self._listeners) < ranks:
-            rank = len(self._listeners)
-            lst = socket.create_server(("127.0.0.1", 0), backlog=128)
-            self._listeners.append(lst)
-            self.counts.append({})
-            threading.Thread(target=self._serve, args=(lst, rank), name=f"proxy-{rank}", daemon=True).start()
-
-    def url(self, rank: int) -> str:
-        return f"http://127.0.0.1:{self._listeners[rank].getsockname()[1]}"
-
-    def reset(self) -> None:
-        with self._lock:
-            self.counts = [{} for _ in self._listeners]
-
-    def snapshot(self) -> list[dict[str, int]]:
-        with self._lock:
-            return [dict(c) for c in self.counts]
-
-    def count(self, rank: int, key: str, n: int = 1) -> None:
-        with self._lock:
-            c = self.counts[rank]
-            c[key] = c.get(key, 0) + n
-
-    def _serve(self, lst: socket.socket, rank: int) -> None:
-        while True:
-            try:
-                client, _ = lst.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(client)
-            threading.Thread(target=self._connection, args=(client, rank), daemon=True).start()
-
-    def _connection(self, client: socket.socket, rank: int) -> None:
-        cin = client.makefile("rb")
-        try:
-            while True:
-                try:
-                    head, method, target, headers = _read_head(cin, request=True)
-                except _Closed:
-                    return
-                if target.startswith("/__scale__/counts"):
-                    with self._lock:
-                        body = json.dumps(self.counts[rank]).encode()
-                    client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                                   + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-                    return
-                if headers.get("expect", "").lower() == "100-continue":
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    head = b"\r\n".join(ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"expect:"))
-                body = _read_body(cin, headers, method=method, status=None)
-                kind = classify(method, target)
-                if not self._forward(client, rank, kind, method, head, body):
-                    return
-        except (OSError, _Closed, ValueError):
-            return
-        finally:
-            _close(cin)
-            self._drop(client)
-
-    def _forward(self, client: socket.socket, rank: int, kind: str, method: str, head: bytes, body: bytes) -> bool:
-        upstream = socket.create_connection(self.upstream)
-        with self._lock:
-            self._conns.add(upstream)
-        uin = upstream.makefile("rb")
-        try:
-            upstream.sendall(head + body)
-            rhead, _, status, rheaders = _read_head(uin, request=False)
-            rbody = _read_body(uin, rheaders, method=method, status=int(status))
-            # counted before the client hears back: what a rank waited for is counted when it goes on
-            self.count(rank, kind)
-            self.count(rank, f"bytes:{kind}", len(body) + len(rbody))  # what went each way, headers aside
-            self.count(rank, f"prefix:{key_prefix(method, head)}")
-            if kind == "LIST" and int(status) == 200:
-                plain = _dechunk(rbody) if "chunked" in rheaders.get("transfer-encoding", "").lower() else rbody
-                self.count(rank, "keys_listed", keys_listed(plain))
-            elif kind == "DELETE" and int(status) // 100 == 2:
-                n = len(re.findall(rb"<Key>", _dechunk(body) if b"chunked" in head.lower() else body))
-                self.count(rank, "keys_deleted", n if method == "POST" else 1)
-            framed = ("content-length" in rheaders or "chunked" in rheaders.get("transfer-encoding", "").lower()
-                      or method == "HEAD" or int(status) in (204, 304))
-            if framed and rheaders.get("connection", "").lower() == "close":
-                # the server (werkzeug) closes after every response; S3 keeps connections alive, and so does
-                # the proxy towards the client (each request reaches the server on a connection of its own)
-                rhead = b"\r\n".join(ln for ln in rhead.split(b"\r\n") if not ln.lower().startswith(b"connection:"))
-                client.sendall(rhead + rbody)
-                return True
-            client.sendall(rhead + rbody)
-            return rheaders.get("connection", "").lower() != "close"
-        finally:
-            _close(uin)
-            self._drop(upstream)
-
-    def _drop(self, s: socket.socket) -> None:
-        with self._lock:
-            self._conns.discard(s)
-        _close(s)
-
-    def close(self) -> None:
-        for lst in self._listeners:
-            try:
-                lst.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            _close(lst)
-        with self._lock:
-            conns = list(self._conns)
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-def _read_head(f, *, request: bool) -> tuple[bytes, str, str, dict[str, str]]:
-    while True:
-        line = f.readline(_MAX_HEADER)
-        if not line:
-            raise _Closed()
-        if request and line in (b"\r\n", b"\n"):
-            continue
-        raw = [line]
-        headers: dict[str, str] = {}
-        while True:
-            h = f.readline(_MAX_HEADER)
-            if not h:
-                raise _Closed()
-            raw.append(h)
-            if h in (b"\r\n", b"\n"):
-                break
-            k, _, v = h.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        parts = line.decode("latin-1").split(" ", 2)
-        if len(parts) < 2:
-            raise ValueError(f"malformed start line {line!r}")
-        if not request and parts[1].startswith("1"):
-            continue
-        return b"".join(raw), parts[0], parts[1], headers
-
-
-def _read_body(f, headers: dict[str, str], *, method: str, status: int | None) -> bytes:
-    if status is not None and (method == "HEAD" or status in (204, 304) or 100 <= status < 200):
-        return b""
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        out = []
-        while True:
-            line = f.readline(_MAX_HEADER)
-            if not line:
-                raise _Closed()
-            out.append(line)
-            size = int(line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                while True:
-                    t = f.readline(_MAX_HEADER)
-                    if not t:
-                        raise _Closed()
-                    out.append(t)
-                    if t in (b"\r\n", b"\n"):
-                        return b"".join(out)
-            out.append(_read_exact(f, size + 2))
-    if "content-length" in headers:
-        return _read_exact(f, int(headers["content-length"]))
-    if status is None:
-        return b""
-    return f.read()
-
-
-def _read_exact(f, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise _Closed()
-    return data
-
-
-def _dechunk(raw: bytes) -> bytes:
-    out, i = [], 0
-    while i < len(raw):
-        j = raw.find(b"\r\n", i)
-        if j < 0:
-            break
-        size = int(raw[i:j].split(b";")[0].strip() or b"0", 16)
-        if size == 0:
-            break
-        out.append(raw[j + 2:j + 2 + size])
-        i = j + 2 + size + 2
-    return b"".join(out)
-
-
-def _close(s) -> None:
-    try:
-        s.close()
-    except OSError:
-        pass
 
 
 # -- the TCPStore's counting proxy ----------------------------------------------------------------------
@@ -471,7 +211,7 @@ class StoreProxy:
             try:
                 up = socket.create_connection(self.upstream)
             except OSError:
-                _close(client)
+                close_quietly(client)
                 continue
             for s in (client, up):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -523,7 +263,7 @@ class StoreProxy:
 
     def close(self) -> None:
         for s in self._listeners:
-            _close(s)
+            close_quietly(s)
         with self._lock:
             socks = list(self._socks)
         for s in socks:
@@ -531,7 +271,7 @@ class StoreProxy:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            _close(s)
+            close_quietly(s)
 
 
 # -- moto S3 in a process of its own, the proxy in front ------------------------------------------------
@@ -554,8 +294,8 @@ def aws_env() -> dict[str, str]:
 
 class Harness:
     """moto's S3 server (a subprocess: its CPU is not under this process's GIL) with bucket
-    :data:`BUCKET`, the :class:`CountingProxy` in front of it, and the zygotes that fork ranks. Use as a
-    context manager."""
+    :data:`BUCKET`, the counting proxy (:class:`FaultProxy`, one port per rank) in front of it, and the
+    zygotes that fork ranks. Use as a context manager."""
 
     def __init__(self, ranks: int = 2) -> None:
         self.moto = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -571,7 +311,7 @@ class Harness:
         for k, v in _AWS_ENV.items():
             os.environ.setdefault(k, v)
         fs.mkdir(BUCKET)
-        self.proxy = CountingProxy(self.endpoint, ranks)
+        self.proxy = FaultProxy(self.endpoint, ports=ranks, keep_alive=True)
         self._zygotes: dict[str | None, Zygote] = {}
 
     def keys(self, url: str) -> list[str]:
@@ -740,7 +480,7 @@ def _run_ranks(n: int, job: str, ramroot: str, url: str, harness: Harness, timeo
     problem = None
     try:
         for r in range(n):
-            argv = [job, ramroot, url, harness.proxy.url(r), str(wait_s)]
+            argv = [job, ramroot, url, harness.proxy.url_of(r), str(wait_s)]
             env = base | {"RANK": str(r), "TIERFS_NODE_RANK": str(r), "MASTER_PORT": str(stores.port(r))}
             procs.append(zygote.spawn(argv, env, outs[r], errs[r]) if zygote else _Popen(argv, env, outs[r], errs[r]))
         while problem is None and any(p.poll() is None for p in procs):

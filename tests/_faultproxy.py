@@ -1,4 +1,6 @@
-"""A fault-injecting HTTP/1.1 proxy on 127.0.0.1, for object-store fault tests (no mocks).
+"""A fault-injecting, request-counting HTTP/1.1 proxy on 127.0.0.1 in front of an S3 server (no mocks):
+the object-store fault tests inject faults with it, and the scale benchmarks (``benchmarks/_scale.py``,
+which puts this folder on ``sys.path``) count each rank's requests with it.
 
     proxy = FaultProxy("http://127.0.0.1:8333", seed=7)   # in front of a real S3 server
     proxy.set_faults(0.2)                                  # ~20% of requests fail, every kind
@@ -8,7 +10,8 @@
 
 Each client connection gets a thread; each request it forwards goes to the server on a connection of its
 own. Requests and responses are parsed only as far as framing needs (Content-Length or chunked bodies)
-and otherwise pass byte for byte, so signatures and checksums stay valid. A request either passes, or gets one fault (:data:`KINDS`):
+and otherwise pass byte for byte, so signatures and checksums stay valid. A request either passes, or
+gets one fault (:data:`KINDS`):
 
 ``slowdown``
     503 with S3's ``SlowDown`` XML error body; the server never sees the request.
@@ -32,21 +35,31 @@ Determinism: whether a request is faulted at random, and how, depends only on th
 (method, path, query without the server-chosen ``uploadId``, ``Range``) and how many times that same
 request came before, never on thread interleaving or timing. :meth:`FaultProxy.fail_next` faults the next
 matching requests in the order they arrive. :attr:`FaultProxy.log` records every request and its fault.
+
+Counting: the proxy listens on ``ports`` ports (``url_of(i)``; :attr:`FaultProxy.url` is port 0's; more
+with :meth:`FaultProxy.ensure`), one per client to tell apart (a rank), and counts per port each request
+the server answered: by kind (:func:`classify`), its bytes, its key prefix (:func:`key_prefix`), the keys
+a listing returned and the keys a delete named (:meth:`FaultProxy.count`, :attr:`FaultProxy.counts`).
+``GET`` :data:`COUNTS_PATH` on a port answers that port's counts as JSON and is not forwarded. With
+``keep_alive``, a response the server closes its connection after (werkzeug's ``Connection: close``, on
+every response) keeps the client's connection open, as S3's do.
 """
 
 from __future__ import annotations
 
+import json
 import random
-import select
+import re
 import socket
-import struct
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-__all__ = ["KINDS", "FaultProxy", "Request", "prefix_of"]
+from _httpwire import Closed, close_quietly, dechunk, drop_header, linger0, read_body, read_head, wait_for_hangup
+
+__all__ = ["COUNTS_PATH", "KINDS", "FaultProxy", "Request", "classify", "key_prefix", "keys_listed", "prefix_of"]
 
 #: the faults drawn at random (``denied`` is only injected when asked for by name)
 KINDS = ("slowdown", "internal", "reset", "slow")
@@ -57,7 +70,8 @@ _ERRORS = {
     "denied": (403, "Forbidden", "AccessDenied", "Access Denied"),
 }
 _VOLATILE_QUERY = {"uploadId"}  # chosen by the server per attempt: not part of what a request asks for
-_MAX_HEADER = 64 << 10
+#: the path on any port that answers that port's counts (JSON) instead of being forwarded
+COUNTS_PATH = "/__scale__/counts"
 
 
 @dataclass(frozen=True)
@@ -91,12 +105,49 @@ def prefix_of(r: Request) -> str:
     return r.path.strip("/").rsplit("/", 1)[0]
 
 
-class _Closed(Exception):
-    """The other side closed the connection."""
+def classify(r: Request) -> str:
+    """The kind of an S3 request: LIST, PUT, HEAD, GET, DELETE or OTHER (path-style addressing)."""
+    q = urllib.parse.parse_qs(r.query, keep_blank_values=True)
+    on_bucket = len([s for s in r.path.split("/") if s]) <= 1
+    if r.method == "HEAD":
+        return "HEAD"
+    if r.method == "GET":
+        if on_bucket:
+            return "LIST" if {"list-type", "prefix", "delimiter"} & q.keys() or not q else "OTHER"
+        return "GET" if "uploadId" not in q else "OTHER"
+    if r.method == "PUT":
+        return "PUT" if not on_bucket else "OTHER"
+    if r.method == "DELETE":
+        return "DELETE" if not on_bucket or "uploadId" in q else "OTHER"
+    if r.method == "POST":
+        if "delete" in q:
+            return "DELETE"
+        if "uploads" in q or "uploadId" in q:
+            return "PUT"
+    return "OTHER"
+
+
+def key_prefix(r: Request) -> str:
+    """The key prefix a request works under, as counted: its key's folder (under the bucket), a listing's
+    ``prefix``'s folder."""
+    segs = [s for s in r.path.split("/") if s]
+    prefix = urllib.parse.parse_qs(r.query, keep_blank_values=True).get("prefix", [""])[0]
+    if len(segs) <= 1:  # on the bucket: a listing (the folder of its prefix), or a batch delete
+        return prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    return "/".join(segs[1:-1])
+
+
+def keys_listed(body: bytes) -> int:
+    """Keys (and common prefixes) in a ListObjects(V2) response: its KeyCount, else its <Key> and <Prefix>
+    elements under CommonPrefixes."""
+    m = re.search(rb"<KeyCount>(\d+)</KeyCount>", body)
+    if m:
+        return int(m.group(1))
+    return len(re.findall(rb"<Key>", body)) + len(re.findall(rb"<CommonPrefixes>", body))
 
 
 class FaultProxy:
-    """A threaded proxy on 127.0.0.1 (a free port) in front of ``upstream`` (``http://host:port``).
+    """A threaded proxy on 127.0.0.1 (free ports) in front of ``upstream`` (``http://host:port``).
 
     Parameters
     ----------
@@ -106,14 +157,19 @@ class FaultProxy:
         Seeds every random fault decision (see the module docstring).
     hold_limit
         Seconds a ``slow`` response is held at most while the client still waits.
+    ports
+        Ports to listen on at first, each counted apart (see the module docstring).
+    keep_alive
+        Keep the client's connection open after a response the server closes its own after.
     """
 
-    def __init__(self, upstream: str, *, seed: int = 0, hold_limit: float = 30.0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, hold_limit: float = 30.0, ports: int = 1,
+                 keep_alive: bool = False) -> None:
         u = urllib.parse.urlsplit(upstream)
         if u.scheme != "http" or not u.hostname or not u.port:
             raise ValueError(f"FaultProxy needs an http://host:port upstream, got {upstream!r}")
         self.upstream = (u.hostname, u.port)
-        self.seed, self.hold_limit = seed, hold_limit
+        self.seed, self.hold_limit, self.keep_alive = seed, hold_limit, keep_alive
         self.log: list[Request] = []
         self._rate, self._kinds = 0.0, KINDS
         self._match: Match | None = None
@@ -124,11 +180,35 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._logged = threading.Condition(self._lock)  # notified as each request is logged
         self._conns: set[socket.socket] = set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.counts: list[dict[str, int]] = []  # per port: what its requests were (see count())
+        self._listeners: list[socket.socket] = []
+        self._accepts: list[threading.Thread] = []
         self._threads: list[threading.Thread] = []
-        self._accept = threading.Thread(target=self._serve, name="faultproxy-accept", daemon=True)
-        self._accept.start()
+        self.ensure(max(1, ports))
+        self.url = self.url_of(0)
+
+    def ensure(self, ports: int) -> None:
+        """Listen on at least ``ports`` ports."""
+        while len(self._listeners) < ports:
+            port = len(self._listeners)
+            lst = socket.create_server(("127.0.0.1", 0), backlog=128)
+            with self._lock:
+                self._listeners.append(lst)
+                self.counts.append({})
+            t = threading.Thread(target=self._serve, args=(lst, port), name=f"faultproxy-accept-{port}", daemon=True)
+            self._accepts.append(t)
+            t.start()
+
+    def url_of(self, port: int) -> str:
+        """The URL of the proxy's ``port``-th port."""
+        return f"http://127.0.0.1:{self._listeners[port].getsockname()[1]}"
+
+    def count(self, port: int, key: str, n: int = 1) -> None:
+        """Add ``n`` to ``key`` in ``port``'s counts (the proxy counts ``LIST``, ``PUT``, ...,
+        ``bytes:<kind>``, ``prefix:<key prefix>``, ``keys_listed`` and ``keys_deleted``)."""
+        with self._lock:
+            c = self.counts[port]
+            c[key] = c.get(key, 0) + n
 
     # -- what the tests set -------------------------------------------------------------------------
     def set_faults(self, rate: float, kinds: Sequence[str] = KINDS, *, match: Match | None = None,
@@ -222,45 +302,51 @@ class FaultProxy:
         return req
 
     # -- serving ------------------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _serve(self, listener: socket.socket, port: int) -> None:
         while True:
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return  # closed
             with self._lock:
                 self._conns.add(client)
-            t = threading.Thread(target=self._connection, args=(client,), name="faultproxy-conn", daemon=True)
+            t = threading.Thread(target=self._connection, args=(client, port), name="faultproxy-conn", daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _connection(self, client: socket.socket) -> None:
+    def _connection(self, client: socket.socket, port: int) -> None:
         """Serve one client connection (kept alive across requests) until either side closes it."""
         cin = client.makefile("rb")
         try:
             while True:
                 try:
-                    head, method, target, headers = _read_head(cin, request=True)
-                except _Closed:
+                    head, method, target, headers = read_head(cin, request=True)
+                except Closed:
+                    return
+                if target.startswith(COUNTS_PATH):
+                    with self._lock:
+                        body = json.dumps(self.counts[port]).encode()
+                    client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                   + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
                     return
                 if headers.get("expect", "").lower() == "100-continue":  # answer it here, not upstream
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    head = _drop_header(head, b"expect")
-                body = _read_body(cin, headers, method=method, status=None)
+                    head = drop_header(head, b"expect")
+                body = read_body(cin, headers, method=method, status=None)
                 req = self._decide(method, target, headers.get("range", ""))
                 if req.fault in _ERRORS:
                     client.sendall(_error_response(req.fault, req.path, head_only=method == "HEAD"))
-                elif not self._forward(client, req, head, body):
+                elif not self._forward(client, port, req, head, body):
                     return
-        except (OSError, _Closed, ValueError):
+        except (OSError, Closed, ValueError):
             return  # either side went away; the client sees a dropped connection
         finally:  # the file first: a socket's descriptor closes with its last user
-            _close(cin)
+            close_quietly(cin)
             self._drop(client)
 
-    def _forward(self, client: socket.socket, req: Request, head: bytes, body: bytes) -> bool:
+    def _forward(self, client: socket.socket, port: int, req: Request, head: bytes, body: bytes) -> bool:
         """One request to the server, on a connection of its own (never a kept-alive one the server may
-        have closed meanwhile), its fault applied; False when the client connection must close."""
+        have closed meanwhile), counted, its fault applied; False when the client connection must close."""
         upstream = socket.create_connection(self.upstream)
         with self._lock:
             self._conns.add(upstream)
@@ -268,36 +354,59 @@ class FaultProxy:
         try:
             if req.fault == "reset" and body:
                 upstream.sendall(head + body[:len(body) // 2])
-                _linger0(client, upstream)
+                linger0(client, upstream)
                 return False
             upstream.sendall(head + body)
-            rhead, _, status, rheaders = _read_head(uin, request=False)
-            rbody = _read_body(uin, rheaders, method=req.method, status=int(status))
+            rhead, _, status, rheaders = read_head(uin, request=False)
+            rbody = read_body(uin, rheaders, method=req.method, status=int(status))
+            # counted before the client hears back: what a client waited for is counted when it goes on
+            self._count(port, req, head, body, int(status), rheaders, rbody)
             if req.fault == "reset":
                 client.sendall(rhead + rbody[:len(rbody) // 2])
-                _linger0(client, upstream)
+                linger0(client, upstream)
                 return False
-            if req.fault == "slow" and _wait_for_hangup(client, self.hold_limit):
+            if req.fault == "slow" and wait_for_hangup(client, self.hold_limit):
                 return False
+            closes = rheaders.get("connection", "").lower() == "close"
+            framed = ("content-length" in rheaders or "chunked" in rheaders.get("transfer-encoding", "").lower()
+                      or req.method == "HEAD" or int(status) in (204, 304))
+            if closes and framed and self.keep_alive:  # the client's connection stays open, as S3's do
+                rhead, closes = drop_header(rhead, b"connection"), False
             client.sendall(rhead + rbody)
-            return rheaders.get("connection", "").lower() != "close"
+            return not closes
         finally:
-            _close(uin)
+            close_quietly(uin)
             self._drop(upstream)
+
+    def _count(self, port: int, req: Request, head: bytes, body: bytes, status: int, rheaders: dict[str, str],
+               rbody: bytes) -> None:
+        """Count a request the server answered (see :meth:`count`)."""
+        kind = classify(req)
+        self.count(port, kind)
+        self.count(port, f"bytes:{kind}", len(body) + len(rbody))  # what went each way, headers aside
+        self.count(port, f"prefix:{key_prefix(req)}")
+        if kind == "LIST" and status == 200:
+            plain = dechunk(rbody) if "chunked" in rheaders.get("transfer-encoding", "").lower() else rbody
+            self.count(port, "keys_listed", keys_listed(plain))
+        elif kind == "DELETE" and status // 100 == 2:
+            n = len(re.findall(rb"<Key>", dechunk(body) if b"chunked" in head.lower() else body))
+            self.count(port, "keys_deleted", n if req.method == "POST" else 1)
 
     def _drop(self, s: socket.socket) -> None:
         with self._lock:
             self._conns.discard(s)
-        _close(s)
+        close_quietly(s)
 
     def close(self) -> None:
         """Stop accepting, drop every open connection, and join the threads."""
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        except OSError:
-            pass
-        _close(self._listener)
-        self._accept.join(timeout=10)
+        for lst in self._listeners:
+            try:
+                lst.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            except OSError:
+                pass
+            close_quietly(lst)
+        for t in self._accepts:
+            t.join(timeout=10)
         with self._lock:
             conns = list(self._conns)
         for s in conns:  # shutdown wakes a thread blocked reading it; close alone would not
@@ -315,75 +424,6 @@ class FaultProxy:
         self.close()
 
 
-# -- HTTP framing ----------------------------------------------------------------------------------------
-def _read_head(f, *, request: bool) -> tuple[bytes, str, str, dict[str, str]]:
-    """Read a request's or response's start line and headers: (raw bytes, method or version, target or
-    status, lower-cased headers). Skips 1xx interim responses."""
-    while True:
-        line = f.readline(_MAX_HEADER)
-        if not line:
-            raise _Closed()
-        if request and line in (b"\r\n", b"\n"):
-            continue  # stray blank line between requests
-        raw = [line]
-        headers: dict[str, str] = {}
-        while True:
-            h = f.readline(_MAX_HEADER)
-            if not h:
-                raise _Closed()
-            raw.append(h)
-            if h in (b"\r\n", b"\n"):
-                break
-            k, _, v = h.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        parts = line.decode("latin-1").split(" ", 2)
-        if len(parts) < 2:
-            raise ValueError(f"malformed start line {line!r}")
-        if not request and parts[1].startswith("1"):
-            continue  # 100 Continue from the server: the request was sent whole already
-        return b"".join(raw), parts[0], parts[1], headers
-
-
-def _read_body(f, headers: dict[str, str], *, method: str, status: int | None) -> bytes:
-    """A message body, raw (chunked framing kept): by Content-Length, chunks, or (responses) to EOF."""
-    if status is not None and (method == "HEAD" or status in (204, 304) or 100 <= status < 200):
-        return b""
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        out = []
-        while True:
-            line = f.readline(_MAX_HEADER)
-            if not line:
-                raise _Closed()
-            out.append(line)
-            size = int(line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                while True:  # trailers, then the blank line
-                    t = f.readline(_MAX_HEADER)
-                    if not t:
-                        raise _Closed()
-                    out.append(t)
-                    if t in (b"\r\n", b"\n"):
-                        return b"".join(out)
-            out.append(_read_exact(f, size + 2))
-    if "content-length" in headers:
-        return _read_exact(f, int(headers["content-length"]))
-    if status is None:
-        return b""  # a request without a length has no body
-    return f.read()  # a response delimited by the connection closing
-
-
-def _read_exact(f, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise _Closed()
-    return data
-
-
-def _drop_header(head: bytes, name: bytes) -> bytes:
-    lines = head.split(b"\r\n")
-    return b"\r\n".join(ln for ln in lines if not ln.lower().startswith(name + b":"))
-
-
 def _error_response(kind: str, path: str, *, head_only: bool = False) -> bytes:
     """An S3 error response with its XML body (a response to HEAD has headers only)."""
     status, reason, code, message = _ERRORS[kind]
@@ -391,31 +431,3 @@ def _error_response(kind: str, path: str, *, head_only: bool = False) -> bytes:
             f"<Resource>{path}</Resource><RequestId>faultproxy</RequestId></Error>").encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
             f"x-amz-request-id: faultproxy\r\n\r\n").encode() + (b"" if head_only else body)
-
-
-def _wait_for_hangup(client: socket.socket, limit: float) -> bool:
-    """Wait until the client closes its end (its read timeout fired), at most ``limit`` s; True if it did."""
-    readable, _, _ = select.select([client], [], [], limit)
-    if not readable:
-        return False
-    try:
-        return client.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
-def _linger0(*socks: socket.socket | None) -> None:
-    """Make closing these sockets send a TCP reset (SO_LINGER 0), as a crashed peer or a middlebox would."""
-    for s in socks:
-        try:
-            if s is not None:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-
-
-def _close(s) -> None:
-    try:
-        s.close()
-    except OSError:
-        pass
