@@ -224,6 +224,7 @@ def main() -> None:
     store.wait_until_finished()  # the copies to the object tier
     say("tiers hold: " + ", ".join(f"step {s}: {'+'.join(t)}" for s, t in store.steps().items()))
     store.close()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

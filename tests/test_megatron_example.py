@@ -32,7 +32,7 @@ from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
 CHILD = ROOT / "tests" / "children" / "megatron_gpt_child.py"
-TIMEOUT = 300  # seconds a phase may take on a loaded machine (a guard against a hang, not a measurement)
+TIMEOUT = 240  # seconds a phase may take on a loaded machine (a guard against a hang, not a measurement)
 
 
 def start(script: Path, args: list[str], logs: Path) -> list[subprocess.Popen]:
@@ -99,6 +99,7 @@ def resumed(out: str) -> tuple[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.timeout(600)  # 4 jobs, 8 processes that each import torch and megatron-core: minutes on a loaded machine
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex:UserWarning")
 def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1(shm_dir, tmp_path, s3_url):
     """TP=2, asynchronous saves to RAM every step and to S3 every 3rd. Both ranks SIGKILLed while step 5
