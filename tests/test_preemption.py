@@ -2,7 +2,7 @@
 
 Two ranks (gloo, each its own node and RAM directory) save every step: RAM every 5 steps, an S3 object tier
 (moto) every 50th step or on preemption, ``background_bandwidth=4e6`` (tests/children/sigterm_ranks_child.py).
-Only rank 1 gets SIGTERM, at step 21; it reads on only once the signal came, so the first save after it is
+The state goes to the store directly, or (a torch tensor) through DCP. Only rank 1 gets SIGTERM, at step 21; it reads on only once the signal came, so the first save after it is
 step 22. That save goes to the object tier on both ranks; once the grace period is over the job stops at its
 next save (or, when the loop makes no save call any more, from the watcher), each process ending as an
 unhandled SIGTERM would, once step 22 is durable.
@@ -18,14 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
 import gloo_job  # noqa: E402
-from tierfs.tiers import ObjectTier  # noqa: E402
+from tierfs import CheckpointManager  # noqa: E402
+from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
 
 HERE = Path(__file__).parent
 CHILD = HERE / "children" / "sigterm_ranks_child.py"
@@ -96,23 +98,34 @@ def check_ended(ended: list[tuple[int, str]], logdir: Path) -> None:
     assert all(saved == (s % 5 == 0 or s == PRE) for s, saved in a[:n]), [x for x in a[:n] if x[1]][:20]
 
 
-def check_object_tier(url: str, opts: dict, shm_dir: str) -> None:
+def check_object_tier(url: str, opts: dict, shm_dir: str, dcp: bool) -> None:
     """The object tier holds step 22 (saved on preemption, not a multiple of 50) and otherwise only multiples
-    of 50; step 22 restores bit for bit on both ranks, from it."""
+    of 50; step 22 restores bit for bit from it: on both ranks (each saved its own array), or through DCP
+    (the tensor every rank held) in this process."""
     committed = ObjectTier(url, opts).committed_steps()
     assert PRE in committed and all(s == PRE or s % 50 == 0 for s in committed), committed
+    if dcp:
+        want = np.random.default_rng(PRE).standard_normal(20_000).astype(np.float32)  # the child's state_for
+        got = {"w": torch.zeros(20_000), "step": 0}
+        with CheckpointManager([MemoryTier(os.path.join(shm_dir, "restore")), ObjectTier(url, opts)]) as mgr:
+            assert mgr.restore(got, step=PRE) == PRE
+            assert mgr.last_restore_info is not None and mgr.last_restore_info.tier == "s3"
+        assert got["step"] == PRE and got["w"].numpy().tobytes() == want.tobytes()
+        return
     got = gloo_job.run_job(2, CHILD, "restore", shm_dir, url, str(PRE),
                            env={"TIERFS_TEST_STORAGE_OPTIONS": json.dumps(opts)})
     assert [(r["rank"], r["same"], r["tier"]) for r in got] == [(0, True, "s3"), (1, True, "s3")], got
 
 
-def test_sigterm_to_one_rank_saves_on_preemption_everywhere_then_stops_the_job(s3_url, shm_dir, tmp_path):
+@pytest.mark.parametrize("path", ["store", "dcp"])
+def test_sigterm_to_one_rank_saves_on_preemption_everywhere_then_stops_the_job(s3_url, shm_dir, tmp_path, path):
     url, opts = s3_url
-    ended = sigterm_rank_1(start_train(shm_dir, url, tmp_path, opts))
+    extra = ("dcp",) if path == "dcp" else ()
+    ended = sigterm_rank_1(start_train(shm_dir, url, tmp_path, opts, *extra))
     check_ended(ended, tmp_path)
     for _, err in ended:  # stopped at a save, or (a rank whose peer ended first) at the failed save
         assert "did not stop" in err or "the save of step" in err, err[-3000:]
-    check_object_tier(url, opts, shm_dir)
+    check_object_tier(url, opts, shm_dir, path == "dcp")
 
 
 def test_a_loop_that_stops_saving_is_ended_by_the_watcher(s3_url, shm_dir, tmp_path):
@@ -122,4 +135,4 @@ def test_a_loop_that_stops_saving_is_ended_by_the_watcher(s3_url, shm_dir, tmp_p
     for rank, (_, err) in enumerate(ended):
         assert "no save call since" in err, err[-3000:]
         assert logged(tmp_path, rank)[-1][0] == 23
-    check_object_tier(url, opts, shm_dir)
+    check_object_tier(url, opts, shm_dir, False)

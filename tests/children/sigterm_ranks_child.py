@@ -1,6 +1,6 @@
 """One rank of a gloo job (each rank its own node and RAM directory) for tests/test_preemption.py:
 
-    sigterm_ranks_child.py train SHM URL LOGDIR GRACE [stall]
+    sigterm_ranks_child.py train SHM URL LOGDIR GRACE [stall] [dcp]
     sigterm_ranks_child.py restore SHM URL STEP
 
 ``train``: a loop that never calls ``reached_preemption`` saves every step (RAM every 5 steps; the object
@@ -9,7 +9,9 @@ a far-off end, writing ``STEP SAVED`` to LOGDIR/rank<r>.log after each save. At 
 ``reached 21`` and reads a line from stdin (the test sends SIGTERM, then the line), so the first save after
 the signal is step 22. With ``stall`` the loop makes no save call after step 23: it waits for ever.
 ``restore``: restores STEP (the RAM tier empty, so from the object tier) and compares it with what was
-saved, bit for bit; prints one JSON line. Storage options as JSON in ``TIERFS_TEST_STORAGE_OPTIONS``.
+saved, bit for bit; prints one JSON line. With ``dcp`` the state is a torch tensor (the same on every rank, as
+DCP takes a plain tensor to be) and a step, saved through DCP (the test restores it). Storage options as JSON in
+``TIERFS_TEST_STORAGE_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import threading
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from tierfs import CheckpointManager
@@ -31,7 +34,10 @@ from _child import finish  # tests/children/ is the script's directory, first on
 END = 10 ** 9  # the loop's natural end: never reached
 
 
-def state_for(rank: int, step: int) -> dict:
+def state_for(rank: int, step: int, dcp: bool = False) -> dict:
+    if dcp:  # a plain tensor is the same on every rank (replicated), for DCP
+        w = np.random.default_rng(step).standard_normal(20_000).astype(np.float32)
+        return {"w": torch.from_numpy(w), "step": step}
     rng = np.random.default_rng(1000 * rank + step)
     return {"w": rng.standard_normal(20_000 + rank).astype(np.float32), "step": step}
 
@@ -43,11 +49,11 @@ def manager(ram: str, url: str, grace: float = 30.0) -> CheckpointManager:
     return CheckpointManager(tiers, handle_sigterm=True, sigterm_grace=grace, background_bandwidth=4e6, timeout=120)
 
 
-def train(rank: int, shm: str, url: str, logdir: str, grace: float, stall: bool) -> None:
+def train(rank: int, shm: str, url: str, logdir: str, grace: float, stall: bool, dcp: bool) -> None:
     mgr = manager(os.path.join(shm, f"node{rank}"), url, grace)
     with open(os.path.join(logdir, f"rank{rank}.log"), "w") as log:
         for step in range(1, END):
-            saved = mgr.save(step, state_for(rank, step))
+            saved = mgr.save(step, state_for(rank, step, dcp))
             print(step, saved, file=log, flush=True)
             if step == 21 and rank == 1:
                 print("reached 21", flush=True)
@@ -61,8 +67,8 @@ def restore(rank: int, shm: str, url: str, step: int) -> None:
     with manager(os.path.join(shm, f"restore{rank}"), url) as mgr:
         got = mgr.restore(step=step)
         info = mgr.last_restore_info
-    want = state_for(rank, step)
-    same = got["step"] == step and got["w"].dtype == want["w"].dtype and got["w"].tobytes() == want["w"].tobytes()
+    w = state_for(rank, step)["w"]
+    same = got["step"] == step and got["w"].dtype == w.dtype and got["w"].tobytes() == w.tobytes()
     assert info is not None
     finish({"rank": rank, "same": bool(same), "tier": info.tier})
 
@@ -72,7 +78,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "train":
-        train(rank, shm, url, sys.argv[4], float(sys.argv[5]), sys.argv[6:] == ["stall"])
+        train(rank, shm, url, sys.argv[4], float(sys.argv[5]), "stall" in sys.argv[6:], "dcp" in sys.argv[6:])
     else:
         restore(rank, shm, url, int(sys.argv[4]))
 
