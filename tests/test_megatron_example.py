@@ -105,7 +105,7 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
     """TP=2, asynchronous saves to RAM every step and to S3 every 3rd. Both ranks SIGKILLed while step 5
     commits: resumed from RAM at step 4, model and optimizer bit-exact, and trained on as the killed run
     did (step 5 again the same bits). With RAM and the checkpoint directories gone: resumed from S3 at
-    step 6, bit-exact; and loaded at TP=1 x DP=2, every tensor gathered whole bit-exact."""
+    step 6, bit-exact; and loaded at TP=1 x DP=2, every tensor gathered whole bit-exact, training on there."""
     url, opts = s3_url
     ram, ckpt = Path(shm_dir) / "ram", tmp_path / "ckpt"
 
@@ -165,7 +165,7 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
     shutil.rmtree(ram)
     shutil.rmtree(ckpt)
     tp2 = example_args(ram, ckpt, "--tp", "2", "--steps", "6")
-    tp1 = example_args(Path(f"{ram}-tp1"), Path(f"{ckpt}-tp1"), "--tp", "1", "--steps", "6")
+    tp1 = example_args(Path(f"{ram}-tp1"), Path(f"{ckpt}-tp1"), "--tp", "1", "--steps", "7")
     jobs = [(start(EXAMPLE, args, tmp_path / name), args, tmp_path / name)
             for args, name in ((tp2, "object-resume"), (tp1, "tp1"))]
     try:
@@ -180,3 +180,5 @@ def test_gpt_killed_mid_run_resumes_bit_exact_from_ram_object_storage_and_at_tp1
     assert "GPTModel at TP=1 x DP=2" in fourth, fourth
     assert resumed(fourth) == (6, "[['s3'], ['s3']]"), fourth
     assert digests(fourth, "loaded") == {6: again[6]}, fourth
+    assert set(digests(fourth, "saved")) == {7}, fourth  # and trains on at the new layout (other sums: other bits)
+    assert re.search(r"^tiers hold: step 3: s3, step 6: s3, step 7: ram$", fourth, re.M), fourth
