@@ -54,6 +54,7 @@ _CudaIsCpu().__enter__()  # for the rest of the program (this thread: the one th
 torch.cuda.current_device = lambda: "cpu"  # Megatron's DDP buffers, weights, AsyncCallsQueue's all-reduce
 torch.cuda.set_device = lambda device: None
 # Megatron's RNG tracker (dropout, weight init) keeps CUDA generator states: here the CPU generator's
+# (so model_parallel_cuda_manual_seed seeds the CPU generator as well)
 torch.cuda.manual_seed = torch.manual_seed
 torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
 _megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
