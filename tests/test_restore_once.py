@@ -48,4 +48,5 @@ def test_a_dcp_restart_gathers_the_plan_once(shm_dir, replaced):
     outs = job(shm_dir, "dcp", "restore")
     for o in outs:
         assert (o["step"], o["exact"], o["plans"]) == (3, True, 1), o
-        assert 3 in o["ram"], o
+        # every rank reads its shard from its RAM (a replaced node's brought there from its peer first)
+        assert 3 in o["ram"] and o["sources"] == [["ram", None], ["ram", None]], o

@@ -50,7 +50,8 @@ def restore(store: TieredStore, state: Any, step: int | None, tiers: list[str], 
     RestoreError
         No tier holds a verified copy of any step tried.
     """
-    return store.restore_as_saved(state, step, tiers, loader=loader, read_dcp=DcpStep(store, state, tiers))
+    read_dcp = DcpStep(store, state, tiers)  # a step saved through DCP: read by DCP's reader, here
+    return store.restore_as_saved(state, step, tiers, loader=loader, read_dcp=read_dcp)
 
 
 class DcpStep:

@@ -85,12 +85,15 @@ class RestorePlan:
         """Whether some rank can get its shard of ``step`` only from a peer (none of its own tiers holds it)."""
         return any(step not in own for own in self.own)
 
-    def localized(self, step: int) -> None:
-        """Note that every rank's shard of ``step`` was brought into its RAM (a restore that localized it):
-        a later restore of this plan reads it there (a rank whose copy is not there after all gets it from
-        a peer then, as any rank whose own copy fails)."""
+    def localized(self, step: int, tier: str, here: bool) -> None:
+        """Note that every rank's shard of ``step`` was brought into its RAM tier ``tier`` (a restore that
+        localized it; ``here``: this rank's copy is committed there): a later restore of this plan reads it
+        there (a rank whose copy is not there after all gets it from a peer then, as any rank whose own copy
+        fails)."""
         for held in self.own + self.fast:
             held.add(step)
+        if here:
+            self.local.setdefault(tier, set()).add(step)
 
     def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
         """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""

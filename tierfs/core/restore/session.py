@@ -128,8 +128,9 @@ class AsSaved:
         """Restore step ``s`` into ``sink`` (None: verify only) through ``plan`` (collective); ``adopt``:
         every rank's shard is in its first tier afterwards, which the plan then notes."""
         info = Restore(self.ctx, usable, sink).run(s, adopt, plan)
-        if adopt and self.ctx.first in self.ctx.roles(usable)[0]:  # the first tier counts as RAM here
-            plan.localized(s)
+        first = self.ctx.first
+        if adopt and first in self.ctx.roles(usable)[0]:  # the first tier counts as RAM here
+            plan.localized(s, first.name, s in self.ctx.ledger.holding(first.name))
         self.noted(info)
         return info
 
