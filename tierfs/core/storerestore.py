@@ -1,6 +1,7 @@
 """The part of :class:`~tierfs.TieredStore`'s interface that restores (collective): into new arrays, in
-place, into the first tier (``localize``), and the plan a restore chooses from (the manager's restore,
-each step read the way it was saved, is :mod:`tierfs.core.restore.session`). The restore itself is :mod:`tierfs.core.restore`."""
+place, into the first tier (``localize``), and the plan a restore chooses from. The restore itself is
+:mod:`tierfs.core.restore`; the manager's restore, each step read the way it was saved, is
+:meth:`TieredStore.restore_as_saved <tierfs.TieredStore.restore_as_saved>`."""
 
 from __future__ import annotations
 

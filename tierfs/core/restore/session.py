@@ -69,14 +69,37 @@ class AsSaved:
 
     def run(self, tiers: Sequence[str], state: Mapping[str, Any] | None, step: int | None, loader: bool,
             read_dcp: ReadDcp) -> tuple[Any, RestoreInfo] | None:
-        """Restore ``step`` (None: the newest every rank can get, else older ones) over ``tiers``, in place
-        into ``state`` (None: into a new state), over one plan (collective). ``loader``: this rank reads
-        its own shard after the restore (a data loader's state), which must then be in its tiers.
+        """Restore a step over one plan (collective).
 
-        Returns ``(step or the new state, what the restore did)``; None when no rank holds a step. Raises
-        :class:`~tierfs.errors.CheckpointLostError` (ranks hold steps, none of which every rank can get),
-        :class:`~tierfs.errors.StepNotFoundError` (``step`` is not one every rank can get),
-        :class:`~tierfs.errors.RestoreError` (no tier holds a verified copy of any step tried)."""
+        Parameters
+        ----------
+        tiers:
+            The names of the tiers to read, in order.
+        state:
+            The target, loaded in place; None: into a new state.
+        step:
+            The step to restore; None: the newest every rank can get, older ones when no tier holds a
+            verified copy of it.
+        loader:
+            Whether this rank reads its own shard after the restore (a data loader's state): the shard
+            must then be in its tiers, not only at a peer.
+        read_dcp:
+            Reads a step saved through DCP: ``read_dcp(step, into)``.
+
+        Returns
+        -------
+        tuple or None
+            ``(step or the new state, what the restore did)``; None when no rank holds a step.
+
+        Raises
+        ------
+        CheckpointLostError
+            Ranks hold steps, none of which every rank can get.
+        StepNotFoundError
+            ``step`` is not one every rank can get.
+        RestoreError
+            No tier holds a verified copy of any step tried.
+        """
         usable = self.ctx.usable(tiers)
         names = [t.name for t in usable]
         with operation("restore"):  # what a wait outside a stage says it waited in
