@@ -13,9 +13,9 @@ default: 30 s), to one rank or to all. With ``handle_sigterm=True`` the manager 
   did): the loop's last step is the one they hold;
 - a loop that does not hear of it (it never calls ``reached_preemption``) is stopped when ``sigterm_grace``
   seconds have passed since the first rank got the signal: the first ``save`` call after that, on every rank
-  alike, saves nothing, waits until the preemption save is durable (its commit and copies, within the
-  store's ``exit_timeout``; no later save's copies) and ends the process as an unhandled SIGTERM would
-  (exit status -15, no exit handlers). A loop that makes no save call by then is ended the same way by a
+  alike, saves nothing (unless no save was made since the signal: then it is the preemption save), waits
+  until the preemption save is durable (its commit and copies, within the store's ``exit_timeout``; no later
+  save's copies) and ends the process as an unhandled SIGTERM would (exit status -15, no exit handlers). A loop that makes no save call by then is ended the same way by a
   watcher thread, between two of the manager's calls; a rank whose save then fails on the ended rank ends
   as SIGTERM too, not with that error. The job so ends within the grace period plus the upload of that one
   save.
@@ -88,25 +88,26 @@ class Preemption:
 
     # -- the agreement ------------------------------------------------------------------------------
     def _reduce(self) -> int:
-        """(collective on several ranks) 0 when no rank got SIGTERM, else 1 + the milliseconds since the first
+        """(collective on several ranks) 0 when no rank got SIGTERM, else 1 + the microseconds since the first
         did; learning it starts this rank's grace period at the same moment."""
         start = self._start
-        mine = 0 if start is None else 1 + int((time.monotonic() - start) * 1000)
+        mine = 0 if start is None else 1 + int((time.monotonic() - start) * 1e6)
         g = self.store.group
         got = g.all_reduce([mine], "max")[0] if g.world_size > 1 else mine
         if got:
             self._known = True
-            self._begin(time.monotonic() - (got - 1) / 1000)
+            self._begin(time.monotonic() - (got - 1) / 1e6)
         return got
 
     def agree(self) -> tuple[bool, bool]:
         """(collective on several ranks, at every save when the handler is installed) ``(preempted, ending)``:
         whether this save goes to the preemption tiers, and whether the grace period is over (the loop did not
-        hear of it): the caller ends the process (:meth:`end`) instead of saving. The same on every rank."""
+        hear of it): the caller ends the process (:meth:`end`), after this save when it is the preemption save,
+        else instead of it. The same on every rank."""
         if not self._installed:
             return self.pending(), False
         got = self._reduce()
-        return self.pending(), bool(got) and not self._heard.is_set() and got - 1 >= self.grace * 1000
+        return self.pending(), bool(got) and not self._heard.is_set() and got - 1 >= self.grace * 1e6
 
     def asked(self) -> bool:
         """(collective on several ranks) ``reached_preemption``: whether any rank got SIGTERM. Its first True

@@ -209,9 +209,10 @@ class CheckpointManager:
         pre = self._preemption
         try:
             preempted, ending = pre.agree()  # (with handle_sigterm: one all-reduce, the same on every rank)
-            if ending:  # the loop did not hear of SIGTERM in time: this save is not made, the process ends
-                pre.end(f"{readable.duration(pre.grace)} ago and the training loop did not stop (it never called "
-                        f"reached_preemption): step {step} is not saved")
+            stopped = (f"{readable.duration(pre.grace)} ago and the training loop did not stop (it never called "
+                       "reached_preemption)")
+            if ending and not preempted:  # the preemption save was made: this one is not, the process ends
+                pre.end(f"{stopped}: step {step} is not saved")
             through_dcp = self._through_dcp(state)
             state = loaderstate.attach(state, loader, trusted=not through_dcp)
             if through_dcp:
@@ -226,6 +227,8 @@ class CheckpointManager:
             raise
         if saved and preempted:
             pre.saved(step)  # once: later saves follow the tiers' usual policies
+        if ending:  # no save since the signal before the grace was over: this one was the preemption save
+            pre.end(f"{stopped}: step {step} went to the preemption tiers")
         return saved
 
     def _save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None, force: bool,
