@@ -93,9 +93,10 @@ class CheckpointManager:
         :mod:`tierfs.adapters._preemption`).
     sigterm_grace:
         Seconds (or a ``timedelta``, default 30) a loop has after SIGTERM to hear of it through
-        ``reached_preemption``. A loop that does not ask is stopped then: its next ``save`` saves nothing,
-        waits until the preemption save is durable (within ``exit_timeout``; later saves' copies are not
-        waited for) and ends the process as an unhandled SIGTERM would, on every rank.
+        ``reached_preemption``. A loop that does not ask is stopped then: its next ``save`` saves nothing
+        (unless none was made since the signal: then it is the preemption save), waits until the preemption
+        save is durable (within ``exit_timeout``; later saves' copies are not waited for) and ends the
+        process as an unhandled SIGTERM would, on every rank.
     use_dcp:
         How torch state is saved. ``None`` (the default): a state holding at least one ``torch.Tensor``
         (DTensor and other subclasses included) goes through PyTorch Distributed Checkpoint (``dcp.save``
