@@ -2,11 +2,11 @@
 
 Two ranks (gloo, each its own node and RAM directory) save every step: RAM every 5 steps, an S3 object tier
 (moto) every 50th step or on preemption, ``background_bandwidth=4e6`` (tests/children/sigterm_ranks_child.py).
-The state goes to the store directly, or (a torch tensor) through DCP. Only rank 1 gets SIGTERM, at step 21; it reads on only once the signal came, so the first save after it is
-step 22. That save goes to the object tier on both ranks; once the grace period is over the job stops at its
-next save (or, when the loop makes no save call any more, from the watcher), each process ending as an
-unhandled SIGTERM would, once step 22 is durable.
-"""
+The state goes to the store directly, or (a torch tensor) through DCP. Only rank 1 gets SIGTERM, at step 21;
+it reads on only once the signal came, so the first save after it is step 22. That save goes to the object
+tier on both ranks; once the grace period is over the job stops at its next save (or, when the loop makes no
+save call any more, from the watcher), each process ending as an unhandled SIGTERM would, once step 22 is
+durable. Last, one process whose first save after the signal comes after the grace."""
 
 from __future__ import annotations
 

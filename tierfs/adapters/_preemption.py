@@ -15,10 +15,11 @@ default: 30 s), to one rank or to all. With ``handle_sigterm=True`` the manager 
   seconds have passed since the first rank got the signal: the first ``save`` call after that, on every rank
   alike, saves nothing (unless no save was made since the signal: then it is the preemption save), waits
   until the preemption save is durable (its commit and copies, within the store's ``exit_timeout``; no later
-  save's copies) and ends the process as an unhandled SIGTERM would (exit status -15, no exit handlers). A loop that makes no save call by then is ended the same way by a
-  watcher thread, between two of the manager's calls; a rank whose save then fails on the ended rank ends
-  as SIGTERM too, not with that error. The job so ends within the grace period plus the upload of that one
-  save.
+  save's copies) and ends the process as an unhandled SIGTERM would (exit status -15, no exit handlers).
+  A loop that makes no save call by then is ended the same way by a watcher thread, between two of the
+  manager's calls; a rank whose save then fails on the ended rank ends as SIGTERM too, not with that error.
+  The job so ends within the grace period plus the upload of that one save (and of any copy to the same
+  tier queued before it: each slower tier's copies run in order).
 """
 
 from __future__ import annotations
