@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from . import diagnosis, severing
+from . import diagnosis, severing, waits
 
 if TYPE_CHECKING:
     from .member import Member
@@ -77,7 +77,14 @@ def _run(g: "Member", start: Any) -> None:
     g._calls[0] += 1  # the same number on every rank: collectives run in one order
     with g.bounded() as oper:
         try:
-            start().wait(timeout=datetime.timedelta(seconds=oper.allowed()))
+            work = start()
+            if g._gone is None or g.world_size < 2:
+                work.wait(timeout=datetime.timedelta(seconds=oper.allowed()))
+            else:  # a neighbour killed with a message under way: noticed at once, not at the timeout
+                ring = list(dict.fromkeys([(g.rank + 1) % g.world_size, (g.rank - 1) % g.world_size]))
+                dead = waits.watched(work, oper.allowed(), ring, g._gone)
+                if dead is not None:
+                    raise RuntimeError(waits.ended(dead))
         except RuntimeError as e:
             severing.sever_all(g._dist)
             raise diagnosis.diagnose(g, oper, str(e)) from None

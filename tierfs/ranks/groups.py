@@ -123,6 +123,7 @@ class TorchGroup:
         # "closed": why this rank's connections on the group were closed; "failed": a wait on it failed
         self._state: dict[str, str] = {}
         self._lanes: list[Any] = []  # the groups (one, or a fork's lanes); empty once destroyed
+        self._gone: Callable[[int], bool] | None = None  # set once the group is named
         self._lanes.append(pool.POOL.take(dist, backend, self.timeout, 0, self._state, self._lanes))
         self._named()
         if node_rank is None:

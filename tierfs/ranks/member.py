@@ -7,7 +7,7 @@ of the class, so that imports among :mod:`tierfs.ranks` point one way: ``groups`
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from .waits import Operation
 
@@ -47,6 +47,10 @@ class Member(Protocol):
     @property
     def _calls(self) -> list[int]:
         """How many collectives ran on the group, in a list (the same number on every rank)."""
+
+    @property
+    def _gone(self) -> Callable[[int], bool] | None:
+        """``gone(peer)``: whether a peer's process ended (:mod:`tierfs.ranks.liveness`), or None."""
 
     @property
     def _pg(self) -> Any:

@@ -13,6 +13,10 @@ drop and fails in turn, in milliseconds around the ring, and gloo's threads of t
 nothing to wait for or to read (a connection left open to a peer whose data has nowhere to land keeps a
 group's I/O loop spinning, and the group's destructor, which joins that loop, from ever returning).
 
+That ends the operations that wait for a message or a connection, not one with a message under way: the
+rank also closes the socket its peers watch it by (:func:`tierfs.ranks.liveness.give_up`), which ends
+those at once (:mod:`tierfs.ranks.waits`).
+
 A group closed so is never used again: its ranks are out of step on it anyway (:mod:`tierfs.ranks.pool`
 never reuses nor destroys it).
 """
@@ -24,7 +28,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import waits
+from . import liveness, waits
 
 if TYPE_CHECKING:
     from .member import Member
@@ -49,6 +53,7 @@ def watch(g: "Member") -> None:
 def sever_all(dist: Any) -> None:
     """After a failure of the job's ranks: close this rank's connections on every group of the process that
     is in use, so that every rank blocked on this one fails at once. None of them is used again."""
+    liveness.give_up()  # the peers waiting on a transfer with this rank stop too
     with _lock:
         groups = [g for g in _live if "severed" not in g._state]
         for g in groups:

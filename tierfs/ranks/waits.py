@@ -37,7 +37,7 @@ import datetime
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import RankWaitError
 
@@ -197,10 +197,9 @@ class Round:
         try:
             if self.gone is None:
                 work.wait(timeout=datetime.timedelta(seconds=self.op.allowed()))
-            elif not _watched(work, self.op.allowed(), peer, self.gone):
+            elif watched(work, self.op.allowed(), [peer], self.gone) is not None:
                 self._lost.add(peer)
-                self._fail(peer, f"Connection closed by peer: the process of rank {peer} ended (its socket of "
-                                 "tierfs closed)")
+                self._fail(peer, ended(peer))
                 return False
         except RuntimeError as e:
             self._fail(peer, str(e))
@@ -219,9 +218,10 @@ class Round:
         return dict(self.failures)
 
 
-def _watched(work: Any, seconds: float, peer: int, gone: Callable[[int], bool]) -> bool:
+def watched(work: Any, seconds: float, peers: Sequence[int], gone: Callable[[int], bool]) -> int | None:
     """Wait for ``work`` up to ``seconds`` (its failure raised), looking every :data:`POLL` seconds whether
-    ``peer``'s process is still there; False once it is not (the wait goes on on its thread, abandoned)."""
+    the processes of ``peers`` are still there; the first one found gone, if any (the wait goes on on its
+    thread, abandoned), else None."""
     done = threading.Event()
     failure: list[BaseException] = []
 
@@ -234,12 +234,22 @@ def _watched(work: Any, seconds: float, peer: int, gone: Callable[[int], bool]) 
             done.set()
 
     _WAITERS.run(run)
-    while not done.wait(POLL):
-        if gone(peer):
-            return False
+    try:
+        while not done.wait(POLL):
+            for peer in peers:
+                if gone(peer):
+                    return peer
+    except BaseException:  # an interrupt: raised once the wait ended, as a wait of the backend's own does
+        done.wait()
+        raise
     if failure:
         raise failure[0]
-    return True
+    return None
+
+
+def ended(peer: int) -> str:
+    """The failure of a wait on ``peer`` once its process is found gone (a dropped connection: :data:`GONE`)."""
+    return f"Connection closed by peer: rank {peer}'s process ended, or it gave up after a failure (its socket closed)"
 
 
 class _Threads:
