@@ -10,7 +10,8 @@ The collectives are gloo's all-reduce and broadcast (:mod:`tierfs.ranks.collecti
 made when first used: each rank talks to its ring's neighbours, so the sockets it holds do not grow with
 the job; bulk transfers are point to point, between the ranks that exchange. The waits of one operation
 share one deadline, the group's ``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in
-time, or whose process is gone (noticed as soon as its connections drop), makes the waiting rank raise
+time, or whose process is gone (noticed as soon as its connections drop, or, for a transfer under way with
+it, its socket of tierfs, :mod:`tierfs.ranks.liveness`), makes the waiting rank raise
 :class:`~tierfs.errors.RankWaitError` naming the stage it was in (:mod:`tierfs.util.stages`) and exactly the
 ranks that made it fail (a point-to-point wait names its peer, a collective finds them out through
 :mod:`tierfs.ranks.diagnosis`). A rank that sees such a failure closes its connections on every group
