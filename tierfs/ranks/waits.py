@@ -233,6 +233,13 @@ def watched(work: Any, seconds: float, peers: Sequence[int], gone: Callable[[int
         finally:
             done.set()
 
+    # a first look at once: a peer's socket is connected at the first wait on it (the job's store read
+    # then, once per peer), not at the first wait that lasts, so a steady save's requests do not depend on
+    # how busy the machine is
+    for peer in peers:
+        if gone(peer):
+            _reap_later(work, seconds)  # abandoned, as below
+            return peer
     _WAITERS.run(run)
     try:
         while not done.wait(POLL):
