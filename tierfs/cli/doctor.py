@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..ranks.groups import env_node_source
 from ..util.readable import size
 from ..tiers.base import Tier
 from ..tiers.memory import MemoryTier
@@ -84,16 +85,15 @@ def check_torch() -> Check:
 
 
 def check_node_identity(env: dict[str, str]) -> Check:
-    for var in ("TIERFS_NODE_RANK", "GROUP_RANK"):
-        value = env.get(var, "").strip()
-        if value:
-            if not value.isdigit():
-                return Check("node identity", False, f"{var}={value!r} is not a node number",
-                             f"set {var} to this node's index, 0 to the number of nodes - 1")
-            return Check("node identity", True, f"node {int(value)} ({var})")
-    local = env.get("LOCAL_WORLD_SIZE", "").strip()
-    if local.isdigit() and int(local) > 0:
-        return Check("node identity", True, f"rank // {local} (torchrun's LOCAL_WORLD_SIZE)")
+    var = env_node_source(env)  # the variable the store will take the node number from
+    value = env.get(var, "").strip()
+    if var in ("TIERFS_NODE_RANK", "GROUP_RANK"):
+        if not value.isdigit():
+            return Check("node identity", False, f"{var}={value!r} is not a node number",
+                         f"set {var} to this node's index, 0 to the number of nodes - 1")
+        return Check("node identity", True, f"node {int(value)} ({var})")
+    if var == "LOCAL_WORLD_SIZE" and value.isdigit() and int(value) > 0:
+        return Check("node identity", True, f"rank // {value} (torchrun's LOCAL_WORLD_SIZE)")
     slurm = env.get("SLURM_NODEID")
     hint = f" (this is Slurm node {slurm}: TIERFS_NODE_RANK=$SLURM_NODEID)" if slurm else ""
     return Check("node identity", False, "no TIERFS_NODE_RANK, GROUP_RANK or LOCAL_WORLD_SIZE: every process "

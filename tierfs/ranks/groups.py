@@ -39,7 +39,7 @@ import os
 import secrets
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -366,10 +366,17 @@ def env_node_rank(rank: int) -> int:
     return rank // int(local) if local else 0
 
 
-def env_node_source() -> str:
-    """Where :func:`env_node_rank` takes the node number from: the variable's name, or ``"default"``."""
-    for var in ("TIERFS_NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
-        if os.environ.get(var, "").strip():
+#: the variables a node number is taken from, first set first: a node's index (tierfs's own, torchrun's),
+#: else ``rank // LOCAL_WORLD_SIZE``
+NODE_VARS = ("TIERFS_NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def env_node_source(env: Mapping[str, str] | None = None) -> str:
+    """Where :func:`env_node_rank` takes the node number from (in ``env``, default this process's
+    environment): the variable's name, or ``"default"``."""
+    env = os.environ if env is None else env
+    for var in NODE_VARS:
+        if env.get(var, "").strip():
             return var
     return "default"
 
