@@ -138,6 +138,22 @@ def test_a_loop_that_stops_saving_is_ended_by_the_watcher(s3_url, shm_dir, tmp_p
     check_object_tier(url, opts, shm_dir, False)
 
 
+def test_an_older_upload_queued_before_the_preemption_save_is_given_up(s3_url, shm_dir, tmp_path):
+    """The object tier takes every 20th step too, and rank 0's upload of step 20 is held until the process
+    says it is ending, so step 22's upload is queued behind it: the older upload is given up on both ranks
+    (it stays in RAM), step 22 is uploaded and restores bit for bit, and both processes end as SIGTERM would."""
+    url, opts = s3_url
+    ended = sigterm_rank_1(start_train(shm_dir, url, tmp_path, opts, "held"))
+    check_ended(ended, tmp_path)
+    for _, err in ended:
+        assert f"uploads of steps before {PRE} not finished are given up" in err, err[-3000:]
+    committed = ObjectTier(url, opts).committed_steps()
+    assert PRE in committed and 20 not in committed, committed
+    got = gloo_job.run_job(2, CHILD, "restore", shm_dir, url, str(PRE),
+                           env={"TIERFS_TEST_STORAGE_OPTIONS": json.dumps(opts)})
+    assert [(r["rank"], r["same"], r["tier"]) for r in got] == [(0, True, "s3"), (1, True, "s3")], got
+
+
 def test_a_first_save_after_the_grace_still_goes_to_the_preemption_tiers(shm_dir, tmp_path):
     """One process, no save between SIGTERM and the end of the grace: the next save is the preemption save,
     and the process ends once it is durable (tests/children/sigterm_late_save_child.py)."""

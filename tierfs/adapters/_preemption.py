@@ -18,8 +18,8 @@ default: 30 s), to one rank or to all. With ``handle_sigterm=True`` the manager 
   save's copies) and ends the process as an unhandled SIGTERM would (exit status -15, no exit handlers).
   A loop that makes no save call by then is ended the same way by a watcher thread, between two of the
   manager's calls; a rank whose save then fails on the ended rank ends as SIGTERM too, not with that error.
-  The job so ends within the grace period plus the upload of that one save (and of any copy to the same
-  tier queued before it: each slower tier's copies run in order).
+  The uploads of older steps still queued or under way then are given up (at their next chunk, on every
+  rank alike; they stay in RAM), so the job ends within the grace period plus the upload of that one save.
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ class Preemption:
         bound = self.store.exit_timeout
         step = self._step
         what = f"step {step}, the preemption save," if step is not None else "the saves in flight"
+        if step is not None:  # before anything else: older uploads queued before it are not waited for
+            self.store._ctx.work.give_up_below(step)
         log.warning("SIGTERM %s: ending the process once %s is durable (at most %s)", why, what, duration(bound))
         t0 = time.monotonic()
         if not self._durable(bound):
@@ -176,6 +178,8 @@ class Preemption:
         background work when none was made); whether they are done."""
         deadline = time.monotonic() + bound
         if self._step is not None:
+            # the uploads of older steps queued before it are given up: only this save is waited for
+            self.store._ctx.work.give_up_below(self._step)
             ledger = self.store._ctx.ledger
             while ledger.busy(self._step):
                 if time.monotonic() >= deadline:

@@ -9,6 +9,7 @@ the ledger, or for a restore's background part here) and raised by the store's n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,6 +19,12 @@ from ..util.worker import Throttle, Worker
 from ..ranks import Group
 from ..errors import BackgroundError, TierfsError
 from .ledger import StepLedger
+
+log = logging.getLogger("tierfs")
+
+
+class CopyGivenUp(TierfsError):
+    """An upload stopped because the process ends once a later step is durable (a SIGTERM's)."""
 
 
 @dataclass
@@ -33,17 +40,34 @@ class Background:
     # the part of a restore that goes on after this rank returned (see core.restore.pipeline), its failures
     restores: Worker = field(init=False)
     restore_failures: list[BaseException] = field(init=False)
+    #: uploads of steps below this one stop (:meth:`give_up_below`)
+    given_up_below: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
         self.restore_failures = []
         self.restores = Worker("tierfs-restore", self.restore_failures.append, nice=0)
 
-    def pace(self, step: int, tier: str) -> Callable[[int], None]:
-        """The throttle of a background copy of ``step`` to ``tier`` (with its test hook)."""
+    def pace(self, step: int, tier: str, stoppable: bool = False) -> Callable[[int], None]:
+        """The throttle of a background copy of ``step`` to ``tier`` (with its test hook). A ``stoppable``
+        copy (an upload, which every rank's agreement ends together) stops at its next chunk once the
+        process gives up the copies of steps before a later one (:meth:`give_up_below`)."""
         def pace(nbytes: int) -> None:
             _hooks.at("transfer", step=step, tier=tier, nbytes=nbytes)
+            if stoppable and step < self.given_up_below:
+                raise CopyGivenUp(f"the copy of step {step} to {tier} was given up: the process ends once step "
+                                  f"{self.given_up_below} is durable")
             self.throttle.consume(nbytes)
         return pace
+
+    def give_up_below(self, step: int) -> None:
+        """Stop the uploads of the steps before ``step``, at their next chunk, and skip those not started:
+        the process is about to end (SIGTERM) once ``step`` is durable, and must not wait for older steps
+        queued before it. Every rank's upload of such a step fails together (its agreement), so the ranks go
+        on to the next copy alike; the steps stay in the first tier."""
+        if step > self.given_up_below:
+            self.given_up_below = step
+            log.warning("tierfs: uploads of steps before %d not finished are given up: the process ends once step %d "
+                        "is durable", step, step)
 
     def settle(self) -> None:
         """Wait for the rest of the last restore (if this rank returned before it finished); raise its

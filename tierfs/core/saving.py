@@ -350,8 +350,8 @@ class SavePath:
             with stage("copy", step, dst.name):
                 manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
                 # a damaged RAM copy must not become the durable one; verified and sent within the cap
-                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=p.work.pace(step, dst.name),
-                                       batched=False)
+                pace = p.work.pace(step, dst.name, stoppable=True)
+                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=pace, batched=False)
         spread.heard(dst, vote.max)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
         log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _readable.Bytes(vote.mine),
