@@ -177,9 +177,13 @@ def publish(dist: Any, rank: int, launch: int, store: Any) -> None:
             return
         _listening["launches"].add(launch)
         try:
+            address = _own_address()
             if _listening["sock"] is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.bind(("", 0))
+                try:  # only on the address the peers are told (not every interface of the host)
+                    sock.bind((address, 0))
+                except OSError:
+                    sock.bind(("", 0))
                 sock.listen(256)
                 _sockets.add(sock)
                 threading.Thread(target=_serve, args=(sock,), name="tierfs-alive", daemon=True).start()
@@ -188,7 +192,7 @@ def publish(dist: Any, rank: int, launch: int, store: Any) -> None:
                     _listening["bye"] = True
                 _listening["sock"] = sock
             port = _listening["sock"].getsockname()[1]
-            store.set(_key(launch, rank), f"{_own_address()}:{port}")
+            store.set(_key(launch, rank), f"{address}:{port}")
         except Exception as e:  # noqa: BLE001 - the store's own errors are RuntimeErrors; waits go on unwatched
             log.debug("tierfs: this rank cannot be watched by its peers (%s)", e)
 
