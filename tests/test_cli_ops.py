@@ -245,7 +245,7 @@ def test_export_dcp_from_ram_and_from_s3(shm_dir, s3_url, tmp_path, capsys):
 
     # an older step from the S3 tier alone; an existing checkpoint needs --overwrite
     code, _, err = run(capsys, "export", cfg, out, "--dcp", "--step", 1, "--tier", "s3")
-    assert code == 1 and "--overwrite" not in err and ".metadata" in err
+    assert code == 1 and "pass --overwrite to replace it" in err and "overwrite=True" not in err and ".metadata" in err
     code, _, err = run(capsys, "export", cfg, out, "--dcp", "--step", 1, "--tier", "s3", "--overwrite")
     assert code == 0, err
     got = make_state(1, 1)
