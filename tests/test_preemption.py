@@ -156,7 +156,8 @@ def test_an_older_upload_queued_before_the_preemption_save_is_given_up(s3_url, s
 
 def test_a_first_save_after_the_grace_still_goes_to_the_preemption_tiers(shm_dir, tmp_path):
     """One process, no save between SIGTERM and the end of the grace: the next save is the preemption save,
-    and the process ends once it is durable (tests/children/sigterm_late_save_child.py)."""
+    and the process ends once it is durable; the upload of step 1, still under way, is given up (it stays in
+    RAM) (tests/children/sigterm_late_save_child.py)."""
     child = subprocess.run([sys.executable, str(HERE / "children" / "sigterm_late_save_child.py"), shm_dir,
                             str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
                            env=os.environ | {"PYTHONPATH": str(HERE.parent)})
@@ -164,7 +165,8 @@ def test_a_first_save_after_the_grace_still_goes_to_the_preemption_tiers(shm_dir
     assert child.stdout.split() == ["1", "True"], child.stdout  # step 2's save call never returned
     assert "step 2 went to the preemption tiers" in child.stderr, child.stderr[-3000:]
     tier = ObjectTier(f"file://{tmp_path}/o")
-    assert tier.committed_steps() == [1, 2]
+    assert "uploads of steps before 2 not finished are given up" in child.stderr, child.stderr[-3000:]
+    assert tier.committed_steps() == [2]
     with CheckpointManager([ObjectTier(f"file://{tmp_path}/o")]) as mgr:
         got = mgr.restore(step=2)
     assert got["w"].tobytes() == np.full(1000, 2, dtype=np.float32).tobytes()

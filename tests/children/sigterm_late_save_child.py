@@ -3,12 +3,14 @@ the grace period (a tiny ``sigterm_grace``), then saves step 2:
 
     sigterm_late_save_child.py SHM OBJDIR
 
-Step 1 goes to RAM and to the object tier, whose upload is held (a test hook) until step 2 is being staged:
-the watcher, which waits for the saves in flight before it ends the process, cannot end it first. Step 2,
-the first save after the signal, goes to the object tier though the grace is over, and the process ends
-once it is durable. Prints each step ``save`` returned for.
+Step 1 goes to RAM and to the object tier, whose upload is held (a test hook) until the process gives up
+older uploads: the watcher, which waits for the saves in flight before it ends the process, cannot end it
+first. Step 2, the first save after the signal, goes to the object tier though the grace is over; the
+process then gives up step 1's upload (it stays in RAM) and ends once step 2 is durable. Prints each step
+``save`` returned for.
 """
 
+import logging
 import signal
 import sys
 import threading
@@ -26,16 +28,21 @@ gate = threading.Event()
 
 def transfer(step: int, tier: str, nbytes: int) -> None:
     if step == 1:
-        gate.wait()  # step 1's upload waits until step 2 is being staged
+        gate.wait(300)  # step 1's upload waits until the process gives up older uploads
 
 
-def stage(stage: str, step: int, tier: str) -> None:
-    if step == 2 and stage == "staging":
-        gate.set()
+class GivenUp(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if "not finished are given up" in record.getMessage():
+            gate.set()
 
 
 hooks.add("transfer", transfer)
-hooks.add("stage", stage)
+log = logging.getLogger("tierfs")
+log.addHandler(GivenUp())
+shown = logging.StreamHandler()  # what logging's last resort prints when the logger has no handler
+shown.setLevel(logging.WARNING)
+log.addHandler(shown)
 tiers = [MemoryTier(shm), ObjectTier(f"file://{obj}", save=AnySavePolicy([SpecificStepsPolicy([1]),
                                                                            PreemptionCheckpointingPolicy()]))]
 mgr = CheckpointManager(tiers, handle_sigterm=True, sigterm_grace=1e-9, background_bandwidth=None, max_in_flight=2)
