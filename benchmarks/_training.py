@@ -1,0 +1,299 @@
+"""A training loop's parts for bench_every_step.py: a small GPT with AdamW, the floor of a checkpoint every
+step (a copy into RAM, a plain socket copy to the next rank, a plain upload every so often), and the
+probes of background CPU and GIL.
+
+Nothing in here is part of tierfs.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+
+# -- the model ----------------------------------------------------------------------------------------
+def gpt(vocab: int, d_model: int, layers: int, seq: int, seed: int) -> Any:
+    """A decoder-only transformer in ``torch.nn`` parts (pre-norm encoder layers with a causal mask),
+    untied LM head: the shape of a GPT, small enough for one CPU thread."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d_model)
+            self.pos = nn.Parameter(torch.zeros(seq, d_model).normal_(std=0.02))
+            layer = nn.TransformerEncoderLayer(d_model, max(1, d_model // 64), 4 * d_model, dropout=0.0,
+                                               batch_first=True, norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+        def forward(self, tokens: Any) -> Any:
+            x = self.embed(tokens) + self.pos
+            return self.head(self.norm(self.blocks(x, mask=self.mask, is_causal=True)))
+
+    return GPT()
+
+
+class Trainer:
+    """One rank's model, AdamW and batches; :meth:`step` is a training step, kept in lockstep with the
+    other ranks by an all-reduce of the loss (as data-parallel and sharded jobs are)."""
+
+    def __init__(self, dist: Any, vocab: int, d_model: int, layers: int, seq: int, seed: int) -> None:
+        import torch
+
+        self.dist, self.vocab, self.seq = dist, vocab, seq
+        self.model = gpt(vocab, d_model, layers, seq, seed)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.batch = 1
+        self.loss = torch.zeros(())
+
+    def step(self) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen)
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.opt.step()
+        self.loss.copy_(loss.detach())
+        self.dist.all_reduce(self.loss)
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def calibrate(self, target: float, say: Any) -> float:
+        """Pick the batch size whose step takes about ``target`` seconds on every rank (the slowest rank's
+        estimate); returns the measured step time."""
+        import statistics
+
+        def timing(n: int = 4) -> float:
+            self.step()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                self.step()
+                ts.append(time.perf_counter() - t0)
+            out = [0.0] * self.dist.get_world_size()
+            self.dist.all_gather_object(out, statistics.median(ts))
+            return max(out)
+
+        self.batch = 1
+        for _ in range(3):  # the step is not quite linear in the batch: twice more, from the last estimate
+            t = timing()
+            self.batch = max(1, round(self.batch * target / t))
+        t = timing()
+        say(f"batch {self.batch} x {self.seq} tokens: {t:.3f} s per step (target {target} s)")
+        return t
+
+
+def flat_views(state: dict, buf: Any) -> tuple[list[Any], list[Any]]:
+    """The tensors of ``state`` (model and AdamW) and views of the same shapes into the uint8 tensor ``buf``."""
+    import torch
+
+    srcs, dsts, off = [], [], 0
+    stack: list[Any] = [state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor):
+            n = x.nelement() * x.element_size()
+            dsts.append(buf[off:off + n].view(x.dtype).view(x.shape))
+            srcs.append(x)
+            off += n
+    return srcs, dsts
+
+
+def nbytes_of(state: dict) -> int:
+    import torch
+
+    total, stack = 0, [state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor):
+            total += x.nelement() * x.element_size()
+    return total
+
+
+# -- the floor: the same copies without tierfs ----------------------------------------------------------
+class Floor:
+    """A checkpoint every step with nothing but the copies: the state copied into a RAM buffer (one
+    ``torch._foreach_copy_``, as tierfs stages), then on background threads at tierfs's CPU priority a
+    plain socket ``sendall`` of those bytes to the next rank (whose thread ``recv_into``\\ s a buffer), and on
+    every ``upload_every``-th step a plain s3fs upload of them. No checksums, commit, agreement or
+    retention. Three buffers in turn, so a buffer being sent or uploaded is never overwritten; a step waits
+    only when all three are (tierfs waits for room alike)."""
+
+    def __init__(self, dist: Any, state: dict, nice: int, upload: tuple[Any, str] | None, upload_every: int) -> None:
+        import torch
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.nbytes = nbytes_of(state)
+        self.bufs = [torch.zeros(self.nbytes, dtype=torch.uint8) for _ in range(3)]
+        self.views = [flat_views(state, b) for b in self.bufs]
+        self.inbox = torch.zeros(self.nbytes, dtype=torch.uint8)
+        self.busy = [0, 0, 0]
+        self.cond = threading.Condition()
+        self.nice, self.upload, self.upload_every = nice, upload, upload_every
+        srv = socket.create_server(("127.0.0.1", 0))
+        ports: list[Any] = [None] * world
+        dist.all_gather_object(ports, srv.getsockname()[1])
+        self.out = socket.create_connection(("127.0.0.1", ports[(rank + 1) % world]))
+        self.conn, _ = srv.accept()
+        srv.close()
+        self.sends: list[Any] = []
+        self.send_cond = threading.Condition()
+        self.closed = False
+        self.threads = [threading.Thread(target=self._sender, daemon=True),
+                        threading.Thread(target=self._receiver, daemon=True)]
+        for t in self.threads:
+            t.start()
+        self.uploads: list[threading.Thread] = []
+
+    def _free(self, i: int) -> None:
+        with self.cond:
+            self.busy[i] -= 1
+            self.cond.notify_all()
+
+    def save(self, step: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: 0 in self.busy)
+            i = self.busy.index(0)
+            self.busy[i] = 1
+        srcs, dsts = self.views[i]
+        import torch
+
+        torch._foreach_copy_(dsts, srcs)
+        if self.upload is not None and step % self.upload_every == 0:
+            with self.cond:
+                self.busy[i] += 1
+            t = threading.Thread(target=self._upload, args=(i, step), daemon=True)
+            t.start()
+            self.uploads.append(t)
+        with self.send_cond:
+            self.sends.append(i)
+            self.send_cond.notify_all()
+
+    def _sender(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        while True:
+            with self.send_cond:
+                self.send_cond.wait_for(lambda: self.sends or self.closed)
+                if not self.sends:
+                    return
+                i = self.sends[0]
+            self.out.sendall(memoryview(self.bufs[i].numpy()))
+            with self.send_cond:
+                self.sends.pop(0)
+                self.send_cond.notify_all()
+            self._free(i)
+
+    def _receiver(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        mv = memoryview(self.inbox.numpy())
+        while True:
+            got = 0
+            while got < len(mv):
+                try:
+                    n = self.conn.recv_into(mv[got:], min(len(mv) - got, 4 << 20))
+                except OSError:
+                    return
+                if not n:
+                    return
+                got += n
+
+    def _upload(self, i: int, step: int) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        try:
+            fs, prefix = self.upload  # type: ignore[misc]
+            fs.pipe_file(f"{prefix}/{step}.bin", self.bufs[i].numpy().tobytes())
+        finally:
+            self._free(i)
+
+    def wait(self) -> None:
+        with self.send_cond:
+            self.send_cond.wait_for(lambda: not self.sends)
+        for t in self.uploads:
+            t.join()
+        self.uploads.clear()
+
+    def close(self) -> None:
+        self.wait()
+        with self.send_cond:
+            self.closed = True
+            self.send_cond.notify_all()
+        self.out.close()
+        self.threads[0].join()
+        self.conn.close()
+
+
+# -- probes ---------------------------------------------------------------------------------------------
+def cpu_of_process() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_of_thread() -> float:
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime + r.ru_stime
+
+
+class GilProbe:
+    """A thread that sleeps ``period`` seconds (``time.sleep`` lets go of the GIL) and records how late it
+    gets the GIL back, ``1/period`` times a second. A wake-up that finds the GIL free is late by the OS's
+    wake-up latency alone; one that finds it held waits until its holder lets go. So the share of wake-ups
+    late by more than ``threshold`` beyond the median lateness of an uncontended loop estimates the share
+    of time some other thread held the GIL (samples at regular times see each state for as long as it
+    lasts); the training thread holds it too, so a variant's share minus the loop without checkpoints'
+    is the background's. Waits for a core (not the GIL) count as well: an upper bound."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        self.period = period
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.native_id = threading.get_native_id()
+        sleep, clock, late, p = time.sleep, time.perf_counter, self.late, self.period
+        while not self._stop.is_set():
+            t0 = clock()
+            sleep(p)
+            late.append(clock() - t0 - p)
+
+    def take(self) -> list[float]:
+        out, self.late[:] = list(self.late), []
+        return out
+
+    def cpu(self) -> float:
+        """The probe's own CPU seconds so far (Linux: from its thread's schedstat)."""
+        with open(f"/proc/self/task/{self.native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def held_share(late: list[float], base: float, threshold: float = 200e-6) -> float:
+    """The share of the probe's wake-ups that waited more than ``threshold`` beyond ``base``."""
+    return sum(1 for x in late if x - base > threshold) / max(1, len(late))

@@ -1,0 +1,329 @@
+"""A checkpoint every step: what it costs a real training loop, against the same loop without
+checkpoints and against the floor of the same copies without tierfs.
+
+    .venv/bin/python benchmarks/bench_every_step.py [--step-times 0.2,1] [--steps 50] [--rounds 3] [--runs 3]
+
+Starts ``--world`` processes (gloo on 127.0.0.1, each its own node with its own RAM directory; one torch
+thread each, so the ranks fill the machine's cores as training fills a node's), and a moto S3 server in a
+process of its own. Every rank trains a small GPT (``torch.nn`` transformer layers, untied head) with
+AdamW on random tokens; each step ends with an all-reduce of the loss, so the ranks keep in lockstep as a
+data-parallel or sharded job does. The batch is calibrated so a step takes about each of
+``--step-times`` seconds. The checkpointed state is ``{"model": model.state_dict(), "optim":
+optimizer.state_dict()}``: every parameter, both AdamW moments and the step counts.
+
+Three variants take turns in ``--rounds`` rounds of ``--steps`` steps each (the order rotates every round,
+so each sees the same moments of a shared machine):
+
+- **no checkpoints**: the loop alone;
+- **floor**: every step the state copied into a RAM buffer, then on background threads a plain socket copy
+  of those bytes to the next rank and, every ``--upload-every``-th step, a plain s3fs upload of them: the
+  copies a checkpoint every step needs, and nothing else (``_training.Floor``);
+- **tierfs**: ``TieredStore([MemoryTier(), PeerTier(replicas=1), ObjectTier(s3, save=
+  FixedIntervalPolicy(50))])`` at its defaults (the background bandwidth cap included), ``save(step,
+  state, blocking=False)`` every step.
+
+A step's time is its whole wall time on the training thread: forward, backward, optimizer, the
+all-reduce, and the save call. Each variant's store or floor is opened and warmed (three saves) before
+the timed rounds; after each round the background work is waited for outside the timing, so no round's
+work spills into another variant's.
+
+Reported per step time, medians over ranks and rounds (``--runs`` repeats, each a fresh job, and their
+median): the slowdown of the mean step against the loop without checkpoints of the same round; p50 and
+p99 step times (pooled over the rounds); the CPU time of every thread but the training one, per step
+(gloo's, tierfs's, the floor's; the probe's own excluded) beyond the loop without checkpoints; and the
+share of time some other thread held the GIL, from a probe thread (``_training.GilProbe``: how late it
+gets the GIL back after a 2 ms sleep), beyond the loop without checkpoints. Raw output goes to
+``benchmarks/results/bench_every_step-<day>-<k>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import MiB, launch_ranks, log, machine_note, results_path  # noqa: E402
+
+VARIANTS = ("no checkpoints", "floor", "tierfs")
+
+
+# -- inside each rank -----------------------------------------------------------------------------------
+def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
+    """``n`` timed steps numbered from ``first``, each followed by ``save(step)``; then ``wait()``
+    (untimed). Returns the step times, the background CPU and the probe's samples."""
+    import time
+
+    from _training import cpu_of_process, cpu_of_thread
+
+    trainer.dist.barrier()
+    probe.take()
+    cpu0, own0, probe0 = cpu_of_process(), cpu_of_thread(), probe.cpu()
+    times, stalls = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        trainer.step()
+        t1 = time.perf_counter()
+        if save is not None:
+            save(first + i)
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        stalls.append(t2 - t1)
+    late = probe.take()
+    background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
+    if wait is not None:
+        wait()
+    return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from _common import Scratch
+    from _training import Floor, GilProbe, Trainer, nbytes_of
+
+    from tierfs import TieredStore
+    from tierfs.policies import FixedIntervalPolicy, LatestN
+    from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
+    from tierfs.util.worker import BACKGROUND_NICE
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = log if rank == 0 else (lambda *a: None)  # noqa: E731
+    logging.getLogger("tierfs").setLevel(logging.WARNING)
+    import s3fs
+
+    opts = {"endpoint_url": args.endpoint, "key": "testing", "secret": "testing"}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    scratch = Scratch(f"bench-every-step-{rank}-")
+    probe = GilProbe()
+    out: dict = {"rank": rank, "targets": {}}
+    trainer = Trainer(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank)
+    try:
+        nbytes = None
+        for target in args.step_times:
+            measured = trainer.calibrate(target, say)
+            state = trainer.state()
+            nbytes = nbytes_of(state)
+            ntensors = sum(1 for _ in _leaves(state))
+            say(f"state: {nbytes / MiB:.1f} MiB in {ntensors} tensors per rank; "
+                f"{args.rounds} rounds x {len(VARIANTS)} variants x {args.steps} steps")
+            tag = f"t{target}".replace(".", "_")
+            ram, peer = MemoryTier(scratch.fresh(f"ram-{tag}"), keep=LatestN(2)), PeerTier(replicas=1)
+            tiers = {"ram": ram, "peer": peer, "s3": ObjectTier(f"s3://{args.bucket}/{tag}/tierfs", opts,
+                                                                save=FixedIntervalPolicy(args.upload_every),
+                                                                keep=LatestN(2))}
+            store = TieredStore([tiers[t] for t in args.tiers.split(",")])
+            floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor"), args.upload_every)
+            step = 1
+            try:
+                for _ in range(3):  # warm: RAM buffers and replica buffers mapped, then reused; plans cached
+                    trainer.step()
+                    store.save(step, trainer.state(), blocking=False)
+                    floor.save(step)
+                    step += 1
+                store.wait_until_finished()
+                floor.wait()
+                # steps numbered so that each segment begins at a multiple of --upload-every: every variant
+                # uploads the same number of times
+                res: dict = {v: [] for v in VARIANTS}
+                last = None  # the last step tierfs saved
+                seg = 0
+                for rnd in range(args.rounds):
+                    order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+                    for v in order:
+                        if args.only and v not in (args.only, "no checkpoints"):
+                            continue
+                        seg += 1
+                        first = seg * args.upload_every * max(1, -(-args.steps // args.upload_every))
+                        if v == "tierfs":
+                            r = segment(trainer, args.steps, first,
+                                        lambda s: store.save(s, trainer.state(), blocking=False),
+                                        store.wait_until_finished, probe)
+                        elif v == "floor":
+                            r = segment(trainer, args.steps, first, floor.save, floor.wait, probe)
+                        else:
+                            r = segment(trainer, args.steps, first, None, None, probe)
+                        res[v].append(r)
+                        if v == "tierfs":
+                            last = first + args.steps - 1
+                        say(f"  {target} s, round {rnd + 1}, {v}: median step "
+                            f"{statistics.median(r['times']):.3f} s, mean {statistics.fmean(r['times']):.3f} s, in "
+                            f"save {statistics.fmean(r['stalls']) * 1e3:.1f} ms, background CPU "
+                            f"{r['background_cpu'] * 1e3:.1f} ms per step")
+                buffers = {"ram": ram.stats()}
+                held = {str(k): sorted(v) for k, v in store.steps().items()}  # where the steps are, at the end
+                say(f"RAM buffers: {buffers}")
+                out["targets"][str(target)] = {"buffers": buffers, "held": held, "last": last, "calibrated": measured, "batch": trainer.batch, "nbytes": nbytes,
+                                               "tensors": ntensors, "rounds": res}
+            finally:
+                store.close()
+                floor.close()
+                scratch.remove(f"ram-{tag}")
+    finally:
+        probe.close()
+        scratch.cleanup()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def _leaves(state):
+    import torch
+
+    stack = [state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor):
+            yield x
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def figures(run: list[dict], target: str) -> dict:
+    """One run's figures for one step time: medians over ranks (and rounds) of each measure."""
+    from _training import held_share
+
+    per_rank = [r["targets"][target] for r in run]
+    out: dict = {"batch": per_rank[0]["batch"], "nbytes": per_rank[0]["nbytes"], "tensors": per_rank[0]["tensors"]}
+    for v in VARIANTS:
+        out[v] = {}
+        if not per_rank[0]["rounds"][v]:
+            continue
+        slow, p50, p99, cpu, gil = [], [], [], [], []
+        for pr in per_rank:
+            rounds = pr["rounds"]
+            base_late = statistics.median(x for s in rounds["no checkpoints"] for x in s["late"])
+            for seg, none in zip(rounds[v], rounds["no checkpoints"]):
+                slow.append(statistics.fmean(seg["times"]) / statistics.fmean(none["times"]) - 1)
+                cpu.append(seg["background_cpu"] - none["background_cpu"])
+                gil.append(held_share(seg["late"], base_late) - held_share(none["late"], base_late))
+            pooled = [t for s in rounds[v] for t in s["times"]]
+            p50.append(pct(pooled, 0.5))
+            p99.append(pct(pooled, 0.99))
+        out[v] = {"slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
+                  "cpu": statistics.median(cpu), "gil": statistics.median(gil)}
+    return out
+
+
+def report(runs: list[list[dict]], targets: list[str]) -> str:
+    lines = []
+    for target in targets:
+        figs = [figures(run, target) for run in runs]
+        f0 = figs[0]
+
+        def med(v: str, k: str) -> float:
+            return statistics.median(f[v][k] for f in figs)
+
+        def every(v: str, k: str, fmt: str) -> str:
+            return " ".join(format(f[v][k], fmt) for f in figs)
+
+        step = med("no checkpoints", "p50")
+        lines += [f"### A step of about {target} s (measured {step:.3f} s; batch {f0['batch']}; "
+                  f"{f0['nbytes'] / MiB:.1f} MiB in {f0['tensors']} tensors per rank)", "",
+                  "| variant | slowdown | p50 step s | p99 step s | p99 / p99 without | background CPU ms per step "
+                  "| GIL held by others, share of time | slowdowns of the runs |", "|---|---|---|---|---|---|---|---|"]
+        for v in VARIANTS:
+            if not figs[0][v]:
+                continue
+            lines.append(
+                f"| {v} | {med(v, 'slowdown') * 100:+.2f}% | {med(v, 'p50'):.3f} | {med(v, 'p99'):.3f} | "
+                f"{med(v, 'p99') / med('no checkpoints', 'p99'):.3f} | {med(v, 'cpu') * 1e3:.1f} | "
+                f"{med(v, 'gil') * 100:+.2f}% | {every(v, 'slowdown', '+.4f')} |")
+        if not (f0["tierfs"] and f0["floor"]):
+            continue
+        over = (med("tierfs", "slowdown") - med("floor", "slowdown")) * 100
+        goal = 0.5 if float(target) >= 1 else 1.0
+        p99 = med("tierfs", "p99") / med("no checkpoints", "p99")
+        lines += ["", f"- tierfs over the floor: {over:+.2f} pp (target <= +{goal} pp: "
+                      f"{'MET' if over <= goal else 'MISSED'}); p99 {p99:.3f}x the p99 without checkpoints "
+                      f"(target <= 1.1x: {'MET' if p99 <= 1.1 else 'MISSED'})", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--step-times", default="0.2,1", help="seconds per step to calibrate to, comma-separated")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1, help="fresh jobs; the report gives the median over them")
+    ap.add_argument("--upload-every", type=int, default=50)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--out", default=None, help="results file (no extension); default benchmarks/results/...")
+    ap.add_argument("--only", choices=VARIANTS[1:], help="run this variant alone beside the loop without "
+                    "checkpoints (for profiling)")
+    ap.add_argument("--tiers", default="ram,peer,s3", help="tierfs's tiers, for finding what costs what "
+                    "(ram,peer,s3: the benchmark's setup)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", default="every-step", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.step_times = [float(x) for x in str(args.step_times).split(",")]
+    if args.worker:
+        worker(args)
+        return 0
+    from _scale import _MOTO, aws_env
+
+    os.environ.update({k: v for k, v in aws_env().items() if k.startswith("AWS_")})
+    moto = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=aws_env(), text=True)
+    runs: list = []
+    try:
+        endpoint = f"http://127.0.0.1:{moto.stdout.readline().strip()}"
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=endpoint, key="testing",
+                          secret="testing").mkdir(args.bucket)
+        argv = [a for a in sys.argv[1:] if a != "--worker"]
+        for k in range(args.runs):
+            log(f"run {k + 1} of {args.runs}")
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                code = launch_ranks(__file__, [*argv, "--endpoint", endpoint, "--json", tmp.name], args.world)
+                if code:
+                    return code
+                with open(tmp.name) as f:
+                    runs.append(json.load(f))
+    finally:
+        moto.stdin.close()
+        moto.wait()
+    targets = [str(t) for t in args.step_times]
+    text = (f"## bench_every_step: a checkpoint every step, {args.world} ranks, {len(runs)} runs\n\n"
+            + report(runs, targets) +
+            f"- machine: {machine_note()}\n- command: `.venv/bin/python benchmarks/bench_every_step.py "
+            f"{' '.join(sys.argv[1:])}`\n")
+    print(text)
+    out = args.out or results_path("bench_every_step")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    with open(out + ".json", "w") as f:
+        json.dump(runs, f)
+    log(f"wrote {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
