@@ -167,7 +167,9 @@ def map_private(path: Path, ino: int, size: int) -> mmap.mmap:
 class Pool:
     """Mapped files of deleted steps, kept in a per-process directory for the next saves.
 
-    It holds at most ``limit`` bytes: the largest step staged so far (one spare set). ``created`` and
+    It holds at most ``limit`` bytes: the most bytes staged for one step so far, in every tier that shares
+    the pool (a RAM tier and the copies of other ranks' shards it keeps: one spare set of each, since a
+    save can stage the next step while the copies of the last one still arrive). ``created`` and
     ``reused`` count the buffers made fresh and taken from the pool (see ``MemoryTier.stats``).
     """
 
@@ -175,10 +177,18 @@ class Pool:
         self.dir = directory
         self.files: list[MappedFile] = []
         self.limit = 0
+        self._per_step: dict[int, int] = {}  # bytes staged for each recent step
         self.created = 0
         self.reused = 0
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
+
+    def staged(self, step: int, nbytes: int) -> None:
+        """Count ``nbytes`` staged for ``step``; the limit grows to the most any step took."""
+        total = self._per_step[step] = self._per_step.get(step, 0) + nbytes
+        self.limit = max(self.limit, total)
+        if len(self._per_step) > 16:  # only recent steps are staged alongside each other
+            del self._per_step[min(self._per_step)]
 
     @property
     def nbytes(self) -> int:

@@ -196,7 +196,7 @@ class MemoryTier(Tier):
         self._job.claim()
         self._last_staged = max(self._last_staged, step)
         self._recycle_own(step, sizes)
-        self._pool.limit = max(self._pool.limit, sum(sizes.values()))
+        self._pool.staged(step, sum(sizes.values()))
         plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
         _room.make_room(self.path, self.capacity, self._pool, step, new_bytes,
