@@ -57,6 +57,14 @@ def key_name(k: Any, prefix: str) -> str:
     raise ArgumentError(f"state keys must be strings or ints, got {k!r} under {prefix or 'the root'!r}")
 
 
+def _copied(e: Entry) -> Entry:
+    """A shallow copy of ``e`` (``copy.copy``'s result, without its generic machinery: a save copies every
+    entry)."""
+    out = object.__new__(Entry)
+    out.__dict__.update(e.__dict__)
+    return out
+
+
 def describe(state: Mapping[str, Any], keys: bool = False) -> tuple[list[str], list[Any], list[Any]]:
     """The leaves of ``state``, depth first as :func:`tierfs.state.flatten` names them: their names, the
     values, and the structure (one hashable-free tuple per leaf: its kind, type, dtype and shape). ``keys``:
@@ -251,7 +259,7 @@ class ShardLayout:
                  metadata: dict[str, Any], metrics: dict[str, Any]) -> Manifest:
         """The manifest of a save of this layout: its entries (fresh copies), the JSON leaves' ``values``
         (by leaf index) filled in."""
-        entries = [copy.copy(e) for e in self.entries]
+        entries = [_copied(e) for e in self.entries]
         for i, v in values.items():
             entries[i].value = v.item() if isinstance(v, np.generic) else v.value if type(v) is st.Trusted else v
         return Manifest(step, rank, world_size, entries, dict(self.files), block_size, metadata=metadata,

@@ -280,7 +280,8 @@ class SavePath:
         for t in slow:
             p.ledger.pin(first.name, step)
             _metrics.SINK.queued(t.name, step, manifest.nbytes)
-            p.work.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files))  # type: ignore[misc]
+            p.work.copies[t.name].submit(lambda t=t: self.hand_on(step, t, marker, manifest.files,  # type: ignore[misc]
+                                                                  (manifest, mbytes)))
         p.ledger.done(step)
         if not slow:
             self._prepare(step, manifest.files)
@@ -312,14 +313,16 @@ class SavePath:
             raise
 
     # -- hand on ------------------------------------------------------------------------------------
-    def hand_on(self, step: int, dst: AnyTier, marker: Marker, sizes: Mapping[str, int]) -> None:
+    def hand_on(self, step: int, dst: AnyTier, marker: Marker, sizes: Mapping[str, int],
+                committed: tuple[Manifest, bytes] | None = None) -> None:
         """This rank's part of putting ``step`` on ``dst`` (an upload, or replication to peers), then the
-        bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next."""
+        bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next.
+        ``committed``: this rank's manifest of the step and its bytes, as its commit wrote them."""
         p, first = self.ctx, self.ctx.first
         stored, error = False, "NotStored"
         try:
             if dst is p.replicator:
-                stored = self._replicate(step, p.replicator, marker)
+                stored = self._replicate(step, p.replicator, marker, committed)
             else:
                 assert isinstance(dst, Tier)
                 stored = self._upload(step, dst, marker)
@@ -358,15 +361,20 @@ class SavePath:
                  _readable.Seconds(time.perf_counter() - t0))
         return True
 
-    def _replicate(self, step: int, dst: Replicator, marker: Marker) -> bool:
-        """Every rank sends its shard to its peers at once; stored only if every copy is verified."""
+    def _replicate(self, step: int, dst: Replicator, marker: Marker,
+                   committed: tuple[Manifest, bytes] | None = None) -> bool:
+        """Every rank sends its shard to its peers at once; stored only if every copy is verified. The
+        manifest is the one the commit wrote (``committed``), else read back from the first tier."""
         p, src = self.ctx, self.ctx.first
         t0 = time.perf_counter()
         mbytes, files, error, nbytes = b"", {}, None, 0
         try:
             with stage("replication", step, dst.name):
-                mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
-                manifest = Manifest.from_bytes(mbytes)
+                if committed is not None:
+                    manifest, mbytes = committed
+                else:
+                    mbytes = bytes(src.read_file(step, manifest_filename(p.group.rank)))
+                    manifest = Manifest.from_bytes(mbytes)
                 # only what no other node holds: the bundles shared with other ranks live in their RAM too
                 sent = manifest.replica_files
                 files, nbytes = src.read_files(step, list(sent)), sum(sent.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import ChecksumError, FormatError
@@ -113,7 +113,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """JSON; from version 2 its last field is the crc32c of the bytes before it (closed with ``}``)."""
-        d = asdict(self)
+        # the fields as they are (json.dumps copies nothing; asdict's deep copy cost milliseconds per save)
+        d = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        d["entries"] = [{k: v for k, v in vars(e).items() if not k.startswith("_")} for e in self.entries]
         d["format"] = "tierfs"
         body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
         if self.version < 2:
