@@ -134,6 +134,7 @@ class ShardLayout:
     groups: list[list[int]] = field(default_factory=list)
     members: list[list[int]] = field(default_factory=list)  # each bundle's leaves, in order
     token: object = field(default_factory=object)  # names this layout in buffer memos
+    checked: bool = False  # a manifest of it passed the reader's per-entry checks (the entries are the same)
 
     @classmethod
     def plan(cls, names: list[str], values: list[Any], signature: list[Any], rank: int, file_size: int,

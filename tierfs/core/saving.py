@@ -245,7 +245,8 @@ class SavePath:
                     with stage("manifest", step, first.name):
                         # the reader's checks: a step no reader takes is never committed (and so never
                         # makes retention drop the steps before it)
-                        manifest.validate()
+                        manifest.validate(entries=not staged.layout.checked)
+                        staged.layout.checked = True  # its entries pass: later saves of it need not check them
                         p.staging.persist(step)
                         mbytes = manifest.to_bytes()
                         first.write_file(step, manifest_filename(rank), mbytes)

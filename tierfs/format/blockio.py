@@ -16,7 +16,7 @@ import numpy as np
 
 from ..util import hooks as _hooks
 from ..errors import ChecksumError, FormatError
-from . import Entry, Manifest, blocks, crc32c
+from . import Entry, Manifest, crc32c
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -66,8 +66,13 @@ def run(jobs: list[Job], threads: int | None = None, pace: Callable[[int], None]
     ``pace(nbytes)`` is called before each block (a bandwidth throttle for background work). With
     ``checksum=False`` jobs only copy (their checksums come back as 0, to be computed later).
     """
-    units = [(j, b, s, e) for j, job in enumerate(jobs) for b, (s, e) in enumerate(blocks(job.src.size, job.block_size))]
-    out = [[0] * sum(1 for _ in blocks(job.src.size, job.block_size)) for job in jobs]
+    units = []  # (job, block, start, end): as names.blocks cuts them, without a generator per job
+    out = []
+    for j, job in enumerate(jobs):
+        size, bs = job.src.size, job.block_size
+        starts = range(0, size, bs) if size else range(1)
+        units += [(j, b, s, min(size, s + bs)) for b, s in enumerate(starts)]
+        out.append([0] * len(starts))
     n = min(threads or default_threads(), len(units))
     failed: list[BaseException] = []
 

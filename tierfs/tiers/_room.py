@@ -57,6 +57,8 @@ def make_room(root: Path, space: Callable[[], Capacity], pool: Pool, step: int, 
               keep: set[int]) -> None:
     """Raise CapacityError unless ``new_bytes`` more fit in the tier at ``root`` (``space()``: its
     capacity now); the ``pool``'s buffers not in ``keep`` (ids) are reclaimable space and go first."""
+    if new_bytes <= 0:  # every buffer comes from the pool (a steady save): nothing to count
+        return
     cap = space()
     if cap.available is None or new_bytes <= cap.available:
         return

@@ -28,7 +28,7 @@ from ..format import blockio as _blocks
 from ..ranks import framed
 from ..ranks.waits import said
 from ..errors import ArgumentError, ChecksumError, FormatError, TierfsError
-from ..format import Entry, Manifest, Marker, blocks, crc32c, manifest_from_marker, validate_filename
+from ..format import Entry, Manifest, Marker, crc32c, manifest_from_marker, validate_filename
 from .base import Pace
 
 #: bytes per message: small enough that each is checksummed while still in cache as the next ones land,
@@ -251,10 +251,13 @@ class _FileCheck:
     """Checks one shard file's blocks as its chunks land, in order, each chunk while it is in cache."""
 
     def __init__(self, manifest: Manifest, name: str) -> None:
-        self.name = name
-        self.blocks = sorted((e.offset + a, e.offset + b, e.crc32c[k], manifest.key(e.name)) for e in manifest.entries
-                             if e.kind == "array" and e.file == name
-                             for k, (a, b) in enumerate(blocks(e.length, manifest.block_size)))
+        self.name, self.manifest = name, manifest
+        bs = manifest.block_size
+        # (start, end, crc32c, entry name) of every block in the file, in order; the name is shown only on a
+        # mismatch (as its user knows it)
+        self.blocks = sorted((e.offset + a, e.offset + min(e.length, a + bs), e.crc32c[k], e.name)
+                             for e in manifest.entries if e.kind == "array" and e.file == name
+                             for k, a in enumerate(range(0, max(e.length, 1), bs)))
         self.next, self.crc = 0, 0
 
     def feed(self, data: np.ndarray, start: int, end: int) -> None:
@@ -268,6 +271,7 @@ class _FileCheck:
             if hi > end:
                 return
             if self.crc != want:
-                raise ChecksumError(f"checksum mismatch in {entry} ({self.name} bytes {lo}-{hi}): stored "
+                raise ChecksumError(f"checksum mismatch in {self.manifest.key(entry)} ({self.name} bytes {lo}-{hi}): "
+                                    f"stored "
                                     f"{want:#010x}, received {self.crc:#010x}")
             self.next, self.crc = self.next + 1, 0
