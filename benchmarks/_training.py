@@ -256,6 +256,14 @@ def cpu_of_thread() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def schedstat() -> tuple[float, float]:
+    """The calling thread's seconds on a core and waiting for one (runnable), so far (Linux schedstat); the
+    rest of its time it was blocked: on the GIL, a lock, a collective, I/O."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        run, wait, _ = f.read().split()
+    return int(run) / 1e9, int(wait) / 1e9
+
+
 class GilProbe:
     """A thread that sleeps ``period`` seconds (``time.sleep`` lets go of the GIL) and records how late it
     gets the GIL back, ``1/period`` times a second. A wake-up that finds the GIL free is late by the OS's

@@ -29,10 +29,18 @@ work spills into another variant's.
 
 Reported per step time, medians over ranks and rounds (``--runs`` repeats, each a fresh job, and their
 median): the slowdown of the mean step against the loop without checkpoints of the same round; p50 and
-p99 step times (pooled over the rounds); the CPU time of every thread but the training one, per step
-(gloo's, tierfs's, the floor's; the probe's own excluded) beyond the loop without checkpoints; and the
-share of time some other thread held the GIL, from a probe thread (``_training.GilProbe``: how late it
-gets the GIL back after a 2 ms sleep), beyond the loop without checkpoints. Raw output goes to
+p99 step times (pooled over the rounds); the time in the save call; and, each beyond the loop without
+checkpoints of the same round:
+
+- the CPU time of every thread but the training one, per step (gloo's, tierfs's, the floor's; the
+  probe's own excluded): what the background costs the machine;
+- the share of time some other thread held the GIL, from a probe thread (``_training.GilProbe``: how
+  late it gets the GIL back after a 2 ms sleep; a wait for a core counts too, so an upper bound);
+- the training thread's time waiting for a core (runnable, from its schedstat) and blocked (neither
+  running nor runnable: on the GIL, or in the all-reduce for a slower rank): how the background slows
+  the step, by taking cores or by holding the GIL.
+
+``--only`` and ``--tiers`` run parts of it, to find what costs what. Raw output goes to
 ``benchmarks/results/bench_every_step-<day>-<k>.md`` and ``.json``.
 """
 
@@ -59,11 +67,11 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     (untimed). Returns the step times, the background CPU and the probe's samples."""
     import time
 
-    from _training import cpu_of_process, cpu_of_thread
+    from _training import cpu_of_process, cpu_of_thread, schedstat
 
     trainer.dist.barrier()
     probe.take()
-    cpu0, own0, probe0 = cpu_of_process(), cpu_of_thread(), probe.cpu()
+    cpu0, own0, probe0, sched0 = cpu_of_process(), cpu_of_thread(), probe.cpu(), schedstat()
     times, stalls = [], []
     for i in range(n):
         t0 = time.perf_counter()
@@ -75,10 +83,15 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
         times.append(t2 - t0)
         stalls.append(t2 - t1)
     late = probe.take()
+    sched1 = schedstat()
+    on_cpu, queued = ((b - a) / n for a, b in zip(sched0, sched1))
     background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
     if wait is not None:
         wait()
-    return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late}
+    # the training thread's time per step: on a core, waiting for one, and blocked (the GIL, the all-reduce)
+    blocked = sum(times) / n - on_cpu - queued
+    return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late,
+            "main": [on_cpu, queued, blocked]}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -94,6 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     from tierfs.util.worker import BACKGROUND_NICE
 
     torch.set_num_threads(1)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     say = log if rank == 0 else (lambda *a: None)  # noqa: E731
@@ -157,7 +172,8 @@ def worker(args: argparse.Namespace) -> None:
                         say(f"  {target} s, round {rnd + 1}, {v}: median step "
                             f"{statistics.median(r['times']):.3f} s, mean {statistics.fmean(r['times']):.3f} s, in "
                             f"save {statistics.fmean(r['stalls']) * 1e3:.1f} ms, background CPU "
-                            f"{r['background_cpu'] * 1e3:.1f} ms per step")
+                            f"{r['background_cpu'] * 1e3:.1f} ms per step; training thread on a core / waiting "
+                            f"for one / blocked: {' / '.join(f'{x * 1e3:.1f}' for x in r['main'])} ms per step")
                 buffers = {"ram": ram.stats()}
                 held = {str(k): sorted(v) for k, v in store.steps().items()}  # where the steps are, at the end
                 say(f"RAM buffers: {buffers}")
@@ -208,7 +224,7 @@ def figures(run: list[dict], target: str) -> dict:
         out[v] = {}
         if not per_rank[0]["rounds"][v]:
             continue
-        slow, p50, p99, cpu, gil = [], [], [], [], []
+        slow, p50, p99, cpu, gil, stall, queued, blocked = [], [], [], [], [], [], [], []
         for pr in per_rank:
             rounds = pr["rounds"]
             base_late = statistics.median(x for s in rounds["no checkpoints"] for x in s["late"])
@@ -216,11 +232,15 @@ def figures(run: list[dict], target: str) -> dict:
                 slow.append(statistics.fmean(seg["times"]) / statistics.fmean(none["times"]) - 1)
                 cpu.append(seg["background_cpu"] - none["background_cpu"])
                 gil.append(held_share(seg["late"], base_late) - held_share(none["late"], base_late))
+                stall.append(statistics.fmean(seg["stalls"]))
+                queued.append(seg["main"][1] - none["main"][1])
+                blocked.append(seg["main"][2] - none["main"][2])
             pooled = [t for s in rounds[v] for t in s["times"]]
             p50.append(pct(pooled, 0.5))
             p99.append(pct(pooled, 0.99))
         out[v] = {"slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
-                  "cpu": statistics.median(cpu), "gil": statistics.median(gil)}
+                  "cpu": statistics.median(cpu), "gil": statistics.median(gil), "stall": statistics.median(stall),
+                  "queued": statistics.median(queued), "blocked": statistics.median(blocked)}
     return out
 
 
@@ -239,15 +259,17 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
         step = med("no checkpoints", "p50")
         lines += [f"### A step of about {target} s (measured {step:.3f} s; batch {f0['batch']}; "
                   f"{f0['nbytes'] / MiB:.1f} MiB in {f0['tensors']} tensors per rank)", "",
-                  "| variant | slowdown | p50 step s | p99 step s | p99 / p99 without | background CPU ms per step "
-                  "| GIL held by others, share of time | slowdowns of the runs |", "|---|---|---|---|---|---|---|---|"]
+                  "| variant | slowdown | p50 step s | p99 step s | p99 / p99 without | in save, ms | background CPU, "
+                  "ms per step | GIL held by others, share of time | training thread waiting for a core / blocked, ms "
+                  "per step | slowdowns of the runs |", "|---|---|---|---|---|---|---|---|---|---|"]
         for v in VARIANTS:
             if not figs[0][v]:
                 continue
             lines.append(
                 f"| {v} | {med(v, 'slowdown') * 100:+.2f}% | {med(v, 'p50'):.3f} | {med(v, 'p99'):.3f} | "
-                f"{med(v, 'p99') / med('no checkpoints', 'p99'):.3f} | {med(v, 'cpu') * 1e3:.1f} | "
-                f"{med(v, 'gil') * 100:+.2f}% | {every(v, 'slowdown', '+.4f')} |")
+                f"{med(v, 'p99') / med('no checkpoints', 'p99'):.3f} | {med(v, 'stall') * 1e3:.1f} | "
+                f"{med(v, 'cpu') * 1e3:.1f} | {med(v, 'gil') * 100:+.2f}% | {med(v, 'queued') * 1e3:+.1f} / "
+                f"{med(v, 'blocked') * 1e3:+.1f} | {every(v, 'slowdown', '+.4f')} |")
         if not (f0["tierfs"] and f0["floor"]):
             continue
         over = (med("tierfs", "slowdown") - med("floor", "slowdown")) * 100
@@ -276,6 +298,8 @@ def main() -> int:
                     "checkpoints (for profiling)")
     ap.add_argument("--tiers", default="ram,peer,s3", help="tierfs's tiers, for finding what costs what "
                     "(ram,peer,s3: the benchmark's setup)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval in every rank (Python's default: 0.005 s)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default="every-step", help=argparse.SUPPRESS)
