@@ -240,7 +240,10 @@ def watched(work: Any, seconds: float, peers: Sequence[int], gone: Callable[[int
         if gone(peer):
             _reap_later(work, seconds)  # abandoned, as below
             return peer
-    _WAITERS.run(run)
+    if work.is_completed():  # done already (a send into the socket's buffer): no thread to hand it to
+        run()
+    else:
+        _WAITERS.run(run)
     try:
         while not done.wait(POLL):
             for peer in peers:
