@@ -16,8 +16,9 @@ from .memory import MemoryTier
 
 class Kept(MemoryTier):
     """The directory of copies this rank keeps; it shares the RAM tier's budget, and its pool of spare
-    buffers (one spare set serves both: the buffers of this rank's step that retention frees when the
-    next one commits take the next copy, and the copy's old buffers the next step)."""
+    buffers (the buffers of this rank's step that retention frees when the next one commits take the next
+    copy, and the copy's old buffers the next step; the pool keeps up to one spare set of each, as a save
+    every step stages the next step while the last one's copies still arrive)."""
 
     #: copies are read only to be sent: their pages are mapped as the wire reads them, not all up front
     _populate_reads = False
