@@ -281,6 +281,22 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
     return "\n".join(lines)
 
 
+def compact(runs: list) -> list:
+    """The runs with each segment's probe samples replaced by their count and percentiles (ms)."""
+    import copy
+
+    out = copy.deepcopy(runs)
+    for run in out:
+        for r in run:
+            for fig in r["targets"].values():
+                for segs in fig["rounds"].values():
+                    for seg in segs:
+                        late = seg.pop("late")
+                        seg["probe_late_ms"] = {"n": len(late), **{f"p{q}": round(pct(late, q / 100) * 1e3, 3)
+                                                                    for q in (50, 90, 99)}} if late else {"n": 0}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--step-times", default="0.2,1", help="seconds per step to calibrate to, comma-separated")
@@ -343,8 +359,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".md", "w") as f:
         f.write(text)
-    with open(out + ".json", "w") as f:
-        json.dump(runs, f)
+    with open(out + ".json", "w") as f:  # the probe's samples summed up: hundreds of thousands of them
+        json.dump(compact(runs), f)
     log(f"wrote {out}.md")
     return 0
 
