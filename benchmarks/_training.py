@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any
 
+from _common import tensors
+
 
 # -- the model ----------------------------------------------------------------------------------------
 def gpt(vocab: int, d_model: int, layers: int, seq: int, seed: int) -> Any:
@@ -100,37 +102,17 @@ class Trainer:
 
 def flat_views(state: dict, buf: Any) -> tuple[list[Any], list[Any]]:
     """The tensors of ``state`` (model and AdamW) and views of the same shapes into the uint8 tensor ``buf``."""
-    import torch
-
     srcs, dsts, off = [], [], 0
-    stack: list[Any] = [state]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, torch.Tensor):
-            n = x.nelement() * x.element_size()
-            dsts.append(buf[off:off + n].view(x.dtype).view(x.shape))
-            srcs.append(x)
-            off += n
+    for x in tensors(state):
+        n = x.nelement() * x.element_size()
+        dsts.append(buf[off:off + n].view(x.dtype).view(x.shape))
+        srcs.append(x)
+        off += n
     return srcs, dsts
 
 
 def nbytes_of(state: dict) -> int:
-    import torch
-
-    total, stack = 0, [state]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, torch.Tensor):
-            total += x.nelement() * x.element_size()
-    return total
+    return sum(x.nelement() * x.element_size() for x in tensors(state))
 
 
 # -- the floor: the same copies without tierfs ----------------------------------------------------------

@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from _common import Scratch
+    from _common import Scratch, tensors
     from _training import Floor, GilProbe, Trainer, nbytes_of
 
     from tierfs import TieredStore
@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
             measured = trainer.calibrate(target, say)
             state = trainer.state()
             nbytes = nbytes_of(state)
-            ntensors = sum(1 for _ in _leaves(state))
+            ntensors = sum(1 for _ in tensors(state))
             say(f"state: {nbytes / MiB:.1f} MiB in {ntensors} tensors per rank; "
                 f"{args.rounds} rounds x {len(VARIANTS)} variants x {args.steps} steps")
             tag = f"t{target}".replace(".", "_")
@@ -192,20 +192,6 @@ def worker(args: argparse.Namespace) -> None:
         with open(args.json, "w") as f:
             json.dump(gathered, f)
     dist.destroy_process_group()
-
-
-def _leaves(state):
-    import torch
-
-    stack = [state]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, torch.Tensor):
-            yield x
 
 
 # -- the report -----------------------------------------------------------------------------------------
