@@ -291,3 +291,13 @@ def test_data_parallel_manager_state_restores_from_ram_and_peers_alone(tmp_path)
     outs = gloo_job.run_job(3, child, str(shm), "load")
     assert [(o["step"], o["exact"], o["tier"]) for o in outs] == [(4, True, "ram")] * 3
     assert 4 in outs[1]["ram"] and outs[1]["held"] == {"4": [0]}  # shard back in RAM, replica re-seeded
+
+
+def test_a_save_every_step_reuses_ram_buffers_while_the_last_replica_is_on_its_way(tmp_path):
+    """The next step staged while the last one's replica still arrives: the buffers both free afterwards
+    (the rank's old step and the old replica) are kept for reuse, so a second such overlap makes no new
+    buffer (the pool kept one spare set only, and each overlap made and faulted a fresh one)."""
+    outs = gloo_job.run_job(2, CHILDREN / "every_step_child.py", str(tmp_path), timeout=300)
+    for o in outs:
+        assert o["made"] == 0, o
+        assert o["last"] == ["peer", "ram"], o
