@@ -35,5 +35,3 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
         # tierfs saved its last step to RAM and peers; the last multiple of 2 before it went to S3 too
         assert fig["held"][str(last)] == ["peer", "ram"]
         assert "s3" in fig["held"][str(last - 1)]
-        # RAM buffers are reused from step to step, not made afresh
-        assert fig["buffers"]["ram"]["reused"] > fig["buffers"]["ram"]["created"]
