@@ -43,6 +43,12 @@ log = logging.getLogger("tierfs")
 MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and a full state) reuses each
 
 
+def _commit_sums() -> list[int]:
+    """A commit's agreement before this rank's part is known (a rank that fails takes part with it): the
+    ranks holding data-parallel bundles, the step's bytes, and its digest (:func:`manifest_digest`)."""
+    return [0, 0, 0, 0]
+
+
 class SavePath:
     """Saves of one store (see the module docstring)."""
 
@@ -133,7 +139,8 @@ class SavePath:
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
                     try:
-                        check(commit_group, e, f"commit step {step}", outcome="not committed", maxes=[0])
+                        check(commit_group, e, f"commit step {step}", outcome="not committed",
+                              sums=_commit_sums())
                     except BaseException:  # noqa: BLE001 - already raised to the caller
                         pass
                 p.work.commits.submit(abort)
@@ -224,10 +231,10 @@ class SavePath:
         p, first = self.ctx, self.ctx.first
         step, rank = staged.step, p.group.rank
         try:
-            # every rank's manifest is written: in one all-reduce (sums in a second), whatever the job's size;
-            # data-parallel bundles' digests are compared along each group's ranks (maxes: whether any rank has some)
+            # every rank's manifest is written, and the marker's sums: in one all-reduce whatever the job's size;
+            # data-parallel bundles' digests are compared along each group's ranks (sums[0]: the ranks with some)
             with agreement(group, f"commit step {step}", outcome="not committed") as vote:
-                vote.maxes = [0]  # the same length on every rank, a rank that fails included
+                vote.sums = _commit_sums()  # as long on every rank, a rank that fails included
                 try:
                     with _nogc.paused():
                         manifest = staged.manifest(rank, p.group.world_size, p.block_size)
@@ -253,16 +260,15 @@ class SavePath:
                         check_complete(first, step, {**manifest.files, manifest_filename(rank): len(mbytes)})
                     held = digests([[manifest.entries[i] for i in m] for m in staged.layout.members],
                                    manifest.bundles, manifest.groups) if manifest.bundles else []
-                    vote.maxes = [int(bool(held))]
-                    vote.sums = [manifest.nbytes, *manifest_digest(rank, crc32c(mbytes))]
+                    vote.sums = [int(bool(held)), manifest.nbytes, *manifest_digest(rank, crc32c(mbytes))]
                 except BaseException:
                     staged.settle()
                     p.staging.discard(step)
                     raise
-            if vote.max[0]:  # on every rank alike: all raise, or none
+            if vote.sums[0]:  # on every rank alike: all raise, or none
                 check_digests(group, step, held, manifest.groups if held else [])
-            marker = Marker(step, manifest.world_size, nbytes=vote.sums[0], tiers=staged.tiers,
-                            commit=staged.commit, digest=vote.sums[1:])
+            marker = Marker(step, manifest.world_size, nbytes=vote.sums[1], tiers=staged.tiers,
+                            commit=staged.commit, digest=vote.sums[2:])
             self._mark(group, first, step, marker, f"commit step {step}")
         except BaseException:
             # not committed on any rank: this rank's files of the step hold no space (its buffers go back)

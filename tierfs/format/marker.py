@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from ..errors import ChecksumError, FormatError
 from .manifest import Manifest
@@ -43,9 +43,8 @@ class Marker:
             self.manifests = {manifest_filename(r): -1 for r in range(self.world_size)}
 
     def to_bytes(self) -> bytes:
-        d = asdict(self)
-        if self.commit is not None:
-            del d["manifests"]
+        # the fields as they are (json.dumps copies nothing); version 2 names its manifests by world_size
+        d = {f: getattr(self, f) for f in _MARKER_ORDER if f != "manifests" or self.commit is None}
         d["format"] = "tierfs"
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -78,7 +77,8 @@ class Marker:
         return manifest_filename(rank) in self.manifests
 
 
-_MARKER_FIELDS = {f.name for f in fields(Marker)}
+_MARKER_ORDER = tuple(f.name for f in fields(Marker))
+_MARKER_FIELDS = set(_MARKER_ORDER)
 
 
 def manifest_digest(rank: int, crc: int) -> list[int]:

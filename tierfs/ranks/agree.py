@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .. import errors as _errors
 from ..util import stages as _stages
@@ -122,32 +122,50 @@ def check(group: Group, failure: BaseException | None = None, what: str = "", *,
     """Whether every rank got through a step; if any did not, raise on every rank (collective), as
     :func:`agree` does, but in the same few bytes per rank whatever the job's size: one all-reduce of the
     lowest and highest failed rank (and of ``mins`` and ``maxes``, reduced element by element with it), and
-    only when a rank failed, a broadcast of that rank's reason. Returns the reduced ``mins`` and ``maxes``;
-    ``sums`` (a list, the same length on every rank) are summed over the ranks in place, in a second
-    all-reduce, once every rank got through. The error names the lowest rank that failed (and the highest,
-    when more did)."""
+    only when a rank failed, a broadcast of that rank's reason. Returns the reduced ``mins`` and ``maxes``.
+
+    ``sums`` (a list, the same length on every rank, a rank that fails included; without ``mins`` and
+    ``maxes``) are summed over the ranks in place, in the one all-reduce that counts the failed ranks: the
+    lowest and highest of them are found in a second one only when there are some. The error names the
+    lowest rank that failed (and the highest, when more did)."""
     n, me = group.world_size, group.rank
     if n == 1:
         if failure is not None:
             raise failure
         return list(mins), list(maxes)
     failed = failure is not None
+    if sums:
+        if mins or maxes:
+            raise ValueError("check: sums are reduced without mins or maxes")
+        with _stages.waiting(what or "agreeing with the other ranks"):
+            total = group.all_reduce([int(failed), *sums], "sum")
+        if total[0]:
+            _raise_failed(group, failure, what, classify, outcome)
+        sums[:] = total[1:]  # type: ignore[index]
+        return [], []
     vec = [me if failed else n, -(me if failed else -1), *mins, *(-int(v) for v in maxes)]
     with _stages.waiting(what or "agreeing with the other ranks"):
         out = group.all_reduce(vec, "min")
-        first, last = out[0], -out[1]
-        if first < n:  # the lowest failed rank's reason, told to every rank
-            mine = _payload(failure, classify) if me == first else None
-            info = group.broadcast(mine, first)
-    if first < n:
-        if failure is not None:
-            raise failure
-        raise ranks_failed(what, {first: (info[0], info[1], info[2])}, outcome, last=last)
-    if sums:
-        with _stages.waiting(what or "agreeing with the other ranks"):
-            sums[:] = group.all_reduce(sums, "sum")  # type: ignore[index]
+    if out[0] < n:
+        _raise_failed(group, failure, what, classify, outcome, (out[0], -out[1]))
     k = len(mins)
     return out[2:2 + k], [-v for v in out[2 + k:]]
+
+
+def _raise_failed(group: Group, failure: BaseException | None, what: str, classify: Classify | None,
+                  outcome: str, span: tuple[int, int] | None = None) -> NoReturn:
+    """Raise on every rank once some rank failed (collective): the lowest failed rank's reason is told to
+    every rank. ``span``: the lowest and highest failed rank, when the caller's all-reduce found them."""
+    n, me = group.world_size, group.rank
+    with _stages.waiting(what or "agreeing with the other ranks"):
+        if span is None:
+            out = group.all_reduce([me if failure is not None else n, -(me if failure is not None else -1)], "min")
+            span = (out[0], -out[1])
+        first, last = span
+        info = group.broadcast(_payload(failure, classify) if me == first else None, first)
+    if failure is not None:
+        raise failure
+    raise ranks_failed(what, {first: (info[0], info[1], info[2])}, outcome, last=last)
 
 
 def _payload(failure: BaseException | None, classify: Classify | None) -> list[Any]:
@@ -184,7 +202,8 @@ class agreement:
     raises it again, the others raise as :func:`check` does. The block may set ``vote.mins`` and
     ``vote.maxes`` (integers, the same length on every rank): reduced over the ranks in the same
     all-reduce, in ``vote.min`` and ``vote.max`` (set them before anything in the block can fail: a rank
-    that fails takes part with what they are then); and ``vote.sums``, summed once every rank got through.
+    that fails takes part with what they are then); or, instead of those, ``vote.sums`` (set alike, as
+    long on every rank), summed in the same all-reduce and given back once every rank got through.
     With ``gather=True`` it is :func:`agree` instead, and ``vote.results`` holds every rank's
     ``vote.mine`` (bytes per rank that grow with the job: only where every rank's value is needed).
     """
