@@ -100,6 +100,54 @@ class Trainer:
         return t
 
 
+class DeviceLoop:
+    """The host side of an accelerator's training step, on spare cores: each step runs ``launch`` of its
+    time in pure Python (what a GPU job's training thread does while it launches kernels: it holds the
+    GIL), then waits for the device for the rest (a sleep: the GIL is free, no core is used), then
+    all-reduces the loss as :class:`Trainer` does. The checkpointed state is a :class:`Trainer`'s (a real
+    GPT and its AdamW moments after one step), so the saves are of the same bytes and tensors; it does not
+    change between steps, which changes nothing for a save. Each rank then uses a fraction of a core:
+    what tierfs costs such a job is its time on the training thread and in the GIL, not the cores."""
+
+    def __init__(self, dist: Any, vocab: int, d_model: int, layers: int, seq: int, seed: int,
+                 launch: float = 0.15) -> None:
+        import torch
+
+        self.trainer = Trainer(dist, vocab, d_model, layers, seq, seed)
+        self.trainer.step()  # AdamW's moments exist
+        self.dist, self.launch, self.batch = dist, launch, 0
+        self.loss = torch.zeros(())
+        self.busy, self.idle = 0.0, 0.0
+
+    def state(self) -> dict:
+        return self.trainer.state()
+
+    def step(self) -> None:
+        end = time.perf_counter() + self.busy
+        x = 0
+        while time.perf_counter() < end:  # Python bytecode, the GIL held but for the interpreter's switches
+            for i in range(100):
+                x += i
+        time.sleep(self.idle)
+        self.dist.all_reduce(self.loss)
+
+    def calibrate(self, target: float, say: Any) -> float:
+        """``launch`` of ``target`` seconds in Python, the rest waiting; returns the measured step time."""
+        import statistics
+
+        self.busy, self.idle = self.launch * target, (1 - self.launch) * target
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            self.step()
+            ts.append(time.perf_counter() - t0)
+        out = [0.0] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, statistics.median(ts))
+        say(f"device-shaped step: {self.busy * 1e3:.0f} ms in Python, {self.idle * 1e3:.0f} ms waiting: "
+            f"{max(out):.3f} s per step (target {target} s)")
+        return max(out)
+
+
 def flat_views(state: dict, buf: Any) -> tuple[list[Any], list[Any]]:
     """The tensors of ``state`` (model and AdamW) and views of the same shapes into the uint8 tensor ``buf``."""
     srcs, dsts, off = [], [], 0

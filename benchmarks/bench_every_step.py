@@ -40,6 +40,12 @@ checkpoints of the same round:
   running nor runnable: on the GIL, or in the all-reduce for a slower rank): how the background slows
   the step, by taking cores or by holding the GIL.
 
+``--loop device`` replaces the CPU training with the host side of an accelerator job on spare cores
+(``_training.DeviceLoop``): each step spends ``--launch-share`` of its time in Python (launching work, the
+GIL held) and the rest waiting for the device (the GIL free, no core used), on the same state. There the
+background competes for no core, so what is left of the slowdown is the training thread's own time in
+``save`` and its waits for the GIL: what a GPU job sees of tierfs.
+
 ``--only`` and ``--tiers`` run parts of it, to find what costs what. Raw output goes to
 ``benchmarks/results/bench_every_step-<day>-<k>.md`` and ``.json``.
 """
@@ -99,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from _common import Scratch, tensors
-    from _training import Floor, GilProbe, Trainer, nbytes_of
+    from _training import DeviceLoop, Floor, GilProbe, Trainer, nbytes_of
 
     from tierfs import TieredStore
     from tierfs.policies import FixedIntervalPolicy, LatestN
@@ -120,7 +126,11 @@ def worker(args: argparse.Namespace) -> None:
     scratch = Scratch(f"bench-every-step-{rank}-")
     probe = GilProbe()
     out: dict = {"rank": rank, "targets": {}}
-    trainer = Trainer(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank)
+    if args.loop == "device":
+        trainer = DeviceLoop(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank,
+                             launch=args.launch_share)
+    else:
+        trainer = Trainer(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank)
     try:
         nbytes = None
         for target in args.step_times:
@@ -135,7 +145,8 @@ def worker(args: argparse.Namespace) -> None:
             tiers = {"ram": ram, "peer": peer, "s3": ObjectTier(f"s3://{args.bucket}/{tag}/tierfs", opts,
                                                                 save=FixedIntervalPolicy(args.upload_every),
                                                                 keep=LatestN(2))}
-            store = TieredStore([tiers[t] for t in args.tiers.split(",")])
+            store = TieredStore([tiers[t] for t in args.tiers.split(",")],
+                                **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}))
             floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor"), args.upload_every)
             step = 1
             try:
@@ -243,7 +254,8 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
             return " ".join(format(f[v][k], fmt) for f in figs)
 
         step = med("no checkpoints", "p50")
-        lines += [f"### A step of about {target} s (measured {step:.3f} s; batch {f0['batch']}; "
+        lines += [f"### A step of about {target} s (measured {step:.3f} s; "
+                  f"{'batch ' + str(f0['batch']) if f0['batch'] else 'the device-shaped loop'}; "
                   f"{f0['nbytes'] / MiB:.1f} MiB in {f0['tensors']} tensors per rank)", "",
                   "| variant | slowdown | p50 step s | p99 step s | p99 / p99 without | in save, ms | background CPU, "
                   "ms per step | GIL held by others, share of time | training thread waiting for a core / blocked, ms "
@@ -302,6 +314,13 @@ def main() -> int:
                     "(ram,peer,s3: the benchmark's setup)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in every rank (Python's default: 0.005 s)")
+    ap.add_argument("--loop", choices=("cpu", "device"), default="cpu",
+                    help="cpu: the GPT trains on the CPU, one core per rank; device: an accelerator job's host "
+                    "side on spare cores (Python launching work, then a wait for the device; _training.DeviceLoop)")
+    ap.add_argument("--launch-share", type=float, default=0.15,
+                    help="--loop device: the share of a step the training thread spends in Python")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="TieredStore(max_in_flight=) for tierfs (default: the store's)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default="every-step", help=argparse.SUPPRESS)
@@ -336,7 +355,9 @@ def main() -> int:
         moto.stdin.close()
         moto.wait()
     targets = [str(t) for t in args.step_times]
-    text = (f"## bench_every_step: a checkpoint every step, {args.world} ranks, {len(runs)} runs\n\n"
+    loop = ("training a GPT on the CPU" if args.loop == "cpu" else
+            f"the device-shaped loop ({args.launch_share:.0%} of a step in Python, the rest waiting)")
+    text = (f"## bench_every_step: a checkpoint every step, {args.world} ranks, {loop}, {len(runs)} runs\n\n"
             + report(runs, targets) +
             f"- machine: {machine_note()}\n- command: `.venv/bin/python benchmarks/bench_every_step.py "
             f"{' '.join(sys.argv[1:])}`\n")

@@ -196,6 +196,46 @@ def test_pooled_buffers_are_reused_across_steps(shm_dir):
         assert_states_equal(out, state_for(2))
 
 
+class _GatedUpload(ObjectTier):
+    """A real file:// object tier whose uploads wait until the test opens the gate."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        import threading
+
+        self.gate = threading.Event()
+
+    def write_files(self, step, files, **kw):
+        assert self.gate.wait(60), "test never opened the gate"
+        super().write_files(step, files, **kw)
+
+
+def test_saves_while_an_upload_holds_an_old_step_copy_into_buffers_made_ahead(shm_dir, tmp_path):
+    """A step being uploaded stays in RAM past its keep policy, so its buffers cannot be the next saves'
+    spares: a spare set is made in the background after a commit, and the saving thread still makes none."""
+    ram = MemoryTier(shm_dir, keep=LatestN(2))
+    slow = _GatedUpload(f"file://{tmp_path}/o", name="slow", save=FixedIntervalPolicy(100))
+    with TieredStore([ram, slow], max_in_flight=8) as store:
+        made = []  # buffers each save made on the saving thread
+        try:
+            for s in range(8):  # step 0 goes to the slow tier too, whose upload waits at the gate
+                store.wait_until_committed()  # the commit worker is idle: what it made ahead is counted before
+                before = ram.stats()
+                store.save(s, state_for(s), blocking=False)
+                after = ram.stats()
+                made.append((after["created"] - after["made_ahead"]) - (before["created"] - before["made_ahead"]))
+        finally:
+            slow.gate.set()
+        assert made[3:] == [0] * 5, made  # past the warm-up, with step 0 held from step 2 on
+        assert ram.stats()["made_ahead"] > 0
+        store.wait_until_finished()
+        assert store.steps()[0] == ["slow"] and sorted(store.steps())[-2:] == [6, 7]
+        out, _ = store.restore(step=0)
+        assert_states_equal(out, state_for(0))
+        one_set = sum(f.stat().st_size for f in (Path(shm_dir) / step_dirname(7)).glob("*.bin"))
+        assert 0 < ram.stats()["pooled_bytes"] <= one_set  # step 0's buffers came back: the extra set went
+
+
 def test_directories_are_private(shm_dir, tmp_path):
     ram = Path(shm_dir) / "job"
     with TieredStore([MemoryTier(ram), ObjectTier(f"file://{tmp_path}/o")]) as store:

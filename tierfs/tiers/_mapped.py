@@ -170,7 +170,8 @@ class Pool:
     It holds at most ``limit`` bytes: the most bytes staged for one step so far, in every tier that shares
     the pool (a RAM tier and the copies of other ranks' shards it keeps: one spare set of each, since a
     save can stage the next step while the copies of the last one still arrive). ``created`` and
-    ``reused`` count the buffers made fresh and taken from the pool (see ``MemoryTier.stats``).
+    ``reused`` count the buffers made fresh and taken from the pool, ``made_ahead`` those of ``created``
+    made in the background for a later save (see ``MemoryTier.stats``).
     """
 
     def __init__(self, directory: Path) -> None:
@@ -179,6 +180,7 @@ class Pool:
         self.limit = 0
         self._per_step: dict[int, int] = {}  # bytes staged for each recent step
         self.created = 0
+        self.made_ahead = 0
         self.reused = 0
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
@@ -234,9 +236,11 @@ class Pool:
         os.truncate(path, size)
         return open_mapped(path, size, writable=True)
 
-    def new(self, path: Path, size: int) -> MappedFile:
+    def new(self, path: Path, size: int, ahead: bool = False) -> MappedFile:
+        """A fresh buffer, its pages faulted in; ``ahead``: made in the background for a later save."""
         b = create(path, size)
         self.created += 1
+        self.made_ahead += ahead
         return b
 
     def give(self, path: Path, b: MappedFile | None) -> None:

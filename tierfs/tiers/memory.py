@@ -96,10 +96,13 @@ class MemoryTier(Tier):
         return _room.capacity(self.path, self.budget)
 
     def stats(self) -> dict[str, int]:
-        """This process's buffers: ``created`` (new files, pre-faulted), ``reused`` (taken from the pool),
-        ``pooled`` (kept for the next saves, and their ``pooled_bytes``) and ``mapped`` (files mapped)."""
+        """This process's buffers: ``created`` (new files, pre-faulted), of them ``made_ahead`` (in the
+        background, for a later save; the others were made by a save, on its thread), ``reused`` (taken from
+        the pool), ``pooled`` (kept for the next saves, and their ``pooled_bytes``) and ``mapped`` (files
+        mapped)."""
         with self._lock:
-            return {"created": self._pool.created, "reused": self._pool.reused, "pooled": len(self._pool.files),
+            return {"created": self._pool.created, "made_ahead": self._pool.made_ahead,
+                    "reused": self._pool.reused, "pooled": len(self._pool.files),
                     "pooled_bytes": self._pool.nbytes, "mapped": len(self._bufs)}
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -270,7 +273,7 @@ class MemoryTier(Tier):
         try:
             for path, size in zip(paths, missing):  # the slow part, outside the lock
                 try:
-                    b = self._pool.new(path, size)
+                    b = self._pool.new(path, size, ahead=True)
                 except OSError:
                     path.unlink(missing_ok=True)
                     return
