@@ -99,6 +99,7 @@ class Background:
         self.commits.join()
         for w in self.copies.values():
             w.join()
+        self.commits.join()  # what the copies handed back to it (spare buffers made once a copy is done)
 
     def finish(self) -> None:
         """Wait until every background job is done; raise the first failure."""

@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -178,19 +178,25 @@ class Pool:
         self.dir = directory
         self.files: list[MappedFile] = []
         self.limit = 0
-        self._per_step: dict[int, int] = {}  # bytes staged for each recent step
+        self._per_step: dict[int, list[int]] = {}  # the sizes of the files staged for each recent step
         self.created = 0
         self.made_ahead = 0
         self.reused = 0
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
-    def staged(self, step: int, nbytes: int) -> None:
-        """Count ``nbytes`` staged for ``step``; the limit grows to the most any step took."""
-        total = self._per_step[step] = self._per_step.get(step, 0) + nbytes
-        self.limit = max(self.limit, total)
+    def staged(self, step: int, sizes: Iterable[int]) -> None:
+        """Count files of ``sizes`` staged for ``step``; the limit grows to the most bytes any step took."""
+        got = self._per_step.setdefault(step, [])
+        got += sizes
+        self.limit = max(self.limit, sum(got))
         if len(self._per_step) > 16:  # only recent steps are staged alongside each other
             del self._per_step[min(self._per_step)]
+
+    def wanted(self) -> list[int]:
+        """The sizes of the files the recent step that took the most bytes staged, in every tier sharing
+        the pool: what a spare set holds (a RAM tier's shard and the replica it keeps for a peer)."""
+        return max(self._per_step.values(), key=sum, default=[])
 
     @property
     def nbytes(self) -> int:
@@ -213,11 +219,11 @@ class Pool:
             plan[name] = pick
         return plan
 
-    def missing(self, sizes: Mapping[str, int]) -> list[int]:
-        """The sizes of files no pooled buffer has exactly (empty files need none)."""
+    def missing(self, sizes: Iterable[int]) -> list[int]:
+        """Of files of ``sizes``, the sizes no pooled buffer has exactly (empty files need none)."""
         have = sorted(b.size for b in self.files)
         out = []
-        for size in sorted(sizes.values()):
+        for size in sorted(sizes):
             if size in have:
                 have.remove(size)
             elif size:
@@ -257,6 +263,11 @@ class Pool:
 
     def drop(self, b: MappedFile) -> None:
         self.files.remove(b)
+        self.discard(b)
+
+    @staticmethod
+    def discard(b: MappedFile) -> None:
+        """Unmap and remove a buffer that is not in the pool."""
         b.close()
         b.path.unlink(missing_ok=True)
 

@@ -73,7 +73,6 @@ class MemoryTier(Tier):
         self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
         self._idle = threading.Event()  # cleared while prepare() builds spare buffers
         self._idle.set()
-        self._last_staged = -1
         self._staged: dict[int, dict[str, np.ndarray]] = {}
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
         self._pool.job = JobLock(self.path, self._pool.dir)  # held from the first write (or open) until close
@@ -197,9 +196,8 @@ class MemoryTier(Tier):
         for n in sizes:
             validate_filename(n)
         self._job.claim()
-        self._last_staged = max(self._last_staged, step)
         self._recycle_own(step, sizes)
-        self._pool.staged(step, sum(sizes.values()))
+        self._pool.staged(step, sizes.values())
         plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
         _room.make_room(self.path, self.capacity, self._pool, step, new_bytes,
@@ -251,34 +249,46 @@ class MemoryTier(Tier):
         self._staged.pop(step, None)  # the bytes already are in the files
 
     def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
-        """Pre-fault one spare buffer per file of the next step, so that it never copies into fresh pages.
+        """Pre-fault one spare buffer per file of the next step, and of the replica a peer tier keeping
+        shards here receives with it, so that neither copies into fresh pages.
 
         Runs in the store's background worker after a commit. Until retention frees buffers of old steps
-        (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed. Skipped when the budget or
-        free space would not allow it.
+        (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed; with replicas arriving
+        while the next save stages (a copy slowed by an upload), it keeps both supplied. Skipped when the
+        budget or free space would not allow it.
         """
         with self._lock:
-            if self._last_staged > step or not self._spares:  # a later save built its own, or exiting
+            if not self._spares:  # exiting
                 return
             self._pool.limit = max(self._pool.limit, sum(sizes.values()))
-            missing = self._pool.missing(sizes)
+            # a whole spare set: this rank's files and, where it keeps peers' shards, a replica's too
+            want = self._pool.wanted() or list(sizes.values())
+            missing = self._pool.missing(want)
             avail = self.capacity().available
             if not missing or (avail is not None and sum(missing) > avail):
                 return
-            try:
-                paths = [self._pool.path() for _ in missing]
-            except OSError:  # no inode for the pool's directory: spare buffers are only an optimisation
-                return
             self._idle.clear()
         try:
-            for path, size in zip(paths, missing):  # the slow part, outside the lock
+            while True:  # one file at a time, the slow part outside the lock: buffers of deleted steps may
+                with self._lock:  # come back meanwhile, and the pool never holds more than its limit
+                    missing = self._pool.missing(want)
+                    if not missing or self._pool.nbytes + missing[-1] > self._pool.limit:
+                        return
+                    try:
+                        path = self._pool.path()
+                    except OSError:  # no inode for the pool's directory: spare buffers are an optimisation
+                        return
                 try:
-                    b = self._pool.new(path, size, ahead=True)
+                    b = self._pool.new(path, missing[-1], ahead=True)
                 except OSError:
                     path.unlink(missing_ok=True)
                     return
                 with self._lock:
-                    self._pool.files.append(b)
+                    if b.size in self._pool.missing(want) and self._pool.nbytes + b.size <= self._pool.limit:
+                        self._pool.files.append(b)
+                        continue
+                self._pool.discard(b)  # a deleted step's buffer came back meanwhile
+                return
         finally:
             self._idle.set()
 
