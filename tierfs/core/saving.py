@@ -296,10 +296,11 @@ class SavePath:
     def _prepare(self, step: int, sizes: Mapping[str, int]) -> None:
         """Pre-fault the next step's buffers in the first tier, once the copies of ``step`` are done: the
         buffers of the steps retention lets go are the spares (RAM holds the committed steps, one replica
-        and one spare set), and where none came back (a step the keep policy lets go is still being
-        uploaded) a spare set is made here, not by the next save on the training thread. The pool lets
-        the extra set go once the held step's buffers come back."""
-        self.ctx.work.commits.submit(lambda: self.ctx.staging.prepare(step, sizes))
+        and one spare set), and where they do not come back (a step the keep policy lets go is still being
+        uploaded: ``held``) a spare set is made here, even after later saves staged, not by the next save
+        on the training thread. The pool lets the extra set go once the held step's buffers come back."""
+        held = self.retention.pending(self.ctx.first)
+        self.ctx.work.commits.submit(lambda: self.ctx.staging.prepare(step, sizes, held=held))
 
     def _mark(self, group: Group, tier: Tier, step: int, marker: Marker, what: str) -> None:
         """The owner of ``tier`` writes ``step``'s marker once every expected file is there; every rank

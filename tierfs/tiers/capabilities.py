@@ -49,9 +49,10 @@ class Staging(Protocol):
     def discard(self, step: int) -> None:
         """Forget the staged buffers of ``step`` (a save that failed), leaving no file behind."""
 
-    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+    def prepare(self, step: int, sizes: Mapping[str, int], held: bool = False) -> None:
         """Get ready, off the critical path, for the save after ``step``, whose files will likely have these
-        sizes."""
+        sizes; ``held``: a step the keep policy lets go is still being read or copied (an upload), so its
+        buffers will not come back for the next saves."""
 
     def drop_spares(self) -> None:
         """Give back the buffers kept for saves that will not come (the process is exiting)."""
@@ -146,7 +147,7 @@ class HeapStaging:
     def discard(self, step: int) -> None:
         self._staged.pop(step, None)
 
-    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+    def prepare(self, step: int, sizes: Mapping[str, int], held: bool = False) -> None:
         pass
 
     def drop_spares(self) -> None:

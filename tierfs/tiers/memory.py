@@ -74,6 +74,7 @@ class MemoryTier(Tier):
         self._idle = threading.Event()  # cleared while prepare() builds spare buffers
         self._idle.set()
         self._staged: dict[int, dict[str, np.ndarray]] = {}
+        self._last_staged = -1
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
         self._pool.job = JobLock(self.path, self._pool.dir)  # held from the first write (or open) until close
         self._exports = Exports()  # the mappings zero-copy views are made of, and their steps' leases
@@ -187,10 +188,10 @@ class MemoryTier(Tier):
     def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
         while True:  # a spare set being built is what this save needs: wait for it, don't build another
-            self._idle.wait()
-            with self._lock:
-                if self._idle.is_set():  # prepare() clears it under this lock, so no build is under way
+            with self._lock:  # (unless the pool has every buffer already); prepare() clears it under this lock
+                if self._idle.is_set() or None not in self._pool.match(sizes).values():
                     return self._stage(step, sizes)
+            self._idle.wait()
 
     def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
@@ -200,6 +201,7 @@ class MemoryTier(Tier):
         self._pool.staged(step, sizes.values())
         plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
+        self._last_staged = max(self._last_staged, step)
         _room.make_room(self.path, self.capacity, self._pool, step, new_bytes,
                         {id(b) for b in plan.values() if b is not None})
         d = self._dir(step)
@@ -248,18 +250,19 @@ class MemoryTier(Tier):
     def persist(self, step: int) -> None:
         self._staged.pop(step, None)  # the bytes already are in the files
 
-    def prepare(self, step: int, sizes: Mapping[str, int]) -> None:
+    def prepare(self, step: int, sizes: Mapping[str, int], held: bool = False) -> None:
         """Pre-fault one spare buffer per file of the next step, and of the replica a peer tier keeping
         shards here receives with it, so that neither copies into fresh pages.
 
-        Runs in the store's background worker after a commit. Until retention frees buffers of old steps
-        (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed; with replicas arriving
-        while the next save stages (a copy slowed by an upload), it keeps both supplied. Skipped when the
-        budget or free space would not allow it.
+        Runs in the store's background worker once a step's commit and copies are done. Until retention
+        frees buffers of old steps (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed;
+        while an upload ``held`` a step the keep policy lets go, it also makes up for the buffers that step
+        keeps, for the saves after it and the replicas they bring. Skipped when a later save staged already
+        (and no step is held), or when the budget or free space would not allow it.
         """
         with self._lock:
-            if not self._spares:  # exiting
-                return
+            if (self._last_staged > step and not held) or not self._spares:  # a later save staged (the
+                return  # steps before it give it their buffers, unless one is held), or exiting
             self._pool.limit = max(self._pool.limit, sum(sizes.values()))
             # a whole spare set: this rank's files and, where it keeps peers' shards, a replica's too
             want = self._pool.wanted() or list(sizes.values())
