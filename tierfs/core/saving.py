@@ -44,9 +44,9 @@ MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and 
 
 
 def _commit_sums() -> list[int]:
-    """A commit's agreement before this rank's part is known (a rank that fails takes part with it): the
-    ranks holding data-parallel bundles, the step's bytes, and its digest (:func:`manifest_digest`)."""
-    return [0, 0, 0, 0]
+    """A commit's sums before this rank's are known (a rank that fails takes part with these): the ranks
+    holding data-parallel bundles, the step's bytes, and its digest (:func:`manifest_digest`)."""
+    return [0] * 4
 
 
 class SavePath:
@@ -294,11 +294,9 @@ class SavePath:
             self._prepare(step, manifest.files)
 
     def _prepare(self, step: int, sizes: Mapping[str, int]) -> None:
-        """Pre-fault the next step's buffers in the first tier, once the copies of ``step`` are done: the
-        buffers of the steps retention lets go are the spares (RAM holds the committed steps, one replica
-        and one spare set), and where they do not come back (a step the keep policy lets go is still being
-        uploaded: ``held``) a spare set is made here, even after later saves staged, not by the next save
-        on the training thread. The pool lets the extra set go once the held step's buffers come back."""
+        """Pre-fault the next step's buffers in the first tier once the copies of ``step`` are done (see
+        ``Staging.prepare``); ``held``: a step the keep policy lets go is still being uploaded, so its
+        buffers are not the next saves' spares and the set is made all the same."""
         held = self.retention.pending(self.ctx.first)
         self.ctx.work.commits.submit(lambda: self.ctx.staging.prepare(step, sizes, held=held))
 

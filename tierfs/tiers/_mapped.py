@@ -261,6 +261,32 @@ class Pool:
         b.path = dst
         self.files.append(b)
 
+    def fill(self, want: list[int], lock: Any) -> None:
+        """Make buffers ahead until the pool holds files of ``want``'s sizes or its limit: one at a time, the
+        slow part outside ``lock`` (which guards the pool), so that buffers of deleted steps may come back
+        meanwhile; the pool never holds more than its limit. Spare buffers are an optimisation: a file
+        system that refuses one ends it."""
+        while True:
+            with lock:
+                missing = self.missing(want)
+                if not missing or self.nbytes + missing[-1] > self.limit:
+                    return
+                try:
+                    path = self.path()
+                except OSError:  # no inode for the pool's directory
+                    return
+            try:
+                b = self.new(path, missing[-1], ahead=True)
+            except OSError:
+                path.unlink(missing_ok=True)
+                return
+            with lock:
+                if b.size in self.missing(want) and self.nbytes + b.size <= self.limit:
+                    self.files.append(b)
+                    continue
+            self.discard(b)  # a deleted step's buffer came back meanwhile
+            return
+
     def drop(self, b: MappedFile) -> None:
         self.files.remove(b)
         self.discard(b)

@@ -272,26 +272,7 @@ class MemoryTier(Tier):
                 return
             self._idle.clear()
         try:
-            while True:  # one file at a time, the slow part outside the lock: buffers of deleted steps may
-                with self._lock:  # come back meanwhile, and the pool never holds more than its limit
-                    missing = self._pool.missing(want)
-                    if not missing or self._pool.nbytes + missing[-1] > self._pool.limit:
-                        return
-                    try:
-                        path = self._pool.path()
-                    except OSError:  # no inode for the pool's directory: spare buffers are an optimisation
-                        return
-                try:
-                    b = self._pool.new(path, missing[-1], ahead=True)
-                except OSError:
-                    path.unlink(missing_ok=True)
-                    return
-                with self._lock:
-                    if b.size in self._pool.missing(want) and self._pool.nbytes + b.size <= self._pool.limit:
-                        self._pool.files.append(b)
-                        continue
-                self._pool.discard(b)  # a deleted step's buffer came back meanwhile
-                return
+            self._pool.fill(want, self._lock)
         finally:
             self._idle.set()
 
