@@ -20,6 +20,8 @@ from tierfs.policies import (AnyPreservationPolicy, AnySavePolicy, BestN, EveryN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
+from _gatedtier import GatedTier
+
 HERE = Path(__file__).parent
 CHILDREN = HERE / "children"
 
@@ -134,18 +136,6 @@ def test_best_step_and_best_n(tmp_path):
             mgr.save(step, {"x": np.zeros(4)}, metrics={"acc": acc})
         mgr.wait_until_finished()
         assert mgr.best_step() == 1
-
-
-class GatedTier(ObjectTier):
-    """A real file:// object tier whose uploads wait until the test opens the gate."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Event()
-
-    def write_files(self, step, files, **kw):
-        assert self.gate.wait(60), "test never opened the gate"
-        super().write_files(step, files, **kw)
 
 
 def test_at_the_in_flight_bound_slow_tiers_are_skipped_not_ram(shm_dir, tmp_path):

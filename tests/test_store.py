@@ -16,6 +16,8 @@ from tierfs.policies import FixedIntervalPolicy, LatestN
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
+from _gatedtier import GatedTier
+
 
 def state_for(step: int, n: int = 3, size: int = 50_000) -> dict:
     rng = np.random.default_rng(step)
@@ -196,25 +198,11 @@ def test_pooled_buffers_are_reused_across_steps(shm_dir):
         assert_states_equal(out, state_for(2))
 
 
-class _GatedUpload(ObjectTier):
-    """A real file:// object tier whose uploads wait until the test opens the gate."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        import threading
-
-        self.gate = threading.Event()
-
-    def write_files(self, step, files, **kw):
-        assert self.gate.wait(60), "test never opened the gate"
-        super().write_files(step, files, **kw)
-
-
 def test_saves_while_an_upload_holds_an_old_step_copy_into_buffers_made_ahead(shm_dir, tmp_path):
     """A step being uploaded stays in RAM past its keep policy, so its buffers cannot be the next saves'
     spares: a spare set is made in the background after a commit, and the saving thread still makes none."""
     ram = MemoryTier(shm_dir, keep=LatestN(2))
-    slow = _GatedUpload(f"file://{tmp_path}/o", name="slow", save=FixedIntervalPolicy(100))
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=FixedIntervalPolicy(100))
     with TieredStore([ram, slow], max_in_flight=8) as store:
         made = []  # buffers each save made on the saving thread
         try:
