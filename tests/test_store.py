@@ -224,6 +224,21 @@ def test_saves_while_an_upload_holds_an_old_step_copy_into_buffers_made_ahead(sh
         assert 0 < ram.stats()["pooled_bytes"] <= one_set  # step 0's buffers came back: the extra set went
 
 
+def test_a_step_staged_again_after_a_failed_save_counts_once_in_the_spare_set(shm_dir):
+    """A save retried with the same step stages its files again: the spare set made ahead is one set of
+    them, not one per try."""
+    ram = MemoryTier(shm_dir, keep=LatestN(1))
+    sizes = {"rank_00000.0000.bin": 64 * 1024, "rank_00000.0001.bin": 128 * 1024}
+    with TieredStore([ram]):
+        for _ in range(3):  # staged, the save fails, the caller tries the step again
+            ram.buffers(5, sizes)
+            ram.discard(5)
+        ram.buffers(5, sizes)
+        ram.discard(5)  # its buffers go to the pool: one set of them
+        ram.prepare(5, sizes)  # made once the step is saved: nothing is missing
+        assert ram.stats()["made_ahead"] == 0 and ram.stats()["pooled_bytes"] == sum(sizes.values())
+
+
 def test_directories_are_private(shm_dir, tmp_path):
     ram = Path(shm_dir) / "job"
     with TieredStore([MemoryTier(ram), ObjectTier(f"file://{tmp_path}/o")]) as store:

@@ -178,25 +178,26 @@ class Pool:
         self.dir = directory
         self.files: list[MappedFile] = []
         self.limit = 0
-        self._per_step: dict[int, list[int]] = {}  # the sizes of the files staged for each recent step
+        self._per_step: dict[int, dict[Any, int]] = {}  # the files staged for each recent step: their sizes
         self.created = 0
         self.made_ahead = 0
         self.reused = 0
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
-    def staged(self, step: int, sizes: Iterable[int]) -> None:
-        """Count files of ``sizes`` staged for ``step``; the limit grows to the most bytes any step took."""
-        got = self._per_step.setdefault(step, [])
-        got += sizes
-        self.limit = max(self.limit, sum(got))
+    def staged(self, step: int, files: Mapping[Any, int]) -> None:
+        """Count the files staged for ``step`` (``{path: size}``; a file staged again, as a retried save
+        does, counts once); the limit grows to the most bytes any step took."""
+        got = self._per_step.setdefault(step, {})
+        got.update(files)
+        self.limit = max(self.limit, sum(got.values()))
         if len(self._per_step) > 16:  # only recent steps are staged alongside each other
             del self._per_step[min(self._per_step)]
 
     def wanted(self) -> list[int]:
         """The sizes of the files the recent step that took the most bytes staged, in every tier sharing
         the pool: what a spare set holds (a RAM tier's shard and the replica it keeps for a peer)."""
-        return max(self._per_step.values(), key=sum, default=[])
+        return list(max(self._per_step.values(), key=lambda f: sum(f.values()), default={}).values())
 
     @property
     def nbytes(self) -> int:

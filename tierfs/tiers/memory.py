@@ -198,13 +198,13 @@ class MemoryTier(Tier):
             validate_filename(n)
         self._job.claim()
         self._recycle_own(step, sizes)
-        self._pool.staged(step, sizes.values())
+        d = self._dir(step)
+        self._pool.staged(step, {d / n: size for n, size in sizes.items()})
         plan = self._pool.match(sizes)
         new_bytes = sum(sizes[n] for n, b in plan.items() if b is None)
         self._last_staged = max(self._last_staged, step)
         _room.make_room(self.path, self.capacity, self._pool, step, new_bytes,
                         {id(b) for b in plan.values() if b is not None})
-        d = self._dir(step)
         out: dict[str, np.ndarray] = {}
         try:
             make_private_dir(d)
