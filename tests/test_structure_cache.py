@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tierfs import (CheckpointManager, ChecksumError, RestoreError, StateMismatchError, TieredStore)
-from tierfs.core.saving import MAX_LAYOUTS
+from tierfs.core.layouts import MAX_LAYOUTS
 from tierfs.format import step_dirname
 from tierfs.policies import LatestN, PreserveAll
 from tierfs.testing import assert_states_equal

@@ -158,3 +158,22 @@ def test_two_neighbouring_nodes_lost_is_an_error_naming_the_steps_never_nothing(
         assert kind == "CheckpointLostError" and steps == [7, 8], r
         assert "rank(s) [1]" in msg and "'ram'" in msg and "'peer'" in msg, msg
         assert r["manager"][0] == "CheckpointLostError", r  # never None: training would start from step 0
+
+
+def test_after_a_restore_a_save_gathers_the_ranks_views_only_when_a_step_lies_above_it():
+    """The steps between the restored step and the save go only along with a step above it, so the
+    ranks' views (a gather whose bytes grow with the job) are asked for only then, not at every save
+    after a restore."""
+    from tierfs.core import timeline
+    from tierfs.core.savevote import Vote
+
+    def reduced(views: list[list[list[int]]], step: int) -> list[int]:
+        votes = [Vote(["ram"], ["ram"], [], v, rank, 1, step) for rank, v in enumerate(views)]
+        return [max(col) for col in zip(*(v.maxes for v in votes))]
+
+    restored = 6
+    after = [timeline.view({7, 8}, 9, restored), timeline.view({7}, 9, restored)]  # steps 7, 8 since the restore
+    assert after[0] == [[], [7, 8]] and not Vote.supersedes(reduced(after, 9))
+    assert timeline.superseded(after, 9, restored) == []  # what a gather would have found
+    back = [timeline.view({7, 8}, 8, restored), timeline.view({7, 9}, 8, restored)]  # rank 1 holds step 9
+    assert Vote.supersedes(reduced(back, 8)) and timeline.superseded(back, 8, restored) == [9, 7]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from ..errors import ArgumentError
+from ..ranks import Group, check
 from ..tiers.base import AnyTier
+from ..util.worker import Detached
+
+T = TypeVar("T")
 
 
 class Vote:
@@ -41,6 +45,31 @@ class Vote:
         return chosen, [t.name for t, flag in zip(tiers, maxes) if flag], f"{mins[-1]:016x}"
 
     @staticmethod
-    def supersedes(maxes: list[int]) -> list[int]:
-        """Whether any rank knows steps the save may supersede (the two counts of the timeline's views)."""
-        return maxes[-2:]
+    def supersedes(maxes: list[int]) -> bool:
+        """Whether the save may supersede steps: some rank knows a step above it (the steps between a
+        restored step and this one go only along with those, :func:`.timeline.superseded`)."""
+        return maxes[-2] > 0
+
+    def usual(self, n: int, chosen: bool) -> bool:
+        """Whether this rank foresees the usual save: its own policies take the step (``chosen``; rank 0's
+        decide), none of its ``n`` tiers holds the step, and it knows no step above it."""
+        return chosen and not any(self.maxes[:n]) and not self.maxes[n + 2]
+
+
+def cast(group: Group, vote: Vote, what: str, ahead: Callable[[], T], undo: Callable[[T | BaseException], None]
+         ) -> tuple[list[int], list[int], T | BaseException]:
+    """The agreement on ``vote`` (:func:`~tierfs.ranks.check`, "nothing saved" if a rank failed) on a thread
+    of its own while ``ahead`` runs on this one: the usual save stages while the ranks agree. Returns the
+    reduced ``mins`` and ``maxes``, and what ``ahead`` returned or the exception it raised. If the agreement
+    raises, that goes to ``undo`` first."""
+    ballot = Detached(lambda: check(group, None, what, outcome="nothing saved", mins=vote.mins, maxes=vote.maxes))
+    try:
+        done: T | BaseException = ahead()
+    except BaseException as e:  # noqa: BLE001 - the caller's, once every rank heard the vote
+        done = e
+    try:
+        mins, maxes = ballot.join()
+    except BaseException:
+        undo(done)
+        raise
+    return mins, maxes, done

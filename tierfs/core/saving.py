@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from .. import metrics as _metrics, state as st
+from .. import metrics as _metrics
 from ..util import args as _args
 from ..format import blockio as _blocks
 from ..device import copies as _device
@@ -32,16 +32,14 @@ from ..policies import SaveContext, StepInfo
 from ..protocol import check_complete, checked_manifest, commit, copy_shard
 from ..tiers.base import AnyTier, Replicator, Tier
 from .layout import ShardLayout, Staged, describe
+from .layouts import RecentLayouts
 from .context import Context
 from .retention import Retention
-from .dataparallel import Sharing, check_digests, comparable, declared, digests
-from .savevote import Vote
+from .dataparallel import check_digests, digests
+from .savevote import Vote, cast
 from . import timeline
 
 log = logging.getLogger("tierfs")
-
-MAX_LAYOUTS = 4  # a job saving a few structures in turn (e.g. a model-only and a full state) reuses each
-
 
 def _commit_sums() -> list[int]:
     """A commit's sums before this rank's are known (a rank that fails takes part with these): the ranks
@@ -54,8 +52,7 @@ class SavePath:
 
     def __init__(self, ctx: Context, retention: Retention) -> None:
         self.ctx, self.retention = ctx, retention
-        # the structures saved most recently, newest first, with the replicated= declaration of each
-        self._layouts: list[tuple[ShardLayout, Any]] = []
+        self._layouts = RecentLayouts(ctx)  # the structures saved most recently
         self.copies: Any = None  # the newest save's copies on the copy thread (tierfs.device.copies.Copies)
 
     # -- choosing the tiers -------------------------------------------------------------------------
@@ -94,7 +91,7 @@ class SavePath:
                 ("force", force), ("overwrite", overwrite), ("preempted", preempted), ("blocking", blocking)))
             with _nogc.paused():
                 names, values, structure = describe(state, keys=True)
-                layout = self._layout(names, values, structure, replicated)
+                layout = self._layouts.get(names, values, structure, replicated)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             p.work.raise_errors()
             chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
@@ -109,11 +106,19 @@ class SavePath:
         group = p.group if wait is None else p.group.with_timeout(wait)
         commit_group = p.work.commit_group if wait is None else p.work.commit_group.with_timeout(wait)
         vote = mine or Vote(p.names, [], [], [[], []], p.group.rank)
-        mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
-                            maxes=vote.maxes)
+        early: Any = None  # the usual save stages while the ranks agree: a Staged, or what staging raised
+        if mine is not None and p.group.world_size > 1 and mine.usual(len(p.tiers), bool(chosen)):
+            mins, maxes, early = cast(group, mine, f"save step {step}", lambda: self._staging(
+                step, layout, values, metadata, metrics, overlap), self._drop)
+        else:
+            mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
+                                maxes=vote.maxes)
         # every rank does what rank 0 decided (clocks and RAM differ); any rank's copies count
         chosen, holders, commit_id = vote.decided(p.tiers, mins, maxes, step, p.group.world_size)
         if not chosen:
+            self._drop(early)
+            if isinstance(early, BaseException) and not isinstance(early, Exception):
+                raise early  # (an interrupt while it staged)
             return False
         first = p.first
         restored = p.ledger.restored
@@ -126,16 +131,20 @@ class SavePath:
                 raise StepExistsError(f"step {step} is already committed on {holders}; pass overwrite=True to "
                                       "replace it or save a new step")
             # the steps of a run gone back from: rare, so every rank's view is gathered only then
-            stale = timeline.superseded(group.all_gather(vote.view), step, restored) if any(vote.supersedes(maxes)) else []
-            if holders or stale:
+            stale = timeline.superseded(group.all_gather(vote.view), step, restored) if vote.supersedes(maxes) else []
+            if holders or stale:  # another rank's view: what this one staged goes, and comes again after
+                self._drop(early)
+                early = None
                 p.work.finish()
                 self._supersede(step, stale, restored)
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
-            with stage("staging", step, first.name), _nogc.paused():
-                staged = self._stage(step, layout, values, metadata, metrics, overlap)
+            if isinstance(early, BaseException):
+                raise early
+            staged = early or self._staging(step, layout, values, metadata, metrics, overlap)
             staged.tiers, staged.commit = [t.name for t in chosen], commit_id
         except BaseException as e:
+            self._drop(early)
             if p.group.world_size > 1:  # the other ranks wait for this one in the commit: tell them
                 def abort(e: BaseException = e) -> None:
                     try:
@@ -185,33 +194,23 @@ class SavePath:
             for t in self.ctx.tiers:
                 self.retention.delete(t, s)
 
-    def _layout(self, names: list[str], values: list[Any], structure: list[Any], replicated: Any) -> ShardLayout:
-        """The layout of a state of this structure: a recent one that matches, or a new one (which checks
-        every leaf). JSON leaves are checked on every save; arrays of a known structure need no check.
-        ``replicated``: a :class:`~.dataparallel.Sharing` (adapters), the user's declaration, or None; a
-        declaration is worked out once per structure."""
-        given = replicated if isinstance(replicated, Sharing) or replicated is None else None
-        declaration = None if given is not None or replicated is None else comparable(replicated)
-        for lay, decl in self._layouts:
-            if lay.signature == structure and lay.names == names and (
-                    (lay.sharing is given or lay.sharing == given) if declaration is None else decl == declaration):
-                for i in lay.json:
-                    st.check_leaf(names[i], values[i])
-                return lay
-        g = self.ctx.group
-        sharing: Any = given
-        if declaration is not None:
-            def sharing(names: list[str], sizes: dict[int, int]) -> Sharing:
-                return declared(names, sizes, replicated, g.rank, g.world_size)
-        lay = ShardLayout.plan(names, values, structure, g.rank, self.ctx.file_size, sharing)
-        self._layouts = [(lay, declaration), *self._layouts[:MAX_LAYOUTS - 1]]
-        return lay
+    def _drop(self, early: Any) -> None:
+        """Give back the buffers of a step staged while the ranks agreed, which will not be committed."""
+        if isinstance(early, Staged):
+            early.settle()
+            self.ctx.staging.discard(early.step)
 
-    def _stage(self, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
-               metrics: Mapping[str, Any] | None, overlap: Any = None) -> Staged:
+    def _staging(self, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
+                 metrics: Mapping[str, Any] | None, overlap: Any = None) -> Staged:
         """Copy the arrays into the first tier's buffers, through the layout's views of them (a device's
         tensors and an overlapped save's are copied on the copy thread: see :mod:`tierfs.device.copies`)."""
-        p, first = self.ctx, self.ctx.first
+        p = self.ctx
+        with stage("staging", step, p.first.name), _nogc.paused():
+            return self._stage(p, step, layout, values, metadata, metrics, overlap)
+
+    @staticmethod
+    def _stage(p: Context, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
+               metrics: Mapping[str, Any] | None, overlap: Any) -> Staged:
         bufs = p.staging.buffers(step, layout.files)  # raises CapacityError before anything is written
         try:
             memos = {f: p.staging.buffer_memo(step, f) for f in layout.files}
