@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +238,40 @@ def test_a_step_staged_again_after_a_failed_save_counts_once_in_the_spare_set(sh
         ram.discard(5)  # its buffers go to the pool: one set of them
         ram.prepare(5, sizes)  # made once the step is saved: nothing is missing
         assert ram.stats()["made_ahead"] == 0 and ram.stats()["pooled_bytes"] == sum(sizes.values())
+
+
+def test_a_save_does_not_wait_for_spare_buffers_being_made_in_the_background(shm_dir, monkeypatch):
+    """The spare set is made at a low priority; a save that needs buffers meanwhile makes what the pool
+    lacks itself, and the background stops after the file it is making (which the pool keeps)."""
+    from tierfs.tiers._mapped import Pool
+
+    gate, making = threading.Event(), threading.Event()
+    real = Pool.new
+
+    def held_at_the_gate(self, path, size, ahead=False):  # the background's file takes as long as the test says
+        if ahead:
+            making.set()
+            gate.wait(120)
+        return real(self, path, size, ahead)
+    monkeypatch.setattr(Pool, "new", held_at_the_gate)
+    ram = MemoryTier(shm_dir, keep=LatestN(1))
+    sizes = {"rank_00000.0000.bin": 64 * 1024, "rank_00000.0001.bin": 128 * 1024}
+    with TieredStore([ram]):
+        ram.buffers(1, sizes)  # step 1 staged: a spare set is one such set
+        spares = threading.Thread(target=ram.prepare, args=(1, sizes))
+        spares.start()
+        try:
+            assert making.wait(120)
+            staged = threading.Thread(target=ram.buffers, args=(2, sizes))
+            staged.start()
+            staged.join(120)
+            assert not staged.is_alive()  # it did not wait for the gate
+            assert ram.stats()["created"] == 4 and ram.stats()["made_ahead"] == 0
+        finally:
+            gate.set()
+            spares.join(120)
+        # the file under way went to the pool; the next one was not made
+        assert ram.stats()["made_ahead"] == 1 and ram.stats()["pooled_bytes"] == 128 * 1024
 
 
 def test_directories_are_private(shm_dir, tmp_path):

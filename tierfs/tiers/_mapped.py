@@ -182,6 +182,7 @@ class Pool:
         self.created = 0
         self.made_ahead = 0
         self.reused = 0
+        self.stagings = 0  # files mapped into a step by a save or a received copy, counted per call
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
@@ -251,7 +252,13 @@ class Pool:
         return b
 
     def give(self, path: Path, b: MappedFile | None) -> None:
-        """Keep ``b`` (the mapping of ``path``) for reuse if it may be reused and fits; else drop it."""
+        """Keep ``b`` (the mapping of ``path``) for reuse if it may be reused and fits; else drop it. A
+        buffer with something tied to its pages (a page-lock: costly to make again) takes the place of a
+        pooled one of its size that has none."""
+        if b is not None and b.reusable and b.memo.held and self.nbytes + b.size > self.limit:
+            plain = next((f for f in self.files if f.size == b.size and not f.memo.held), None)
+            if plain is not None:
+                self.drop(plain)
         if b is None or not b.reusable or self.nbytes + b.size > self.limit:
             if b is not None:
                 b.close()
@@ -265,12 +272,15 @@ class Pool:
     def fill(self, want: list[int], lock: Any) -> None:
         """Make buffers ahead until the pool holds files of ``want``'s sizes or its limit: one at a time, the
         slow part outside ``lock`` (which guards the pool), so that buffers of deleted steps may come back
-        meanwhile; the pool never holds more than its limit. Spare buffers are an optimisation: a file
-        system that refuses one ends it."""
+        meanwhile; the pool never holds more than its limit. A staging that starts meanwhile ends it (after
+        the file being made, which the pool keeps if it still lacks one of its size). Spare buffers are an
+        optimisation: a file system that refuses one ends it."""
+        with lock:
+            start = self.stagings
         while True:
             with lock:
                 missing = self.missing(want)
-                if not missing or self.nbytes + missing[-1] > self.limit:
+                if not missing or self.nbytes + missing[-1] > self.limit or self.stagings != start:
                     return
                 try:
                     path = self.path()

@@ -71,8 +71,6 @@ class MemoryTier(Tier):
         self._bufs: dict[Path, MappedFile] = {}  # every file this process has mapped, by current path
         self._pool = Pool(self.path / f".pool.{os.getpid()}")  # mapped files of deleted steps, for reuse
         self._lock = threading.RLock()  # the store's worker deletes while the training thread stages
-        self._idle = threading.Event()  # cleared while prepare() builds spare buffers
-        self._idle.set()
         self._staged: dict[int, dict[str, np.ndarray]] = {}
         self._last_staged = -1
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
@@ -186,17 +184,17 @@ class MemoryTier(Tier):
 
     # -- writing ------------------------------------------------------------------------------------
     def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-        """Map one buffer per file into the step directory, reusing pooled mappings where possible."""
-        while True:  # a spare set being built is what this save needs: wait for it, don't build another
-            with self._lock:  # (unless the pool has every buffer already); prepare() clears it under this lock
-                if self._idle.is_set() or None not in self._pool.match(sizes).values():
-                    return self._stage(step, sizes)
-            self._idle.wait()
+        """Map one buffer per file into the step directory, reusing pooled mappings where possible. Never
+        waits for spare buffers being made in the background (:meth:`prepare`): what the pool lacks is made
+        here, and the background stops after the file it is making."""
+        with self._lock:
+            return self._stage(step, sizes)
 
     def _stage(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         for n in sizes:
             validate_filename(n)
         self._job.claim()
+        self._pool.stagings += 1  # (stops a fill of spare buffers under way: Pool.fill)
         self._recycle_own(step, sizes)
         d = self._dir(step)
         self._pool.staged(step, {d / n: size for n, size in sizes.items()})
@@ -258,7 +256,8 @@ class MemoryTier(Tier):
         frees buffers of old steps (keep + 1 steps in), this is what keeps saves 2, 3, ... at memory speed;
         while an upload ``held`` a step the keep policy lets go, it also makes up for the buffers that step
         keeps, for the saves after it and the replicas they bring. Skipped when a later save staged already
-        (and no step is held), or when the budget or free space would not allow it.
+        (and no step is held), or when the budget or free space would not allow it; stopped by a save that
+        stages meanwhile (it makes what it lacks at its own priority, not behind this lower one).
         """
         with self._lock:
             if (self._last_staged > step and not held) or not self._spares:  # a later save staged (the
@@ -270,11 +269,7 @@ class MemoryTier(Tier):
             avail = self.capacity().available
             if not missing or (avail is not None and sum(missing) > avail):
                 return
-            self._idle.clear()
-        try:
-            self._pool.fill(want, self._lock)
-        finally:
-            self._idle.set()
+        self._pool.fill(want, self._lock)
 
     def _recycle_own(self, step: int, sizes: Mapping[str, int]) -> None:
         """An uncommitted leftover of this step: move this process's files to the pool."""
