@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import ChecksumError, FormatError
+from ..util import nogc as _nogc
 from .names import (DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, READ_VERSIONS, crc32c, nblocks,
                     user_key, validate_entry_name, validate_filename)
 
@@ -131,6 +132,11 @@ class Manifest:
             if crc32c(body) != int(own.group(1)):
                 raise ChecksumError("manifest does not match its own checksum; the copy is damaged")
             data = body
+        with _nogc.paused():  # thousands of objects: no collection of the whole process meanwhile
+            return cls._parsed(data, own is not None)
+
+    @classmethod
+    def _parsed(cls, data: bytes, checked: bool) -> "Manifest":
         try:
             d = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
@@ -142,7 +148,7 @@ class Manifest:
                 f"manifest format version {d.get('version')!r} is not supported "
                 f"(this tierfs reads versions {list(READ_VERSIONS)}); upgrade tierfs"
             )
-        if (own is None) != (d["version"] < 2):
+        if (not checked) != (d["version"] < 2):
             raise FormatError("manifest of version 2 without its own checksum; the copy is damaged")
         try:
             entries = [Entry(**e) for e in d.pop("entries")]

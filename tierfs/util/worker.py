@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import args as _args
+from . import args as _args, nogc
 from ..errors import ArgumentError
 
 log = logging.getLogger("tierfs")
@@ -66,7 +66,8 @@ class Worker:
             try:
                 if fn is None:
                     return
-                fn()
+                with nogc.paused():  # a step's objects: no collection of the whole process meanwhile
+                    fn()
             except BaseException as e:  # noqa: BLE001 - handed on, raised by the next call
                 log.error("tierfs background work failed: %s", e)
                 self._on_error(e)
