@@ -141,7 +141,7 @@ class SavePath:
                     self.retention.delete(p.tier(name), step)
             if isinstance(early, BaseException):
                 raise early
-            staged = early or self._staging(step, layout, values, metadata, metrics, overlap)
+            staged = early if early is not None else self._staging(step, layout, values, metadata, metrics, overlap)
             staged.tiers, staged.commit = [t.name for t in chosen], commit_id
         except BaseException as e:
             self._drop(early)
