@@ -335,3 +335,30 @@ class GilProbe:
 def held_share(late: list[float], base: float, threshold: float = 200e-6) -> float:
     """The share of the probe's wake-ups that waited more than ``threshold`` beyond ``base``."""
     return sum(1 for x in late if x - base > threshold) / max(1, len(late))
+
+
+class FullCollections:
+    """Python's full garbage collections (generation 2) while taken: each one's thread (the training
+    thread or another) and seconds. A full collection walks every object of the process with the GIL
+    held, so one on any thread stalls the training thread as long."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._found: list[list[Any]] = []
+        self._start = 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self._found.append([threading.current_thread() is threading.main_thread(),
+                                time.perf_counter() - self._start])
+
+    def take(self) -> list[list[Any]]:
+        """The collections since the last take: ``[on the training thread, seconds]`` each."""
+        out, self._found = self._found, []
+        return out

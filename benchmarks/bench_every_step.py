@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import MiB, launch_ranks, log, machine_note, results_path  # noqa: E402
 
 VARIANTS = ("no checkpoints", "floor", "tierfs")
+COLLECTIONS = None  # in each rank: its full garbage collections (_training.FullCollections)
 
 
 # -- inside each rank -----------------------------------------------------------------------------------
@@ -77,6 +78,7 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
 
     trainer.dist.barrier()
     probe.take()
+    COLLECTIONS.take()
     cpu0, own0, probe0, sched0 = cpu_of_process(), cpu_of_thread(), probe.cpu(), schedstat()
     times, stalls = [], []
     for i in range(n):
@@ -89,6 +91,7 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
         times.append(t2 - t0)
         stalls.append(t2 - t1)
     late = probe.take()
+    full = COLLECTIONS.take()
     sched1 = schedstat()
     on_cpu, queued = ((b - a) / n for a, b in zip(sched0, sched1))
     background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
@@ -97,7 +100,7 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     # the training thread's time per step: on a core, waiting for one, and blocked (the GIL, the all-reduce)
     blocked = sum(times) / n - on_cpu - queued
     return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late,
-            "main": [on_cpu, queued, blocked]}
+            "main": [on_cpu, queued, blocked], "full_gc": full}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -105,13 +108,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from _common import Scratch, tensors
-    from _training import DeviceLoop, Floor, GilProbe, Trainer, nbytes_of
+    from _training import DeviceLoop, Floor, FullCollections, GilProbe, Trainer, nbytes_of
 
     from tierfs import TieredStore
     from tierfs.policies import FixedIntervalPolicy, LatestN
     from tierfs.tiers import MemoryTier, ObjectTier, PeerTier
     from tierfs.util.worker import BACKGROUND_NICE
 
+    global COLLECTIONS
+    COLLECTIONS = FullCollections()
     torch.set_num_threads(1)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -222,6 +227,7 @@ def figures(run: list[dict], target: str) -> dict:
         if not per_rank[0]["rounds"][v]:
             continue
         slow, p50, p99, cpu, gil, stall, queued, blocked = [], [], [], [], [], [], [], []
+        full: list[list] = []
         for pr in per_rank:
             rounds = pr["rounds"]
             base_late = statistics.median(x for s in rounds["no checkpoints"] for x in s["late"])
@@ -233,12 +239,28 @@ def figures(run: list[dict], target: str) -> dict:
                 queued.append(seg["main"][1] - none["main"][1])
                 blocked.append(seg["main"][2] - none["main"][2])
             pooled = [t for s in rounds[v] for t in s["times"]]
+            full.append([(len(pooled), g) for s in rounds[v] for g in s.get("full_gc", [])] or [(len(pooled), None)])
             p50.append(pct(pooled, 0.5))
             p99.append(pct(pooled, 0.99))
         out[v] = {"slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
                   "cpu": statistics.median(cpu), "gil": statistics.median(gil), "stall": statistics.median(stall),
-                  "queued": statistics.median(queued), "blocked": statistics.median(blocked)}
+                  "queued": statistics.median(queued), "blocked": statistics.median(blocked),
+                  **collections_of(full)}
     return out
+
+
+def collections_of(per_rank: list[list]) -> dict:
+    """Full collections per rank and 100 timed steps (the median over ranks), those on other threads than
+    the training one, and their mean length in ms."""
+    every, other, ms = [], [], []
+    for found in per_rank:
+        steps = found[0][0]
+        got = [g for _, g in found if g is not None]
+        every.append(100 * len(got) / steps)
+        other.append(100 * sum(not main for main, _ in got) / steps)
+        ms += [s * 1e3 for _, s in got]
+    return {"gc": statistics.median(every), "gc_other": statistics.median(other),
+            "gc_ms": statistics.fmean(ms) if ms else 0.0}
 
 
 def report(runs: list[list[dict]], targets: list[str]) -> str:
@@ -270,6 +292,10 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
                 f"{med(v, 'blocked') * 1e3:+.1f} | {every(v, 'slowdown', '+.4f')} |")
         if not (f0["tierfs"] and f0["floor"]):
             continue
+        lines += ["", "- full garbage collections in the timed steps, per rank and 100 steps (on other threads "
+                      "than the training one; their mean ms): " + "; ".join(
+                          f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
+                          for v in VARIANTS if f0[v])]
         over = (med("tierfs", "slowdown") - med("floor", "slowdown")) * 100
         goal = 0.5 if float(target) >= 1 else 1.0
         p99 = med("tierfs", "p99") / med("no checkpoints", "p99")

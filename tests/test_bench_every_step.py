@@ -23,6 +23,7 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
     for variant in ("no checkpoints", "floor", "tierfs"):
         assert f"| {variant} |" in text, variant
     assert "tierfs over the floor:" in text and "the p99 without checkpoints" in text
+    assert "full garbage collections in the timed steps" in text
     assert "tierfs over the floor:" in (tmp_path / "result.md").read_text()
     runs = json.loads((tmp_path / "result.json").read_text())
     (run,) = runs
@@ -31,6 +32,7 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
         fig = r["targets"]["0.02"]
         rounds = fig["rounds"]
         assert all(len(rounds[v]) == 3 and all(len(s["times"]) == 4 for s in rounds[v]) for v in rounds)
+        assert all(isinstance(s["full_gc"], list) for v in rounds for s in rounds[v])
         last = fig["last"]
         # tierfs saved its last step to RAM and peers; the last multiple of 2 before it went to S3 too
         assert fig["held"][str(last)] == ["peer", "ram"]
