@@ -182,7 +182,7 @@ class Pool:
         self.created = 0
         self.made_ahead = 0
         self.reused = 0
-        self.stagings = 0  # files mapped into a step by a save or a received copy, counted per call
+        self.stagings = 0  # stagings so far (a save's, a received copy's): a fill under way ends when it changes
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
