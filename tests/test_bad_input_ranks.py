@@ -23,3 +23,7 @@ def test_ranks_saving_different_steps_or_nothing_raise_together_and_the_store_go
         assert kind == "ArgumentError" and "step 6" in msg and "empty on every rank" in msg, calls
         assert calls["then"] == ["ok", True]
         assert r["restored"] and r["steps"] == [5, 7], r
+        # (each rank stages while the ranks agree: what they refused left no files behind)
+        assert r["dirs"] == ["step_000000000005", "step_000000000007"], r
+        assert calls["rank-0-declines"] == ["ok", False] and calls["rank-0-takes"] == ["ok", True], calls
+        assert r["declined"] == {"steps": [1], "dirs": ["step_000000000001"]}, r

@@ -106,6 +106,18 @@ class Retention:
             held[tier.name] -= set(out[tier.name])
         return out
 
+    def supersede(self, step: int, stale: list[int], restored: int | None) -> None:
+        """Remove the steps saving ``step`` supersedes (:mod:`.timeline`) from every tier: this rank's part,
+        newest first, each marker first."""
+        if not stale:
+            return
+        why = f"it restored step {restored}" if restored is not None and restored < step else "it saves an older step"
+        log.warning("step %d: removing steps %s from every tier: they are from the run this job went back from "
+                    "(%s)", step, stale, why)
+        for s in stale:
+            for t in self.ctx.tiers:
+                self.delete(t, s)
+
     def delete(self, tier: AnyTier, step: int, *, spread: bool = False) -> None:
         """Delete ``step`` from ``tier``, as this rank's part: ranks sharing a node's directory each take
         back their own files and the owner drops the marker; with ``spread`` (every rank deletes the step:

@@ -114,7 +114,11 @@ class SavePath:
             mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
                                 maxes=vote.maxes)
         # every rank does what rank 0 decided (clocks and RAM differ); any rank's copies count
-        chosen, holders, commit_id = vote.decided(p.tiers, mins, maxes, step, p.group.world_size)
+        try:  # (it raises where the ranks save different steps, or nothing)
+            chosen, holders, commit_id = vote.decided(p.tiers, mins, maxes, step, p.group.world_size)
+        except BaseException:
+            self._drop(early)
+            raise
         if not chosen:
             self._drop(early)
             if isinstance(early, BaseException) and not isinstance(early, Exception):
@@ -136,7 +140,7 @@ class SavePath:
                 self._drop(early)
                 early = None
                 p.work.finish()
-                self._supersede(step, stale, restored)
+                self.retention.supersede(step, stale, restored)
                 for name in holders:
                     self.retention.delete(p.tier(name), step)
             if isinstance(early, BaseException):
@@ -181,18 +185,6 @@ class SavePath:
                 raise failed[0]
         self.copies = staged.copies
         return True
-
-    def _supersede(self, step: int, stale: list[int], restored: int | None) -> None:
-        """Remove the steps saving ``step`` supersedes (:mod:`.timeline`) from every tier: this rank's part,
-        newest first, each marker first."""
-        if not stale:
-            return
-        why = f"it restored step {restored}" if restored is not None and restored < step else "it saves an older step"
-        log.warning("step %d: removing steps %s from every tier: they are from the run this job went back from "
-                    "(%s)", step, stale, why)
-        for s in stale:
-            for t in self.ctx.tiers:
-                self.retention.delete(t, s)
 
     def _drop(self, early: Any) -> None:
         """Give back the buffers of a step staged while the ranks agreed, which will not be committed."""
