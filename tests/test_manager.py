@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import torch
 
 from tierfs import BackgroundError, CheckpointManager, CheckpointManagerOptions
 from tierfs.policies import (AnyPreservationPolicy, AnySavePolicy, BestN, EveryNSteps, FixedIntervalPolicy,
-                             LatestN, PreemptionCheckpointingPolicy, RestorePolicy)
+                             LatestN, PreemptionCheckpointingPolicy, RestorePolicy, SpecificStepsPolicy)
 from tierfs.testing import assert_states_equal
 from tierfs.tiers import MemoryTier, ObjectTier
 
@@ -164,6 +165,76 @@ def test_at_the_in_flight_bound_save_waits(shm_dir, tmp_path):
         assert done.is_set()
         mgr.wait_until_finished()
         assert mgr.store.steps() == {1: ["ram", "slow"], 2: ["ram", "slow"]}
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    """Run ``fn`` on a thread; the list gets what it returned, or what it raised."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            out.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_the_in_flight_bound_is_per_tier_an_upload_holds_back_only_saves_to_its_tier(shm_dir, tmp_path):
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1, 4]))
+    with CheckpointManager([MemoryTier(shm_dir, keep=LatestN(3)), slow], max_in_flight=1) as mgr:
+        try:
+            mgr.save(1, make_state(1))  # its upload waits at the gate
+            for step in (2, 3):  # RAM only: not held back by the upload
+                t, out = _in_thread(lambda step=step: mgr.save(step, make_state(step)))
+                t.join(30)
+                assert out == [True], f"save({step}) to RAM alone waited for the upload of step 1"
+            mgr.store.wait_until_committed()
+            assert mgr.store.steps() == {1: ["ram"], 2: ["ram"], 3: ["ram"]}
+        finally:
+            slow.gate.set()
+        mgr.save(4, make_state(4))  # to the slow tier again
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {1: ["slow"], 2: ["ram"], 3: ["ram"], 4: ["ram", "slow"]}
+        assert_states_equal(mgr.restore(step=1), make_state(1))
+
+
+def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_path, caplog):
+    """A step kept in RAM only until its upload ends holds space the next save needs: the save waits for
+    the upload (and retention after it) instead of failing for want of space."""
+    ram = MemoryTier(shm_dir, keep=LatestN(1))
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
+    waiting = threading.Event()
+
+    class Waits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waits for a copy out of ram" in record.getMessage():
+                waiting.set()
+    handler = Waits()
+    caplog.set_level(logging.INFO, logger="tierfs")
+    logging.getLogger("tierfs").addHandler(handler)
+    try:
+        with CheckpointManager([ram, slow], cleanup=False) as mgr:
+            try:
+                mgr.save(1, make_state(1))  # its upload waits at the gate: step 1 stays in RAM
+                mgr.store.wait_until_committed()
+                ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
+                mgr.save(2, make_state(2))
+                mgr.store.wait_until_committed()
+                t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
+                assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+                assert out == []  # (the store's calls wait for it meanwhile)
+            finally:
+                slow.gate.set()
+            t.join(60)
+            assert out == [True]
+            mgr.wait_until_finished()
+            assert mgr.store.steps() == {1: ["slow"], 3: ["ram"]}
+            assert_states_equal(mgr.restore(step=3), make_state(3))
+            assert_states_equal(mgr.restore(step=1), make_state(1))
+    finally:
+        logging.getLogger("tierfs").removeHandler(handler)
 
 
 def test_object_store_stopping_mid_run_surfaces_on_next_call(shm_dir):

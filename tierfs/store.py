@@ -65,10 +65,12 @@ class TieredStore(ShardReads, Restores, Upkeep):
         committed steps a slower tier's policy took but that tier lacks (their process ended first). A
         process that only reads while another saves to the same tiers must pass ``cleanup=False``.
     max_in_flight:
-        Saves whose background work (commit, copies) may be unfinished at once.
+        Saves whose work may be unfinished at once, per tier: not yet committed in the first tier, and
+        still on their way to each slower tier. A save is bound only by the tiers it goes to.
     when_busy:
-        At that bound, ``"wait"`` until the oldest finishes, or ``"skip"`` the slow tiers for the new step
-        (the first tier always takes it).
+        At a tier's bound, ``"wait"`` until its oldest finishes, or ``"skip"`` the slow tiers at their bound
+        for the new step (the first tier always takes it). A save that finds the first tier full while
+        copies out of it are on their way waits for one to end (the steps they hold may then go).
     background_bandwidth:
         Bytes per second that copies to slower tiers may move on average, checksum checks included
         (default 256 MB/s; None: no cap), in bursts of up to 64 MiB, so training keeps its cores and memory

@@ -6,8 +6,10 @@ change the same facts; each change is one named operation here, so the rules liv
 - which committed steps each tier holds (``listed``, ``stored``, ``claim``);
 - each tier's save history, which the save policies see (a step enters it when a tier is chosen for it
   and leaves it when the tier did not get it: ``begin``, ``copied``, ``abandon``);
-- the steps whose background work is unfinished, and those not yet committed (``begin``, ``committed``,
-  ``done``, ``wait_for_room``);
+- the steps whose background work is unfinished, those not yet committed, and those each slower tier has
+  still to get (``begin``, ``committed``, ``copied``, ``done``; the in-flight bound, per tier:
+  ``wait_for_room``), and copies out of the first tier ending (``released``/``wait_for_release``: a save
+  short of RAM waits for one);
 - pins: steps being read from or copied out of a tier, which retention must not delete (``pinned``);
 - transient steps (staged in the first tier only to be copied on: ``retire``), and the step the job last
   restored (``restored``: the timeline rule of :mod:`.timeline` starts from it);
@@ -51,6 +53,8 @@ class StepLedger:
         self._errors: list[BaseException] = []
         self._in_flight: dict[int, int] = {}  # step -> unfinished background jobs (commit, copies)
         self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
+        self._copying: dict[str, set[int]] = {n: set() for n in names}  # tier -> steps it has still to get
+        self._releases = 0  # copies out of the first tier ended so far (wait_for_release)
 
     # -- what the tiers hold ------------------------------------------------------------------------
     def listed(self, tier: str, steps: Iterable[int] | None) -> None:
@@ -117,21 +121,49 @@ class StepLedger:
         with self._lock:
             return step in self._in_flight
 
-    def wait_for_room(self, bound: int, *, uncommitted_only: bool) -> None:
-        """Wait until fewer than ``bound`` saves are unfinished (or, with ``uncommitted_only``, not yet
-        committed in the first tier), or until background work failed."""
+    def wait_for_room(self, bound: int, tiers: Iterable[str] = ()) -> None:
+        """Wait until fewer than ``bound`` saves are not yet committed in the first tier, and fewer than
+        ``bound`` steps are still on their way to each of the slower ``tiers`` (the bound is per tier: a slow
+        upload holds back only the next saves to its own tier), or until background work failed."""
         with self._cond:
-            busy = self._uncommitted if uncommitted_only else self._in_flight
-            while len(busy) >= bound and not self._errors:
+            while not self._errors and (len(self._uncommitted) >= bound or any(
+                    len(self._copying[t]) >= bound for t in tiers)):
                 self._cond.wait()
+
+    def on_the_way(self, tier: str) -> int:
+        """How many steps slower ``tier`` has still to get (queued or being copied)."""
+        with self._lock:
+            return len(self._copying[tier])
 
     def in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
 
+    @property
+    def releases(self) -> int:
+        """How many copies out of the first tier have ended (read before a try :meth:`wait_for_release`
+        may repeat)."""
+        with self._lock:
+            return self._releases
+
+    def released(self) -> None:
+        """A copy out of the first tier ended, and retention ran after it: the RAM it held may be free."""
+        with self._cond:
+            self._releases += 1
+            self._cond.notify_all()
+
+    def wait_for_release(self, seen: int) -> bool:
+        """Wait until a copy out of the first tier ended after :attr:`releases` read ``seen``; False at
+        once when none is on its way (nothing will free RAM), or when background work failed."""
+        with self._cond:
+            while self._releases == seen and not self._errors and any(self._copying.values()):
+                self._cond.wait()
+            return self._releases != seen and not self._errors
+
     def begin(self, step: int, info: StepInfo, chosen: Iterable[str], *, transient: bool) -> None:
         """A save of ``step`` starts: it enters the histories of the ``chosen`` tiers; ``transient``: the
         first tier holds it only until the slower tiers have it."""
+        chosen = list(chosen)
         with self._lock:
             self._info[step] = info
             for t in chosen:
@@ -140,6 +172,9 @@ class StepLedger:
                 self._transient.add(step)
             self._in_flight[step] = 1
             self._uncommitted.add(step)
+            for t in chosen:
+                if t != self.names[0]:
+                    self._copying[t].add(step)
 
     def committed(self, step: int, first: str, copies: int) -> None:
         """``step`` is committed in the first tier; ``copies`` background copies of it follow."""
@@ -159,6 +194,7 @@ class StepLedger:
             if transient:
                 self._transient.add(step)
             self._in_flight[step] = self._in_flight.get(step, 0) + 1
+            self._copying[tier].add(step)
 
     def abandon(self, step: int) -> None:
         """``step``'s commit failed: no tier got it, and its save is over."""
@@ -166,11 +202,14 @@ class StepLedger:
             self._forget(step, self.names)
             self._transient.discard(step)
             self._uncommitted.discard(step)
+            for steps in self._copying.values():
+                steps.discard(step)
         self.done(step)
 
     def copied(self, tier: str, step: int, ok: bool) -> None:
         """A background copy of ``step`` to ``tier`` ended; a step ``tier`` did not get leaves its history."""
         with self._cond:
+            self._copying[tier].discard(step)
             if ok:
                 self._index.setdefault(tier, set()).add(step)
             else:

@@ -37,7 +37,7 @@ from .context import Context
 from .retention import Retention
 from .dataparallel import check_digests, digests
 from .savevote import Vote, cast
-from . import timeline
+from . import room, timeline
 
 log = logging.getLogger("tierfs")
 
@@ -62,20 +62,6 @@ class SavePath:
         return [t for t in self.ctx.tiers if force or t.save_policy.should_save(
             SaveContext(step=step, time=now, previous=self.ctx.ledger.previous(t.name), preempted=preempted))]
 
-    def _make_room(self, step: int, chosen: list[AnyTier], max_in_flight: int, when_busy: str) -> list[AnyTier]:
-        """Apply the in-flight bound: wait, or drop the slow tiers for this step."""
-        first = self.ctx.first
-        skip = when_busy == "skip" and self.ctx.ledger.in_flight() >= max_in_flight
-        if skip:
-            slow = [t.name for t in chosen if t is not first]
-            if slow:
-                log.warning("step %d: %d saves still in flight, skipping it on %s", step,
-                            self.ctx.ledger.in_flight(), slow)
-            chosen = [t for t in chosen if t is first]
-        if chosen:
-            self.ctx.ledger.wait_for_room(max_in_flight, uncommitted_only=skip)
-        return chosen
-
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *,
              metrics: Mapping[str, Any] | None, force: bool, overwrite: bool, preempted: bool, blocking: bool,
@@ -94,8 +80,8 @@ class SavePath:
                 layout = self._layouts.get(names, values, structure, replicated)
             metadata, metrics = _args.jsonable(metadata, "metadata"), _args.jsonable(metrics, "metrics")
             p.work.raise_errors()
-            chosen = self._make_room(step, self.should_save(step, force=force, preempted=preempted),
-                                     max_in_flight, when_busy)
+            chosen = room.make_room(p.ledger, p.first, step, self.should_save(
+                step, force=force, preempted=preempted), max_in_flight, when_busy)
             if p.ledger.busy(step):
                 raise StepExistsError(f"step {step} is still being saved; save a new step")
             mine = Vote(p.names, [t.name for t in chosen], p.ledger.holders(step),
@@ -203,7 +189,8 @@ class SavePath:
     @staticmethod
     def _stage(p: Context, step: int, layout: ShardLayout, values: list[Any], metadata: Mapping[str, Any] | None,
                metrics: Mapping[str, Any] | None, overlap: Any) -> Staged:
-        bufs = p.staging.buffers(step, layout.files)  # raises CapacityError before anything is written
+        # (CapacityError before anything is written; while copies hold RAM, they are waited for)
+        bufs = room.when_released(p.ledger, p.first, step, lambda: p.staging.buffers(step, layout.files))
         try:
             memos = {f: p.staging.buffer_memo(step, f) for f in layout.files}
             dst, raw = layout.views(bufs, memos)
@@ -317,7 +304,6 @@ class SavePath:
         bookkeeping: a step not stored there leaves the tier's history, so its policy may take the next.
         ``committed``: this rank's manifest of the step and its bytes, as its commit wrote them."""
         p, first = self.ctx, self.ctx.first
-        stored, error = False, "NotStored"
         try:
             if dst is p.replicator:
                 stored = self._replicate(step, p.replicator, marker, committed)
@@ -325,19 +311,31 @@ class SavePath:
                 assert isinstance(dst, Tier)
                 stored = self._upload(step, dst, marker)
         except BaseException as e:
-            error = type(e).__name__
+            self._copied(step, dst, False, type(e).__name__)
+            try:  # unpinned, a step kept in the first tier only for this copy may go
+                self.retention.apply(first, on_error=p.ledger.fail)
+            finally:
+                p.ledger.released()
             raise
+        self._copied(step, dst, stored, "NotStored")
+        try:
+            self.retention.apply(dst)
+            if p.ledger.retire(step, first.name):  # staged only for the slower tiers, which now have it
+                self.retention.delete(first, step)
+            self.retention.apply(first)
         finally:
-            _metrics.SINK.copied(dst.name, step, stored, None if stored else error)
-            p.ledger.copied(dst.name, step, stored)
-            p.ledger.unpin(first.name, step)
-            p.ledger.done(step)
-        self.retention.apply(dst)
-        if p.ledger.retire(step, first.name):  # staged only for the slower tiers, which now have it
-            self.retention.delete(first, step)
-        self.retention.apply(first)
+            p.ledger.released()  # a save short of RAM tries again (_stage)
         if not p.ledger.busy(step):  # the last copy of the step
             self._prepare(step, sizes)
+
+    def _copied(self, step: int, dst: AnyTier, stored: bool, error: str) -> None:
+        """The bookkeeping of a copy of ``step`` to ``dst`` that ended: a step not stored there leaves the
+        tier's history, so its policy may take the next."""
+        p = self.ctx
+        _metrics.SINK.copied(dst.name, step, stored, None if stored else error)
+        p.ledger.copied(dst.name, step, stored)
+        p.ledger.unpin(p.first.name, step)
+        p.ledger.done(step)
 
     def _upload(self, step: int, dst: Tier, marker: Marker) -> bool:
         """Byte copy of this rank's files from the first tier to ``dst``, verified before upload, marker
