@@ -144,3 +144,64 @@ class Detached:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class SideThread:
+    """Runs functions one at a time on a daemon thread of its own that is kept between calls, so a call
+    hands its function over without waiting for a new thread to be scheduled (what starting a
+    :class:`Detached` costs the caller, up to a millisecond on busy cores). :meth:`run` returns a
+    :class:`Detached`-like handle to join. The thread ends after :attr:`IDLE` seconds without work and
+    starts again with the next call."""
+
+    IDLE = 30.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Handed]] = queue.SimpleQueue()
+        self._alive = False
+
+    def run(self, fn: Callable[[], Any]) -> "Handed":
+        handed = Handed()
+        with self._lock:  # (the thread ends only under the lock, with nothing queued)
+            self._queue.put((fn, handed))
+            if not self._alive:
+                self._alive = True
+                threading.Thread(target=self._loop, name=self.name, daemon=True).start()
+        return handed
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                fn, handed = self._queue.get(timeout=self.IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._alive = False
+                        return
+                continue
+            handed._run(fn)
+
+
+class Handed:
+    """A function handed to a :class:`SideThread`: :meth:`join` waits for it and returns its result or
+    raises its exception (on the thread that joins)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._result = fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the thread that joins
+            self._error = e
+        finally:
+            self._done.set()
+
+    def join(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
