@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
 
@@ -117,24 +115,3 @@ def test_no_rate_never_waits():
 def test_bad_settings_are_refused(rate, burst):
     with pytest.raises(ValueError, match="throttle burst|background bandwidth"):
         Throttle(rate, burst)
-
-
-def test_a_side_thread_runs_each_function_handed_to_it_in_turn_and_ends_when_idle(monkeypatch):
-    from tierfs.util.worker import SideThread
-
-    monkeypatch.setattr(SideThread, "IDLE", 0.05)
-    side = SideThread("tierfs-test-side")
-    threads: list[str] = []
-    for i in range(3):
-        assert side.run(lambda i=i: (threads.append(threading.current_thread().name), i * i)[1]).join() == i * i
-    assert threads == ["tierfs-test-side"] * 3  # on its own thread, not the caller's
-
-    def fail() -> None:
-        raise ValueError("raised on the side thread")
-    with pytest.raises(ValueError, match="on the side thread"):  # raised where it is joined
-        side.run(fail).join()
-    deadline = time.monotonic() + 60
-    while any(t.name == "tierfs-test-side" for t in threading.enumerate()):  # idle: it ends
-        assert time.monotonic() < deadline, "the idle side thread never ended"
-        time.sleep(0.01)
-    assert side.run(lambda: "again").join() == "again"  # and starts again with the next call

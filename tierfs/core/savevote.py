@@ -8,7 +8,7 @@ from typing import Callable, Sequence, TypeVar
 from ..errors import ArgumentError
 from ..ranks import Group, check
 from ..tiers.base import AnyTier
-from ..util.worker import SideThread
+from ..util.worker import Detached
 
 T = TypeVar("T")
 
@@ -56,13 +56,13 @@ class Vote:
         return chosen and not any(self.maxes[:n]) and not self.maxes[n + 2]
 
 
-def cast(side: SideThread, group: Group, vote: Vote, what: str, ahead: Callable[[], T],
-         undo: Callable[[T | BaseException], None]) -> tuple[list[int], list[int], T | BaseException]:
-    """The agreement on ``vote`` (:func:`~tierfs.ranks.check`, "nothing saved" if a rank failed) on the
-    ``side`` thread while ``ahead`` runs on this one: the usual save stages while the ranks agree. Returns
-    the reduced ``mins`` and ``maxes``, and what ``ahead`` returned or the exception it raised. If the
-    agreement raises, that goes to ``undo`` first."""
-    ballot = side.run(lambda: check(group, None, what, outcome="nothing saved", mins=vote.mins, maxes=vote.maxes))
+def cast(group: Group, vote: Vote, what: str, ahead: Callable[[], T], undo: Callable[[T | BaseException], None]
+         ) -> tuple[list[int], list[int], T | BaseException]:
+    """The agreement on ``vote`` (:func:`~tierfs.ranks.check`, "nothing saved" if a rank failed) on a thread
+    of its own while ``ahead`` runs on this one: the usual save stages while the ranks agree. Returns the
+    reduced ``mins`` and ``maxes``, and what ``ahead`` returned or the exception it raised. If the agreement
+    raises, that goes to ``undo`` first."""
+    ballot = Detached(lambda: check(group, None, what, outcome="nothing saved", mins=vote.mins, maxes=vote.maxes))
     try:
         done: T | BaseException = ahead()
     except BaseException as e:  # noqa: BLE001 - the caller's, once every rank heard the vote

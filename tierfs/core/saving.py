@@ -25,7 +25,6 @@ from ..device import copies as _device
 from ..util import nogc as _nogc
 from ..util import readable as _readable
 from ..util.stages import stage
-from ..util.worker import SideThread
 from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, manifest_filename
@@ -55,7 +54,6 @@ class SavePath:
         self.ctx, self.retention = ctx, retention
         self._layouts = RecentLayouts(ctx)  # the structures saved most recently
         self.copies: Any = None  # the newest save's copies on the copy thread (tierfs.device.copies.Copies)
-        self._side = SideThread("tierfs-vote")  # the usual save's agreement, while it stages
 
     # -- choosing the tiers -------------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False, preempted: bool = False) -> list[AnyTier]:
@@ -96,7 +94,7 @@ class SavePath:
         vote = mine or Vote(p.names, [], [], [[], []], p.group.rank)
         early: Any = None  # the usual save stages while the ranks agree: a Staged, or what staging raised
         if mine is not None and p.group.world_size > 1 and mine.usual(len(p.tiers), bool(chosen)):
-            mins, maxes, early = cast(self._side, group, mine, f"save step {step}", lambda: self._staging(
+            mins, maxes, early = cast(group, mine, f"save step {step}", lambda: self._staging(
                 step, layout, values, metadata, metrics, overlap), self._drop)
         else:
             mins, maxes = check(group, failure, f"save step {step}", outcome="nothing saved", mins=vote.mins,
