@@ -192,8 +192,8 @@ class Floor:
         self.sends: list[Any] = []
         self.send_cond = threading.Condition()
         self.closed = False
-        self.threads = [threading.Thread(target=self._sender, daemon=True),
-                        threading.Thread(target=self._receiver, daemon=True)]
+        self.threads = [threading.Thread(target=self._sender, name="floor-send", daemon=True),
+                        threading.Thread(target=self._receiver, name="floor-receive", daemon=True)]
         for t in self.threads:
             t.start()
         self.uploads: list[threading.Thread] = []
@@ -286,6 +286,29 @@ def cpu_of_thread() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def cpu_by_thread() -> dict[str, float]:
+    """CPU seconds so far of each live thread of this process, summed by role: Python threads by name
+    (a trailing ``-N`` dropped, so ``tierfs-copy-peer``), the others by their OS name (``native
+    gloo_tcp_loop``: gloo's I/O loop; ``native python``: torch's intra-op threads and the like). A thread
+    that ended is in none (the caller finds it as the rest of the process's CPU)."""
+    import re
+
+    names = {t.native_id: re.sub(r"-\d+$", "", t.name.split(" (")[0]) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # ended meanwhile
+            continue
+        role = names.get(int(tid)) or f"native {comm}"
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def schedstat() -> tuple[float, float]:
     """The calling thread's seconds on a core and waiting for one (runnable), so far (Linux schedstat); the
     rest of its time it was blocked: on the GIL, a lock, a collective, I/O."""
@@ -307,7 +330,8 @@ class GilProbe:
         self.period = period
         self.late: list[float] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.name = "gil-probe"  # (its CPU is not the background's)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

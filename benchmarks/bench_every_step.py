@@ -74,12 +74,13 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     (untimed). Returns the step times, the background CPU and the probe's samples."""
     import time
 
-    from _training import cpu_of_process, cpu_of_thread, schedstat
+    from _training import cpu_by_thread, cpu_of_process, cpu_of_thread, schedstat
 
     trainer.dist.barrier()
     probe.take()
     COLLECTIONS.take()
     cpu0, own0, probe0, sched0 = cpu_of_process(), cpu_of_thread(), probe.cpu(), schedstat()
+    threads0 = cpu_by_thread()
     times, stalls = [], []
     for i in range(n):
         t0 = time.perf_counter()
@@ -95,12 +96,17 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     sched1 = schedstat()
     on_cpu, queued = ((b - a) / n for a, b in zip(sched0, sched1))
     background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
+    # the background's CPU by thread role; what threads that ended took is the rest
+    threads = {k: v - threads0.get(k, 0.0) for k, v in cpu_by_thread().items()
+               if k not in ("MainThread", probe.name) and v - threads0.get(k, 0.0) > 0}
+    threads["threads that ended"] = max(0.0, background - sum(threads.values()))
     if wait is not None:
         wait()
     # the training thread's time per step: on a core, waiting for one, and blocked (the GIL, the all-reduce)
     blocked = sum(times) / n - on_cpu - queued
     return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late,
-            "main": [on_cpu, queued, blocked], "full_gc": full}
+            "main": [on_cpu, queued, blocked], "full_gc": full,
+            "threads": {k: v / n for k, v in threads.items()}}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -228,6 +234,7 @@ def figures(run: list[dict], target: str) -> dict:
             continue
         slow, p50, p99, cpu, gil, stall, queued, blocked = [], [], [], [], [], [], [], []
         full: list[list] = []
+        roles: dict[str, list[float]] = {}
         for pr in per_rank:
             rounds = pr["rounds"]
             base_late = statistics.median(x for s in rounds["no checkpoints"] for x in s["late"])
@@ -238,6 +245,8 @@ def figures(run: list[dict], target: str) -> dict:
                 stall.append(statistics.fmean(seg["stalls"]))
                 queued.append(seg["main"][1] - none["main"][1])
                 blocked.append(seg["main"][2] - none["main"][2])
+                for k, x in seg.get("threads", {}).items():  # (beyond the loop without checkpoints)
+                    roles.setdefault(k, []).append(x - none.get("threads", {}).get(k, 0.0))
             pooled = [t for s in rounds[v] for t in s["times"]]
             full.append([(len(pooled), g) for s in rounds[v] for g in s.get("full_gc", [])] or [(len(pooled), None)])
             p50.append(pct(pooled, 0.5))
@@ -245,7 +254,7 @@ def figures(run: list[dict], target: str) -> dict:
         out[v] = {"slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
                   "cpu": statistics.median(cpu), "gil": statistics.median(gil), "stall": statistics.median(stall),
                   "queued": statistics.median(queued), "blocked": statistics.median(blocked),
-                  **collections_of(full)}
+                  **collections_of(full), "threads": {k: statistics.median(x) for k, x in roles.items()}}
     return out
 
 
@@ -296,6 +305,12 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
                       "than the training one; their mean ms): " + "; ".join(
                           f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
                           for v in VARIANTS if f0[v])]
+        for v in ("floor", "tierfs"):
+            shares = {k: statistics.median(f[v]["threads"].get(k, 0.0) for f in figs) for k in f0[v].get("threads", {})}
+            shown = [f"{k} {x * 1e3:.1f}" for k, x in sorted(shares.items(), key=lambda kx: -kx[1]) if x * 1e3 >= 0.5]
+            if shown:
+                lines.append(f"- background CPU by thread, {v}, ms per step beyond the loop without checkpoints: "
+                             + ", ".join(shown))
         over = (med("tierfs", "slowdown") - med("floor", "slowdown")) * 100
         goal = 0.5 if float(target) >= 1 else 1.0
         p99 = med("tierfs", "p99") / med("no checkpoints", "p99")
