@@ -55,6 +55,7 @@ class StepLedger:
         self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
         self._copying: dict[str, set[int]] = {n: set() for n in names}  # tier -> steps it has still to get
         self._releases = 0  # copies out of the first tier ended so far (wait_for_release)
+        self._unreleased: set[tuple[str, int]] = set()  # (tier, step): copies not yet ended, retention after
 
     # -- what the tiers hold ------------------------------------------------------------------------
     def listed(self, tier: str, steps: Iterable[int] | None) -> None:
@@ -146,9 +147,10 @@ class StepLedger:
         with self._lock:
             return self._releases
 
-    def released(self) -> None:
-        """A copy out of the first tier ended, and retention ran after it: the RAM it held may be free."""
+    def released(self, tier: str, step: int) -> None:
+        """The copy of ``step`` to ``tier`` ended, and retention ran after it: the RAM it held may be free."""
         with self._cond:
+            self._unreleased.discard((tier, step))
             self._releases += 1
             self._cond.notify_all()
 
@@ -156,7 +158,7 @@ class StepLedger:
         """Wait until a copy out of the first tier ended after :attr:`releases` read ``seen``; False at
         once when none is on its way (nothing will free RAM), or when background work failed."""
         with self._cond:
-            while self._releases == seen and not self._errors and any(self._copying.values()):
+            while self._releases == seen and not self._errors and self._unreleased:
                 self._cond.wait()
             return self._releases != seen and not self._errors
 
@@ -175,6 +177,7 @@ class StepLedger:
             for t in chosen:
                 if t != self.names[0]:
                     self._copying[t].add(step)
+                    self._unreleased.add((t, step))
 
     def committed(self, step: int, first: str, copies: int) -> None:
         """``step`` is committed in the first tier; ``copies`` background copies of it follow."""
@@ -195,6 +198,7 @@ class StepLedger:
                 self._transient.add(step)
             self._in_flight[step] = self._in_flight.get(step, 0) + 1
             self._copying[tier].add(step)
+            self._unreleased.add((tier, step))
 
     def abandon(self, step: int) -> None:
         """``step``'s commit failed: no tier got it, and its save is over."""
@@ -204,6 +208,8 @@ class StepLedger:
             self._uncommitted.discard(step)
             for steps in self._copying.values():
                 steps.discard(step)
+            self._unreleased -= {(t, step) for t in self.names}
+            self._cond.notify_all()
         self.done(step)
 
     def copied(self, tier: str, step: int, ok: bool) -> None:

@@ -305,26 +305,24 @@ class SavePath:
         ``committed``: this rank's manifest of the step and its bytes, as its commit wrote them."""
         p, first = self.ctx, self.ctx.first
         try:
-            if dst is p.replicator:
-                stored = self._replicate(step, p.replicator, marker, committed)
-            else:
-                assert isinstance(dst, Tier)
-                stored = self._upload(step, dst, marker)
-        except BaseException as e:
-            self._copied(step, dst, False, type(e).__name__)
-            try:  # unpinned, a step kept in the first tier only for this copy may go
+            try:
+                if dst is p.replicator:
+                    stored = self._replicate(step, p.replicator, marker, committed)
+                else:
+                    assert isinstance(dst, Tier)
+                    stored = self._upload(step, dst, marker)
+            except BaseException as e:
+                self._copied(step, dst, False, type(e).__name__)
+                # unpinned, a step kept in the first tier only for this copy may go
                 self.retention.apply(first, on_error=p.ledger.fail)
-            finally:
-                p.ledger.released()
-            raise
-        self._copied(step, dst, stored, "NotStored")
-        try:
+                raise
+            self._copied(step, dst, stored, "NotStored")
             self.retention.apply(dst)
             if p.ledger.retire(step, first.name):  # staged only for the slower tiers, which now have it
                 self.retention.delete(first, step)
             self.retention.apply(first)
         finally:
-            p.ledger.released()  # a save short of RAM tries again (_stage)
+            p.ledger.released(dst.name, step)  # a save short of RAM tries again (room.when_released)
         if not p.ledger.busy(step):  # the last copy of the step
             self._prepare(step, sizes)
 
