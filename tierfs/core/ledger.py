@@ -7,9 +7,9 @@ change the same facts; each change is one named operation here, so the rules liv
 - each tier's save history, which the save policies see (a step enters it when a tier is chosen for it
   and leaves it when the tier did not get it: ``begin``, ``copied``, ``abandon``);
 - the steps whose background work is unfinished, those not yet committed, and those each slower tier has
-  still to get (``begin``, ``committed``, ``copied``, ``done``; the in-flight bound, per tier:
-  ``wait_for_room``), and copies out of the first tier ending (``released``/``wait_for_release``: a save
-  short of RAM waits for one);
+  still to get until their copy is released (``begin``, ``committed``, ``done``, ``released``; the
+  in-flight bound, per tier: ``wait_for_room``; a save short of RAM waits for a release:
+  ``wait_for_release``);
 - pins: steps being read from or copied out of a tier, which retention must not delete (``pinned``);
 - transient steps (staged in the first tier only to be copied on: ``retire``), and the step the job last
   restored (``restored``: the timeline rule of :mod:`.timeline` starts from it);
@@ -53,9 +53,10 @@ class StepLedger:
         self._errors: list[BaseException] = []
         self._in_flight: dict[int, int] = {}  # step -> unfinished background jobs (commit, copies)
         self._uncommitted: set[int] = set()  # staged in the first tier, marker not yet written
-        self._copying: dict[str, set[int]] = {n: set() for n in names}  # tier -> steps it has still to get
-        self._releases = 0  # copies out of the first tier ended so far (wait_for_release)
-        self._unreleased: set[tuple[str, int]] = set()  # (tier, step): copies not yet ended, retention after
+        # tier -> the steps a slower tier has still to get: queued or being copied, until the copy ended and
+        # retention ran after it (released)
+        self._copying: dict[str, set[int]] = {n: set() for n in names}
+        self._releases = 0  # copies out of the first tier released so far (wait_for_release)
 
     # -- what the tiers hold ------------------------------------------------------------------------
     def listed(self, tier: str, steps: Iterable[int] | None) -> None:
@@ -148,9 +149,10 @@ class StepLedger:
             return self._releases
 
     def released(self, tier: str, step: int) -> None:
-        """The copy of ``step`` to ``tier`` ended, and retention ran after it: the RAM it held may be free."""
+        """The copy of ``step`` to ``tier`` ended, and retention ran after it: the RAM it held may be free,
+        and the tier has one step fewer on its way."""
         with self._cond:
-            self._unreleased.discard((tier, step))
+            self._copying[tier].discard(step)
             self._releases += 1
             self._cond.notify_all()
 
@@ -158,7 +160,7 @@ class StepLedger:
         """Wait until a copy out of the first tier ended after :attr:`releases` read ``seen``; False at
         once when none is on its way (nothing will free RAM), or when background work failed."""
         with self._cond:
-            while self._releases == seen and not self._errors and self._unreleased:
+            while self._releases == seen and not self._errors and any(self._copying.values()):
                 self._cond.wait()
             return self._releases != seen and not self._errors
 
@@ -177,7 +179,6 @@ class StepLedger:
             for t in chosen:
                 if t != self.names[0]:
                     self._copying[t].add(step)
-                    self._unreleased.add((t, step))
 
     def committed(self, step: int, first: str, copies: int) -> None:
         """``step`` is committed in the first tier; ``copies`` background copies of it follow."""
@@ -198,7 +199,6 @@ class StepLedger:
                 self._transient.add(step)
             self._in_flight[step] = self._in_flight.get(step, 0) + 1
             self._copying[tier].add(step)
-            self._unreleased.add((tier, step))
 
     def abandon(self, step: int) -> None:
         """``step``'s commit failed: no tier got it, and its save is over."""
@@ -208,14 +208,12 @@ class StepLedger:
             self._uncommitted.discard(step)
             for steps in self._copying.values():
                 steps.discard(step)
-            self._unreleased -= {(t, step) for t in self.names}
             self._cond.notify_all()
         self.done(step)
 
     def copied(self, tier: str, step: int, ok: bool) -> None:
         """A background copy of ``step`` to ``tier`` ended; a step ``tier`` did not get leaves its history."""
         with self._cond:
-            self._copying[tier].discard(step)
             if ok:
                 self._index.setdefault(tier, set()).add(step)
             else:
