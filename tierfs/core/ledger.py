@@ -137,10 +137,6 @@ class StepLedger:
         with self._lock:
             return len(self._copying[tier])
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._in_flight)
-
     @property
     def releases(self) -> int:
         """How many copies out of the first tier have ended (read before a try :meth:`wait_for_release`
