@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -200,11 +201,9 @@ def test_the_in_flight_bound_is_per_tier_an_upload_holds_back_only_saves_to_its_
         assert_states_equal(mgr.restore(step=1), make_state(1))
 
 
-def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_path, caplog):
-    """A step kept in RAM only until its upload ends holds space the next save needs: the save waits for
-    the upload (and retention after it) instead of failing for want of space."""
-    ram = MemoryTier(shm_dir, keep=LatestN(1))
-    slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
+@contextlib.contextmanager
+def _waiting_for_a_copy(caplog):
+    """An event set once a save logs that it waits for a copy out of the RAM tier."""
     waiting = threading.Event()
 
     class Waits(logging.Handler):
@@ -215,27 +214,67 @@ def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_
     caplog.set_level(logging.INFO, logger="tierfs")
     logging.getLogger("tierfs").addHandler(handler)
     try:
-        with CheckpointManager([ram, slow], cleanup=False) as mgr:
-            try:
-                mgr.save(1, make_state(1))  # its upload waits at the gate: step 1 stays in RAM
-                mgr.store.wait_until_committed()
-                ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
-                mgr.save(2, make_state(2))
-                mgr.store.wait_until_committed()
-                t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
-                assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
-                assert out == []  # (the store's calls wait for it meanwhile)
-            finally:
-                slow.gate.set()
-            t.join(60)
-            assert out == [True]
-            mgr.wait_until_finished()
-            assert mgr.store.steps() == {1: ["slow"], 3: ["ram"]}
-            assert_states_equal(mgr.restore(step=3), make_state(3))
-            assert_states_equal(mgr.restore(step=1), make_state(1))
+        yield waiting
     finally:
         logging.getLogger("tierfs").removeHandler(handler)
 
+
+def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_path, caplog):
+    """A step kept in RAM only until its upload ends holds space the next save needs: the save waits for
+    the upload (and retention after it) instead of failing for want of space."""
+    ram = MemoryTier(shm_dir, keep=LatestN(1))
+    slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
+    with _waiting_for_a_copy(caplog) as waiting, CheckpointManager([ram, slow], cleanup=False) as mgr:
+        try:
+            mgr.save(1, make_state(1))  # its upload waits at the gate: step 1 stays in RAM
+            mgr.store.wait_until_committed()
+            ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
+            mgr.save(2, make_state(2))
+            mgr.store.wait_until_committed()
+            t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
+            assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+            assert out == []  # (the store's calls wait for it meanwhile)
+        finally:
+            slow.gate.set()
+        t.join(60)
+        assert out == [True]
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {1: ["slow"], 3: ["ram"]}
+        assert_states_equal(mgr.restore(step=3), make_state(3))
+        assert_states_equal(mgr.restore(step=1), make_state(1))
+
+
+class _RefusingTier(GatedTier):
+    """Its uploads wait at the gate, then fail."""
+
+    def write_files(self, step, files, **kw) -> None:
+        assert self.gate.wait(60), "test never opened the gate"
+        raise OSError("the object store refused the upload")
+
+
+def test_a_save_short_of_ram_goes_on_when_the_copy_holding_a_step_fails(shm_dir, tmp_path, caplog):
+    """The copy ends in failure: the step it held may go all the same, so the waiting save stages; the
+    copy's failure is raised by the next call."""
+    ram = MemoryTier(shm_dir, keep=LatestN(1))
+    slow = _RefusingTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
+    with _waiting_for_a_copy(caplog) as waiting, CheckpointManager([ram, slow], cleanup=False) as mgr:
+        try:
+            mgr.save(1, make_state(1))
+            mgr.store.wait_until_committed()
+            ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
+            mgr.save(2, make_state(2))
+            mgr.store.wait_until_committed()
+            t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
+            assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+        finally:
+            slow.gate.set()
+        t.join(60)
+        assert out == [True]
+        with pytest.raises(BackgroundError, match="step 1"):
+            mgr.wait_until_finished()
+        mgr.wait_until_finished()
+        assert mgr.store.steps() == {3: ["ram"]}
+        assert_states_equal(mgr.restore(step=3), make_state(3))
 
 def test_object_store_stopping_mid_run_surfaces_on_next_call(shm_dir):
     from moto.server import ThreadedMotoServer

@@ -153,12 +153,13 @@ class StepLedger:
             self._cond.notify_all()
 
     def wait_for_release(self, seen: int) -> bool:
-        """Wait until a copy out of the first tier ended after :attr:`releases` read ``seen``; False at
-        once when none is on its way (nothing will free RAM), or when background work failed."""
+        """Wait until a copy out of the first tier ended after :attr:`releases` read ``seen`` (whether it
+        failed or not: its step may go all the same, and its failure is the next call's to raise); False at
+        once when none is on its way (nothing will free RAM)."""
         with self._cond:
-            while self._releases == seen and not self._errors and any(self._copying.values()):
+            while self._releases == seen and any(self._copying.values()):
                 self._cond.wait()
-            return self._releases != seen and not self._errors
+            return self._releases != seen
 
     def begin(self, step: int, info: StepInfo, chosen: Iterable[str], *, transient: bool) -> None:
         """A save of ``step`` starts: it enters the histories of the ``chosen`` tiers; ``transient``: the
