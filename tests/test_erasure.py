@@ -15,7 +15,7 @@ import gloo_job
 from tierfs.errors import ArgumentError, TierfsError
 from tierfs.format import step_dirname
 from tierfs.tiers import ErasureCodedTier
-from tierfs.tiers._stripes import Stripes, ec_groups
+from tierfs.tiers._stripes import Stripes, WorkBuffers, ec_groups
 
 HERE = Path(__file__).parent
 CHILD = HERE / "children" / "erasure_child.py"
@@ -57,6 +57,23 @@ def test_every_member_keeps_parity_pieces_and_gives_each_chunk_once(m, parity):
         assert len(s.stripes_of(i)) == d  # each of its d chunks in one stripe
     for j in range(m):
         assert len(s.data_members(j)) == d and not set(s.data_members(j)) & set(s.holders(j))
+
+
+def test_block_buffers_are_kept_between_exchanges_and_never_shared_while_lent():
+    pool = WorkBuffers()
+    with pool.lend(3, 64) as first:
+        with pool.lend(2, 64) as second:  # an exchange running at once gets buffers of its own
+            assert len({id(b) for b in first + second}) == 5
+            assert all(b.size == 64 and b.dtype == np.uint8 for b in first + second)
+    assert pool.nbytes == 5 * 64
+    with pool.lend(4, 64) as again:  # the next save's exchange: no new pages
+        assert {id(b) for b in again} <= {id(b) for b in first + second}
+    with pool.lend(1, 128) as wider:  # the shards changed size: the old width goes
+        assert wider[0].size == 128
+    assert pool.nbytes == 128
+    with pytest.raises(RuntimeError), pool.lend(1, 128):  # a transfer abandoned after a failure may still
+        raise RuntimeError("a peer was lost")  # write into them: they are not lent again
+    assert pool.nbytes == 0
 
 
 # -- real jobs ------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
 from . import _erasure
-from ._stripes import PARITY, STRIPES, TAIL, Payload, Stripes, check_block, pack, seal, split, unpack
+from ._stripes import (PARITY, STRIPES, TAIL, Payload, Stripes, WorkBuffers, check_block, pack, seal, split,
+                       unpack)
 from .base import Fetched, Pace
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class ErasureCodedTier(Protocol):
     def own_payload(self, step: int) -> Payload: ...
 
     def kept(self, step: int) -> tuple[Stripes, dict[str, Any], np.ndarray]: ...
+
+    @property
+    def buffers(self) -> WorkBuffers: ...
 
 
 @functools.lru_cache(maxsize=8)
@@ -100,8 +104,7 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
     kept = stripes.kept(me) if me in receivers else []
     mine = stripes.stripes_of(me)
     width = max((b - a for a, b in blocks), default=0) + TAIL
-    sbuf = [np.zeros(width, np.uint8) for _ in mine]
-    rbuf = {(j, x): np.zeros(width, np.uint8) for j, _ in kept for x in stripes.data_members(j)}
+    keys = [(j, x) for j, _ in kept for x in stripes.data_members(j)]
     spare = [np.empty(width, np.uint8) for _ in range(p)]  # the parity pieces others keep, computed alongside
     errors: dict[int, str | None] = {}
     parity = np.empty(0, np.uint8)
@@ -113,7 +116,8 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
     def sent(x: int, j: int, a: int) -> bool:  # blocks wholly past a payload's end are zeros: not sent
         return stripes.stripes_of(x).index(j) * c + a < stripes.lengths[x]
 
-    with stage("replication", step, tier.name):
+    with stage("replication", step, tier.name), tier.buffers.lend(len(mine) + len(keys), width) as bufs:
+        sbuf, rbuf = bufs[:len(mine)], dict(zip(keys, bufs[len(mine):]))  # each block overwrites them whole
         for a, b in blocks:
             n = b - a
             sends = []

@@ -19,9 +19,11 @@ step in :data:`PARITY`, and beside them the stripes record in :data:`STRIPES`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -202,3 +204,31 @@ def seal(buf: np.ndarray, n: int, ok: bool) -> None:
     buf[n:n + 4].view(np.uint32)[0] = crc32c(buf[:n]) if ok else 0
     buf[n + 4] = 1 if ok else 0
 
+
+
+class WorkBuffers:
+    """A tier's block buffers, lent to its exchanges and kept between them. Fresh ones every save would cost
+    a page fault per page the exchange touches (and their zeroing), as much CPU as the exchange's own
+    copies; so the buffers of the largest exchange so far stay mapped (a few blocks per stripe: with the
+    default block, 32 MiB for 4+1). Thread-safe: exchanges running at once get buffers of their own."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def lend(self, count: int, width: int) -> Iterator[list[np.ndarray]]:
+        """``count`` uint8 buffers of ``width`` bytes, contents undefined, for the duration of the block."""
+        with self._lock:
+            kept = [b for b in self._free if b.size == width]  # another width: a job's shards changed size
+            out, self._free = kept[:count], kept[count:]
+        out += [np.empty(width, np.uint8) for _ in range(count - len(out))]
+        yield out
+        with self._lock:  # not after a failure: a transfer abandoned on a lost peer may still write into them
+            self._free += out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept now (lent ones not included)."""
+        with self._lock:
+            return sum(b.size for b in self._free)

@@ -35,7 +35,7 @@ from ..format import Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
 from ..ranks.agree import any_rank
 from . import _erasure
-from ._stripes import BLOCK, PARITY, STRIPES, Payload, Stripes, ec_groups
+from ._stripes import BLOCK, PARITY, STRIPES, Payload, Stripes, WorkBuffers, ec_groups
 from ._kept import KeptInRam
 from .base import FailedCopy, Fetched, Pace, ReceiveInto, Tier
 from .memory import MemoryTier
@@ -81,6 +81,7 @@ class ErasureCodedTier(KeptInRam):
             raise ArgumentError(f"block must be a multiple of 8 bytes, got {block}")
         self.data, self.parity, self.backend, self.connections = data, parity, backend, connections
         self.block = block  # bytes of a piece moved and checked at a time
+        self.buffers = WorkBuffers()  # the exchanges' block buffers, kept between saves
         self._follow_ram = save is None
         self._node_rank = node_rank
         self._ram: MemoryTier | None = None
