@@ -24,6 +24,7 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
         assert f"| {variant} |" in text, variant
     assert "tierfs over the floor:" in text and "the p99 without checkpoints" in text
     assert "full garbage collections in the timed steps" in text
+    assert "building the state (" in text and "ms per call" in text
     assert "tierfs over the floor:" in (tmp_path / "result.md").read_text()
     runs = json.loads((tmp_path / "result.json").read_text())
     (run,) = runs

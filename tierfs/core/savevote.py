@@ -6,9 +6,9 @@ import secrets
 from typing import Callable, Sequence, TypeVar
 
 from ..errors import ArgumentError
-from ..ranks import Group, check
+from ..ranks import Group
+from ..ranks.agree import check_started
 from ..tiers.base import AnyTier
-from ..util.worker import Detached
 
 T = TypeVar("T")
 
@@ -58,17 +58,17 @@ class Vote:
 
 def cast(group: Group, vote: Vote, what: str, ahead: Callable[[], T], undo: Callable[[T | BaseException], None]
          ) -> tuple[list[int], list[int], T | BaseException]:
-    """The agreement on ``vote`` (:func:`~tierfs.ranks.check`, "nothing saved" if a rank failed) on a thread
-    of its own while ``ahead`` runs on this one: the usual save stages while the ranks agree. Returns the
-    reduced ``mins`` and ``maxes``, and what ``ahead`` returned or the exception it raised. If the agreement
-    raises, that goes to ``undo`` first."""
-    ballot = Detached(lambda: check(group, None, what, outcome="nothing saved", mins=vote.mins, maxes=vote.maxes))
+    """The agreement on ``vote`` (:func:`~tierfs.ranks.check`, "nothing saved" if a rank failed), its
+    all-reduce started before ``ahead`` runs on this thread and waited for after: the usual save stages
+    while the ranks agree. Returns the reduced ``mins`` and ``maxes``, and what ``ahead`` returned or the
+    exception it raised. If the agreement raises, that goes to ``undo`` first."""
+    ballot = check_started(group, None, what, outcome="nothing saved", mins=vote.mins, maxes=vote.maxes)
     try:
         done: T | BaseException = ahead()
     except BaseException as e:  # noqa: BLE001 - the caller's, once every rank heard the vote
         done = e
     try:
-        mins, maxes = ballot.join()
+        mins, maxes = ballot()
     except BaseException:
         undo(done)
         raise

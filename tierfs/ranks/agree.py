@@ -143,13 +143,29 @@ def check(group: Group, failure: BaseException | None = None, what: str = "", *,
             _raise_failed(group, failure, what, classify, outcome)
         sums[:] = total[1:]  # type: ignore[index]
         return [], []
+    return check_started(group, failure, what, classify=classify, outcome=outcome, mins=mins, maxes=maxes)()
+
+
+def check_started(group: Group, failure: BaseException | None = None, what: str = "", *,
+                  classify: Classify | None = None, outcome: str = "", mins: Sequence[int] = (),
+                  maxes: Sequence[int] = ()) -> Callable[[], tuple[list[int], list[int]]]:
+    """:func:`check` of ``mins`` and ``maxes`` with its all-reduce started now: calling what it returns
+    (once, on this thread) waits for it and returns the reduced ``mins`` and ``maxes``, or raises as
+    :func:`check` does. The thread is free meanwhile (the bytes move on the backend's threads)."""
+    n, me = group.world_size, group.rank
+    failed = failure is not None
     vec = [me if failed else n, -(me if failed else -1), *mins, *(-int(v) for v in maxes)]
     with _stages.waiting(what or "agreeing with the other ranks"):
-        out = group.all_reduce(vec, "min")
-    if out[0] < n:
-        _raise_failed(group, failure, what, classify, outcome, (out[0], -out[1]))
-    k = len(mins)
-    return out[2:2 + k], [-v for v in out[2 + k:]]
+        started = group.all_reduce_started(vec, "min")
+
+    def result() -> tuple[list[int], list[int]]:
+        with _stages.waiting(what or "agreeing with the other ranks"):
+            out = started()
+        if out[0] < n:
+            _raise_failed(group, failure, what, classify, outcome, (out[0], -out[1]))
+        k = len(mins)
+        return out[2:2 + k], [-v for v in out[2 + k:]]
+    return result
 
 
 def _raise_failed(group: Group, failure: BaseException | None, what: str, classify: Classify | None,

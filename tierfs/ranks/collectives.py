@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -24,11 +24,23 @@ if TYPE_CHECKING:
 def all_reduce(g: "Member", values: Sequence[int], op: str = "min") -> list[int]:
     """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), on
     every rank of ``g``."""
+    return all_reduce_started(g, values, op)()
+
+
+def all_reduce_started(g: "Member", values: Sequence[int], op: str = "min") -> Callable[[], list[int]]:
+    """:func:`all_reduce` started now; calling what it returns (once, on this thread) waits for it and
+    returns the result. Meanwhile the backend's threads move its bytes and this thread is free: a save
+    copies its state while the ranks agree, with no thread of its own for the agreement."""
     import torch
 
     t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-    _run(g, lambda: g._dist.all_reduce(t, op=getattr(g._dist.ReduceOp, op.upper()), group=g._pg, async_op=True))
-    return [int(v) for v in t.tolist()]
+    work = _start(g, lambda: g._dist.all_reduce(t, op=getattr(g._dist.ReduceOp, op.upper()), group=g._pg,
+                                                async_op=True))
+
+    def result() -> list[int]:
+        _finish(g, work)
+        return [int(v) for v in t.tolist()]
+    return result
 
 
 def broadcast(g: "Member", obj: Any, src: int) -> Any:
@@ -70,14 +82,29 @@ def all_gather_ints(g: "Member", values: Sequence[int]) -> np.ndarray:
 
 
 def _run(g: "Member", start: Any) -> None:
-    """Start a collective and wait for it within the operation's time; a failure closes this rank's
-    connections on every group (so the ranks blocked on it fail too) and names the ranks that made it
-    fail (:func:`~tierfs.ranks.diagnosis.diagnose`). Once a failure is known, raise it at once."""
+    """Start a collective and wait for it within the operation's time (:func:`_start`, :func:`_finish`)."""
+    _finish(g, _start(g, start))
+
+
+def _start(g: "Member", start: Any) -> Any:
+    """Start a collective (numbered: the same number on every rank, collectives run in one order); once a
+    failure of the job's ranks is known, raise it at once."""
     diagnosis.raise_known(g._dist, g.rank)
-    g._calls[0] += 1  # the same number on every rank: collectives run in one order
+    g._calls[0] += 1
     with g.bounded() as oper:
         try:
-            work = start()
+            return start()
+        except RuntimeError as e:
+            severing.sever_all(g._dist)
+            raise diagnosis.diagnose(g, oper, str(e)) from None
+
+
+def _finish(g: "Member", work: Any) -> None:
+    """Wait for a started collective within the operation's time; a failure closes this rank's connections
+    on every group (so the ranks blocked on it fail too) and names the ranks that made it fail
+    (:func:`~tierfs.ranks.diagnosis.diagnose`)."""
+    with g.bounded() as oper:
+        try:
             if g._gone is None or g.world_size < 2:
                 work.wait(timeout=datetime.timedelta(seconds=oper.allowed()))
             else:  # a neighbour killed with a message under way: noticed at once, not at the timeout

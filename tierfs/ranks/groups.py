@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import secrets
@@ -91,6 +92,9 @@ class SingleProcess:
 
     def all_reduce(self, values: Sequence[int], op: str = "min") -> list[int]:
         return [int(v) for v in values]
+
+    def all_reduce_started(self, values: Sequence[int], op: str = "min") -> Callable[[], list[int]]:
+        return functools.partial(self.all_reduce, values, op)
 
     def broadcast(self, obj: Any, src: int) -> Any:
         return obj
@@ -333,8 +337,17 @@ class TorchGroup:
     def all_reduce(self, values: Sequence[int], op: str = "min") -> list[int]:
         """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), the
         same few bytes per rank whatever the job's size (:func:`~tierfs.ranks.collectives.all_reduce`)."""
+        return self.all_reduce_started(values, op)()
+
+    def all_reduce_started(self, values: Sequence[int], op: str = "min") -> Callable[[], list[int]]:
+        """:meth:`all_reduce` started now, its result from calling what it returns (once, on this thread)."""
         with self._failing():
-            return collectives.all_reduce(self, values, op)
+            result = collectives.all_reduce_started(self, values, op)
+
+        def finished() -> list[int]:
+            with self._failing():
+                return result()
+        return finished
 
     def broadcast(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s ``obj`` (JSON) on every rank (:func:`~tierfs.ranks.collectives.broadcast`)."""
