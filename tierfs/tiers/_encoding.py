@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 import numpy as np
 
 from ..format import blockio as _blocks
+from ..ranks import framed
 from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
@@ -67,13 +68,23 @@ def xor_crc(sums: list[int], n: int) -> int:
     return out
 
 
+#: bytes of a swap's first message to each rank: the length and, when they fit (most heads do), the bytes
+FIRST = 16 << 10
+
+
 def swap(g: Any, sends: Mapping[int, bytes], sources: list[int]) -> dict[int, bytes]:
-    """Byte strings to other ranks (``sends``: ``{rank: bytes}``) and from ``sources``: lengths, then bytes."""
-    lens = [(r, np.zeros(8, np.uint8)) for r in sources]
-    g.exchange([(r, np.frombuffer(len(b).to_bytes(8, "little"), np.uint8).copy()) for r, b in sends.items()], lens)
-    got = [(r, np.empty(int(n.view(np.int64)[0]), np.uint8)) for r, n in lens]
-    g.exchange([(r, np.frombuffer(b, np.uint8).copy()) for r, b in sends.items() if b], [x for x in got if x[1].size])
-    return {r: buf.tobytes() for r, buf in got}
+    """Byte strings to other ranks (``sends``: ``{rank: bytes}``) and from ``sources``: a first message of
+    :data:`FIRST` bytes each, then the rest of longer ones, between the pairs that have some, in a second."""
+    room = FIRST - 8
+    firsts = [(r, np.zeros(FIRST, np.uint8)) for r in sources]
+    g.exchange([(r, framed(b, FIRST)) for r, b in sends.items()], firsts)
+    lens = {r: int(f[:8].view(np.int64)[0]) for r, f in firsts}
+    rest_in = [(r, np.empty(lens[r] - room, np.uint8)) for r, _ in firsts if lens[r] > room]
+    rest_out = [(r, np.frombuffer(b, np.uint8)[room:].copy()) for r, b in sends.items() if len(b) > room]
+    if rest_in or rest_out:
+        g.exchange(rest_out, rest_in)
+    rest = dict(rest_in)
+    return {r: f[8:8 + min(lens[r], room)].tobytes() + (rest[r].tobytes() if r in rest else b"") for r, f in firsts}
 
 
 def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manifest: bytes, files: Mapping[str, Any],
