@@ -6,8 +6,7 @@ import secrets
 from typing import Callable, Sequence, TypeVar
 
 from ..errors import ArgumentError
-from ..ranks import Group
-from ..ranks.agree import check_started
+from ..ranks import Group, check_started
 from ..tiers.base import AnyTier
 
 T = TypeVar("T")
