@@ -15,6 +15,7 @@ import gloo_job
 from tierfs.errors import ArgumentError, TierfsError
 from tierfs.format import step_dirname
 from tierfs.tiers import ErasureCodedTier
+from tierfs.tiers._encoding import FIRST
 from tierfs.tiers._stripes import Stripes, WorkBuffers, ec_groups
 
 HERE = Path(__file__).parent
@@ -103,6 +104,14 @@ def test_4_1_parity_costs_a_quarter_of_a_shard(saved_4_1):
     shard = sum(f.stat().st_size for f in (node / step_dirname(2)).glob("*.bin"))
     parity = sum(f.stat().st_size for f in (node / "erasure" / "rank_00000" / step_dirname(2)).glob("*.bin"))
     assert 0.25 * shard <= parity <= 0.25 * shard * 1.1 + 64  # the group's longest shard over 4, rounded
+
+
+def test_the_job_swaps_heads_in_one_round_and_a_longer_one_in_two(saved_4_1):
+    # the head a member sends the others holds its manifest: rank 0's is longer than a swap's first message
+    # (its second round runs), the others' fit; the rebuilds below are bit-exact from what was swapped
+    sizes = [(saved_4_1 / "shm" / f"node{r}" / step_dirname(2) / f"rank_{r:05d}.manifest.json").stat().st_size
+             for r in range(5)]
+    assert sizes[0] > FIRST and max(sizes[1:]) < FIRST // 2, sizes
 
 
 def test_4_1_a_lost_node_is_rebuilt_bit_exact(saved_4_1, tmp_path):
