@@ -244,7 +244,7 @@ import tempfile, torch, tierfs
 from tierfs.policies import LatestN
 from tierfs.tiers import MemoryTier
 m = torch.nn.Linear(4, 4); opt = torch.optim.SGD(m.parameters(), lr=1)
-with tierfs.TieredStore([MemoryTier(tempfile.mkdtemp(dir='/dev/shm'))]) as s:
+with tempfile.TemporaryDirectory(dir='/dev/shm') as d, tierfs.TieredStore([MemoryTier(d)]) as s:
     s.save(1, {'m': m.state_dict()}); s.save(2, {'m': m.state_dict()}, blocking=False, overlap=opt)
     s.restore(1); s.restore_into({'m': m.state_dict()}, 2)
 print(torch.cuda.is_initialized())
