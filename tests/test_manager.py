@@ -219,6 +219,19 @@ def _waiting_for_a_copy(caplog):
         logging.getLogger("tierfs").removeHandler(handler)
 
 
+def _third_save_short_of_ram(mgr, ram, waiting) -> tuple[threading.Thread, list]:
+    """Steps 1 and 2 committed (step 1's upload waits at the gate: it stays in RAM), the RAM budget cut to
+    two steps, then ``save(3)`` on a thread, once it waits for the copy."""
+    mgr.save(1, make_state(1))
+    mgr.store.wait_until_committed()
+    ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
+    mgr.save(2, make_state(2))
+    mgr.store.wait_until_committed()
+    t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
+    assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+    return t, out
+
+
 def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_path, caplog):
     """A step kept in RAM only until its upload ends holds space the next save needs: the save waits for
     the upload (and retention after it) instead of failing for want of space."""
@@ -226,13 +239,7 @@ def test_a_save_short_of_ram_waits_for_a_copy_holding_a_step_there(shm_dir, tmp_
     slow = GatedTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
     with _waiting_for_a_copy(caplog) as waiting, CheckpointManager([ram, slow], cleanup=False) as mgr:
         try:
-            mgr.save(1, make_state(1))  # its upload waits at the gate: step 1 stays in RAM
-            mgr.store.wait_until_committed()
-            ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
-            mgr.save(2, make_state(2))
-            mgr.store.wait_until_committed()
-            t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
-            assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+            t, out = _third_save_short_of_ram(mgr, ram, waiting)
             assert out == []  # (the store's calls wait for it meanwhile)
         finally:
             slow.gate.set()
@@ -259,13 +266,7 @@ def test_a_save_short_of_ram_goes_on_when_the_copy_holding_a_step_fails(shm_dir,
     slow = _RefusingTier(f"file://{tmp_path}/o", name="slow", save=SpecificStepsPolicy([1]))
     with _waiting_for_a_copy(caplog) as waiting, CheckpointManager([ram, slow], cleanup=False) as mgr:
         try:
-            mgr.save(1, make_state(1))
-            mgr.store.wait_until_committed()
-            ram.budget = int(2.5 * sum(ram.file_sizes(1).values()))  # room for two steps, not three
-            mgr.save(2, make_state(2))
-            mgr.store.wait_until_committed()
-            t, out = _in_thread(lambda: mgr.save(3, make_state(3)))
-            assert waiting.wait(60), "save(3) neither waited for the upload nor returned"
+            t, out = _third_save_short_of_ram(mgr, ram, waiting)
         finally:
             slow.gate.set()
         t.join(60)
@@ -275,6 +276,7 @@ def test_a_save_short_of_ram_goes_on_when_the_copy_holding_a_step_fails(shm_dir,
         mgr.wait_until_finished()
         assert mgr.store.steps() == {3: ["ram"]}
         assert_states_equal(mgr.restore(step=3), make_state(3))
+
 
 def test_object_store_stopping_mid_run_surfaces_on_next_call(shm_dir):
     from moto.server import ThreadedMotoServer

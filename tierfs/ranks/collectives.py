@@ -21,6 +21,16 @@ from . import diagnosis, severing, waits
 if TYPE_CHECKING:
     from .member import Member
 
+def framed(data: bytes, width: int) -> np.ndarray:
+    """``width`` bytes: ``len(data)`` as an int64, then as much of ``data`` as fits (read the length with
+    ``buf[:8].view(np.int64)[0]``): a row of a gather, or a transfer's first message."""
+    out = np.zeros(width, dtype=np.uint8)
+    out[:8].view(np.int64)[0] = len(data)
+    part = np.frombuffer(data, dtype=np.uint8)[:width - 8]
+    out[8:8 + part.size] = part
+    return out
+
+
 def all_reduce(g: "Member", values: Sequence[int], op: str = "min") -> list[int]:
     """Every rank's int64 ``values`` reduced element by element (``"min"``, ``"max"`` or ``"sum"``), on
     every rank of ``g``."""

@@ -47,6 +47,7 @@ import numpy as np
 from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
 from . import collectives, diagnosis, liveness, pool, severing, waits
+from .collectives import framed
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -55,16 +56,6 @@ DEFAULT_TIMEOUT = 600.0
 
 #: bytes of JSON per rank that ``all_gather`` moves in its first (usually only) round
 GATHER_WIDTH = 1024 - 8
-
-
-def framed(data: bytes, width: int) -> np.ndarray:
-    """``width`` bytes: ``len(data)`` as an int64, then as much of ``data`` as fits (read the length with
-    ``buf[:8].view(np.int64)[0]``)."""
-    out = np.zeros(width, dtype=np.uint8)
-    out[:8].view(np.int64)[0] = len(data)
-    part = np.frombuffer(data, dtype=np.uint8)[:width - 8]
-    out[8:8 + part.size] = part
-    return out
 
 
 class SingleProcess:
