@@ -106,7 +106,7 @@ def test_4_1_parity_costs_a_quarter_of_a_shard(saved_4_1):
     assert 0.25 * shard <= parity <= 0.25 * shard * 1.1 + 64  # the group's longest shard over 4, rounded
 
 
-def test_the_job_swaps_heads_in_one_round_and_a_longer_one_in_two(saved_4_1):
+def test_the_jobs_heads_include_one_longer_than_a_swaps_first_message_and_others_that_fit(saved_4_1):
     # the head a member sends the others holds its manifest: rank 0's is longer than a swap's first message
     # (its second round runs), the others' fit; the rebuilds below are bit-exact from what was swapped
     sizes = [(saved_4_1 / "shm" / f"node{r}" / step_dirname(2) / f"rank_{r:05d}.manifest.json").stat().st_size

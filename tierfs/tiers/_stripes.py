@@ -207,9 +207,9 @@ def seal(buf: np.ndarray, n: int, ok: bool) -> None:
 
 class WorkBuffers:
     """A tier's block buffers, lent to its exchanges and kept between them. Fresh ones every save would cost
-    a page fault per page the exchange touches (and their zeroing), as much CPU as the exchange's own
-    copies; so the buffers of the largest exchange so far stay mapped (a few blocks per stripe: with the
-    default block, at most 32 MiB for 4+1). Thread-safe: exchanges running at once get buffers of their own."""
+    a page fault per page the exchange touches, and their zeroing; so the buffers of the largest exchange
+    so far stay mapped (a few blocks per stripe: with the default block, at most 32 MiB for 4+1).
+    Thread-safe: exchanges running at once get buffers of their own."""
 
     def __init__(self) -> None:
         self._free: list[np.ndarray] = []
