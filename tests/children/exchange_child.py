@@ -1,9 +1,13 @@
 """One rank of a two-rank job exercising ``TorchGroup.exchange`` over two lanes (gloo on localhost).
 
 Rank 0's ``on_received`` fails on the second buffer: rank 0 must still send everything and raise only after,
-rank 1 must get every byte, and the group must stay in step. Prints one JSON line.
+rank 1 must get every byte, and the group must stay in step. Before the exchange, rank 0 connects to rank 1's
+stream socket as a stranger would (a greeting that is not tierfs's). With ``NO_STREAMS_RANK`` set, that rank
+turns streams off (``TIERFS_STREAMS=0``). Prints one JSON line.
 """
 
+import os
+import socket
 import threading
 
 import numpy as np
@@ -15,9 +19,19 @@ from _child import finish  # tests/children/ is the script's directory, first on
 
 
 def main() -> None:
+    if os.environ.get("NO_STREAMS_RANK") == os.environ["RANK"]:
+        os.environ["TIERFS_STREAMS"] = "0"
     dist.init_process_group("gloo")
     g = TorchGroup().fork(lanes=2)
     me, other = g.rank, 1 - g.rank
+    out: dict = {"rank": me, "streams": g._link is not None}
+    if me == 0 and g._link is not None:  # a stranger's greeting: rank 1 closes the connection unread
+        from tierfs.ranks import diagnosis, streams
+
+        host, port = bytes(diagnosis.job_store(dist).get(streams._key(g._link._launch, 1))).decode().rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+            out["stranger_closed"] = c.recv(1) == b""
     sizes = [1000, 0, 300_000, 7, 65_536]
     out_bufs = [np.random.default_rng(10 * me + k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate(sizes)]
     in_bufs = [np.zeros(n, np.uint8) for n in sizes]
@@ -30,7 +44,6 @@ def main() -> None:
             raise RuntimeError("check failed")
 
     paced = []
-    out = {"rank": me}
     try:
         g.exchange([(other, b) for b in out_bufs], [(other, b) for b in in_bufs], pace=paced.append,
                    on_received=on_received)
@@ -40,6 +53,7 @@ def main() -> None:
     want = [np.random.default_rng(10 * other + k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate(sizes)]
     out.update(exact=all(a.tobytes() == b.tobytes() for a, b in zip(in_bufs, want)), seen=seen, paced=paced,
                off_thread=threading.get_ident() not in threads, after=g.all_gather(me),
+               streamed=g._link is not None and (g._link._sent.get(other), g._link._got.get(other)) == (1, 1),
                # JSON of any length: one rank's over the first collective's width takes a second round
                gathered=[g.all_gather(x) for x in ("é" * GATHER_WIDTH if me else [me], {"r": me}, "x" * me)])
     finish(out)

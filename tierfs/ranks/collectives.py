@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -125,3 +127,54 @@ def _finish(g: "Member", work: Any) -> None:
         except RuntimeError as e:
             severing.sever_all(g._dist)
             raise diagnosis.diagnose(g, oper, str(e)) from None
+
+
+def posted(g: "Member", io: waits.Round, sends: Sequence[tuple[int, np.ndarray]],
+           recvs: Sequence[tuple[int, np.ndarray]], pace: Callable[[int], None] | None,
+           on_received: Callable[[int], None] | None, failures: list[BaseException], tag: int) -> None:
+    """An exchange's transfers over gloo (see :meth:`tierfs.ranks.groups.TorchGroup.exchange`): every receive
+    posted, then every send, each waited for, in ``io``."""
+    import torch
+
+    def lane(peer: int, counts: dict[int, int]) -> Any:  # the k-th buffer of a pair: lane k % lanes
+        k = counts[peer] = counts.get(peer, -1) + 1
+        return g._lanes[k % len(g._lanes)]
+
+    def post(send: bool, peer: int, buf: np.ndarray, counts: dict[int, int]) -> Any:
+        start = g._dist.isend if send else g._dist.irecv
+        return io.start(peer, lambda: start(torch.from_numpy(buf), peer, group=lane(peer, counts), tag=tag))
+
+    def receive() -> None:
+        for i, w in enumerate(works):
+            if io.wait(w, recvs[i][0]) and on_received is not None and not failures:
+                try:
+                    on_received(i)
+                except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
+                    failures.append(e)
+
+    with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
+        warnings.simplefilter("ignore", UserWarning)
+        got: dict[int, int] = {}
+        works = [post(False, src, buf, got) for src, buf in recvs]
+        receiver = None
+        if on_received is not None:  # else this thread waits for the receives once its sends are out
+            receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
+            receiver.start()  # inherits this thread's CPU priority
+        sent: list[tuple[int, Any]] = []
+        put: dict[int, int] = {}
+        try:
+            for dst, buf in sends:
+                if pace is not None:
+                    try:
+                        pace(buf.nbytes)
+                    except BaseException as e:  # noqa: BLE001 - the rest still goes, unpaced: nobody waits
+                        failures.append(e)
+                        pace = None
+                sent.append((dst, post(True, dst, buf, put)))
+        finally:
+            if receiver is not None:
+                receiver.join()
+            else:
+                receive()
+            for dst, w in sent:
+                io.wait(w, dst)

@@ -38,15 +38,13 @@ import functools
 import json
 import os
 import secrets
-import threading
-import warnings
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
 from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
-from . import collectives, diagnosis, liveness, pool, severing, waits
+from . import collectives, diagnosis, liveness, pool, severing, streams, waits
 from .collectives import framed
 from .waits import Operation
 
@@ -170,15 +168,20 @@ class TorchGroup:
         shares (collective): a failed collective's diagnosis is kept in the job's store under both."""
         self._calls = [0]
         self._job = 0
-        with self._failing():  # rank 0's random number, by an all-reduce: the ring's neighbours connect
-            self._job = collectives.all_reduce(self, [secrets.randbits(62) if self.rank == 0 else 0], "max")[0]
+        store = diagnosis.job_store(self._dist)
+        with self._failing():  # rank 0's random number, by an all-reduce: the ring's neighbours connect; and
+            # whether any rank cannot offer streams (then the group's bulk transfers all go over gloo)
+            self._job, off = collectives.all_reduce(self, [secrets.randbits(62) if self.rank == 0 else 0,
+                                                           int(store is None or not streams.enabled())], "max")
         pool.POOL.named(self._job)
         diagnosis.launched(self._dist, self._job)
-        launch, store = diagnosis.launch(self._dist), diagnosis.job_store(self._dist)
+        launch = diagnosis.launch(self._dist)
         if launch is not None:
             liveness.publish(self._dist, self.rank, launch, store)
         #: ``gone(peer)``: whether a peer's process ended (long waits on it are watched)
         self._gone = liveness.watcher(launch, store)
+        #: the group's streams for bulk bytes (:mod:`tierfs.ranks.streams`); None: they go over gloo
+        self._link = None if off or launch is None else streams.Link(self._job, self.rank, store, launch, self._gone)
         severing.watch(self)  # closed after a failure of the job's ranks
 
     @property
@@ -219,7 +222,9 @@ class TorchGroup:
         match on both sides. ``pace(nbytes)`` is called before each send (a throttle). ``on_received(i)`` is
         called on a thread of its own as soon as ``recvs[i]`` has landed, in order, while this thread goes
         on sending and later buffers still move. With either, the exchange is a bulk transfer: its deadline
-        moves on with every buffer that moves (it fails when nothing moved for the timeout).
+        moves on with every buffer that moves (it fails when nothing moved for the timeout), and its bytes
+        go over the group's streams (:mod:`tierfs.ranks.streams`; ``on_received`` is then called in order
+        for each peer, one call at a time) where the ranks have them, else over gloo.
 
         Every send is posted and every transfer waited for even when a receive, ``on_received`` or
         ``pace`` fails, so the other ranks are never left waiting for bytes; the first failure of
@@ -228,57 +233,16 @@ class TorchGroup:
         naming it, raised once every transfer ended; with ``tolerate`` the failed peers are returned
         instead, ``{rank: why}`` (the caller goes on with the others).
         """
-        import torch
-
-        def lane(peer: int, counts: dict[int, int]) -> Any:  # the k-th buffer of a pair: lane k % lanes
-            k = counts[peer] = counts.get(peer, -1) + 1
-            return self._lanes[k % len(self._lanes)]
-
-        def post(io: waits.Round, send: bool, peer: int, buf: np.ndarray, counts: dict[int, int]) -> Any:
-            start = self._dist.isend if send else self._dist.irecv
-            return io.start(peer, lambda: start(torch.from_numpy(buf), peer, group=lane(peer, counts), tag=tag))
-
         failures: list[BaseException] = []  # this rank's own (on_received, pace)
         where = _stages.current()  # the receiving thread reports the caller's stage
         diagnosis.raise_known(self._dist, self.rank, where)  # a rank failed before: at once
         with self._failing(), self.bounded() as op:
             io = waits.Round(op, bulk=pace is not None or on_received is not None,  # data: moves on as it lands
                              gone=self._gone)
-
-            def receive() -> None:
-                for i, w in enumerate(works):
-                    if io.wait(w, recvs[i][0]) and on_received is not None and not failures:
-                        try:
-                            on_received(i)
-                        except BaseException as e:  # noqa: BLE001 - raised by the caller once all is done
-                            failures.append(e)
-
-            with warnings.catch_warnings():  # read-only mappings are only ever sent, never written
-                warnings.simplefilter("ignore", UserWarning)
-                got: dict[int, int] = {}
-                works = [post(io, False, src, buf, got) for src, buf in recvs]
-                receiver = None
-                if on_received is not None:  # else this thread waits for the receives once its sends are out
-                    receiver = threading.Thread(target=receive, name="tierfs-receive", daemon=True)
-                    receiver.start()  # inherits this thread's CPU priority
-                sent: list[tuple[int, Any]] = []
-                put: dict[int, int] = {}
-                try:
-                    for dst, buf in sends:
-                        if pace is not None:
-                            try:
-                                pace(buf.nbytes)
-                            except BaseException as e:  # noqa: BLE001 - the rest still goes, unpaced: nobody waits
-                                failures.append(e)
-                                pace = None
-                        sent.append((dst, post(io, True, dst, buf, put)))
-                finally:
-                    if receiver is not None:
-                        receiver.join()
-                    else:
-                        receive()
-                    for dst, w in sent:
-                        io.wait(w, dst)
+            if self._link is not None and io.bulk:  # bulk bytes: over the group's streams
+                self._link.run(io, sends, recvs, pace, on_received, failures)
+            else:
+                collectives.posted(self, io, sends, recvs, pace, on_received, failures, tag)
             failed = io.end()
             if failed:  # a pair of ranks may no longer be in step on the group
                 self._state.setdefault("failed", f"transfers with ranks {sorted(failed)} failed")

@@ -79,7 +79,7 @@ def _key(launch: int, rank: int) -> str:
     return f"tierfs/alive/{launch}/{rank}"
 
 
-def _own_address() -> str:
+def own_address() -> str:
     """The address the other nodes reach this one by: the one this host routes to the job's store host
     (``MASTER_ADDR``) from, else its name's."""
     master = os.environ.get("MASTER_ADDR", "").strip()
@@ -177,7 +177,7 @@ def publish(dist: Any, rank: int, launch: int, store: Any) -> None:
             return
         _listening["launches"].add(launch)
         try:
-            address = _own_address()
+            address = own_address()
             if _listening["sock"] is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:  # only on the address the peers are told (not every interface of the host)

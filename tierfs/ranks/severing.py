@@ -28,7 +28,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import liveness, waits
+from . import liveness, streams, waits
 
 if TYPE_CHECKING:
     from .member import Member
@@ -54,6 +54,7 @@ def sever_all(dist: Any) -> None:
     """After a failure of the job's ranks: close this rank's connections on every group of the process that
     is in use, so that every rank blocked on this one fails at once. None of them is used again."""
     liveness.give_up()  # the peers waiting on a transfer with this rank stop too
+    streams.sever()  # and those reading or writing a stream of its
     with _lock:
         groups = [g for g in _live if "severed" not in g._state]
         for g in groups:

@@ -208,9 +208,12 @@ class Round:
             self.op.progress()
         return True
 
-    def _fail(self, peer: int, why: str) -> None:
+    def fail(self, peer: int, why: str) -> None:
+        """Note that the round's operations with ``peer`` failed (the first reason holds)."""
         with self._lock:
             self.failures.setdefault(peer, why)
+
+    _fail = fail
 
     def end(self) -> dict[int, str]:
         """The round's failures, ``{rank: backend message}``, noted in the operation."""
