@@ -1,7 +1,7 @@
 """tierfs: fast, safe checkpointing across RAM, peer and object-storage tiers."""
 
 from .errors import (ArgumentError, BackgroundError, CapacityError, CheckpointLostError, ChecksumError, DeviceError,
-                     FormatError, RestoreError, RestoreIncompleteError, StateMismatchError, StepExistsError,
+                     FormatError, HelperError, RestoreError, RestoreIncompleteError, StateMismatchError, StepExistsError,
                      StepNotFoundError, TierfsError, TierUnavailableError)
 from .store import RestoreInfo, TieredStore
 from .adapters.manager import CheckpointManager, CheckpointManagerOptions
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "BackgroundError", "CapacityError", "CheckpointLostError", "CheckpointManager",
-    "CheckpointManagerOptions", "ChecksumError", "DeviceError", "FormatError", "RestoreError", "RestoreIncompleteError", "RestoreInfo",
+    "CheckpointManagerOptions", "ChecksumError", "DeviceError", "FormatError", "HelperError", "RestoreError", "RestoreIncompleteError", "RestoreInfo",
     "StateMismatchError", "StepExistsError", "StepNotFoundError", "TierUnavailableError", "TieredStore",
     "TierfsError",
 ]

@@ -69,6 +69,10 @@ class CheckpointLostError(RestoreError):
         self.steps, self.lacking = list(steps or []), dict(lacking or {})
 
 
+class HelperError(TierfsError):
+    """A helper process of the rank's (its uploads') ended or failed; the message names it and the step."""
+
+
 class BackgroundError(TierfsError):
     """A background copy or deletion failed; raised by the next call on the store."""
 

@@ -87,6 +87,12 @@ class TieredStore(ShardReads, Restores, Upkeep):
         store never closed) may take: commits and copies finish, with a progress line every few seconds,
         then the store closes. Past it, one warning names the steps not durable and the RAM tier holding
         them. ``0``: finish nothing at exit. Default: ``TIERFS_EXIT_TIMEOUT`` from the environment, else 600.
+    helper:
+        Upload from a process of this rank's own (:mod:`tierfs.core.helper`), which reads the first tier's
+        files from the same pages, so the uploads' Python never takes the training loop's GIL; the training
+        process keeps the ranks' agreement and the marker. A helper that ends mid-upload is a
+        :class:`~tierfs.errors.HelperError` naming it (raised by the next call); the step stays in the
+        first tier and the next upload starts a new helper. Default False.
 
     Notes
     -----
@@ -108,7 +114,7 @@ class TieredStore(ShardReads, Restores, Upkeep):
                  clock: Callable[[], float] = time.time, cleanup: bool = True, max_in_flight: int = 2,
                  when_busy: str = "wait", background_bandwidth: float | None = DEFAULT_BACKGROUND_BANDWIDTH,
                  timeout: float | datetime.timedelta | None = None,
-                 exit_timeout: float | datetime.timedelta | None = None) -> None:
+                 exit_timeout: float | datetime.timedelta | None = None, helper: bool = False) -> None:
         self._calls = Calls()  # one call at a time, whatever the threads (see _calls)
         tiers, reps = check_tiers(tiers)
         self.max_in_flight = _args.integer(max_in_flight, "max_in_flight")
@@ -117,6 +123,7 @@ class TieredStore(ShardReads, Restores, Upkeep):
         self.file_size = _args.integer(file_size, "file_size (bytes)")
         self.block_size = _args.integer(block_size, "block_size (bytes)")
         _args.flag(cleanup, "cleanup")
+        _args.flag(helper, "helper")
         if not callable(clock):
             raise ArgumentError(f"clock must be a function returning seconds, got {_args.shown(clock)}")
         throttle = Throttle(background_bandwidth)
@@ -132,7 +139,7 @@ class TieredStore(ShardReads, Restores, Upkeep):
                                         f"{_args.shown(group)}")
                 self.group = group.with_timeout(self.timeout) if group is not None else default_group(self.timeout)
                 self._ctx = self._opening.build(tiers, reps, self.group, throttle, threads, self.file_size,
-                                                  self.block_size, clock)
+                                                  self.block_size, clock, helper)
             self._reader = Reader(self._ctx)
             self._retention = Retention(self._ctx, self._reader)
             self._saving = SavePath(self._ctx, self._retention)

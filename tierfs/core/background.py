@@ -18,6 +18,7 @@ from ..util import stages as _stages
 from ..util.worker import Throttle, Worker
 from ..ranks import Group
 from ..errors import BackgroundError, TierfsError
+from .helper import Helper
 from .ledger import StepLedger
 
 log = logging.getLogger("tierfs")
@@ -37,6 +38,7 @@ class Background:
     copies: dict[str, Worker]  # one per slower tier: a slow upload never holds back the replicas
     commit_group: Group  # the commit worker's collectives
     copy_groups: dict[str, Group]  # each slower file tier's copy worker's collectives
+    helper: Helper | None = None  # the process this rank's uploads run in (TieredStore(helper=True))
     # the part of a restore that goes on after this rank returned (see core.restore.pipeline), its failures
     restores: Worker = field(init=False)
     restore_failures: list[BaseException] = field(init=False)
@@ -114,3 +116,5 @@ class Background:
         self.commits.close()
         for w in self.copies.values():
             w.close()
+        if self.helper is not None:
+            self.helper.close()

@@ -28,6 +28,7 @@ from ..errors import TierfsError
 from ..util.worker import BACKGROUND_NICE, Throttle, Worker
 from .ledger import StepLedger
 from .background import Background
+from .helper import Helper
 from .ownership import Ownership
 from .context import Context
 from ..policies import StepInfo
@@ -128,7 +129,8 @@ class Opening:
         tier.open()
 
     def build(self, tiers: list[AnyTier], reps: list[Replicator], group: Group, throttle: Throttle,
-              threads: int | None, file_size: int, block_size: int, clock: Callable[[], float]) -> Context:
+              threads: int | None, file_size: int, block_size: int, clock: Callable[[], float],
+              helper: bool = False) -> Context:
         """Open the file tiers (every rank fails if one cannot), check which ranks share the first tier's
         directory against the node numbers, fork the groups, bind the replicators and open them."""
         _metrics.from_environment(group.rank)  # TIERFS_METRICS_PORT: this rank's figures over HTTP
@@ -155,7 +157,7 @@ class Opening:
             ledger=ledger, throttle=throttle, commits=Worker("tierfs-commit", ledger.fail),
             # one copy worker per slower tier: a slow upload never holds back the replicas to peers
             copies={t.name: Worker(f"tierfs-copy-{t.name}", ledger.fail) for t in tiers[1:]},
-            commit_group=commit_group, copy_groups=copy_groups)
+            commit_group=commit_group, copy_groups=copy_groups, helper=Helper(group.rank) if helper else None)
         ranks = Ownership(group, nodes, reps[0] if reps else None)
         self.ctx = Context(tiers=tiers, ledger=ledger, ranks=ranks, work=work, threads=threads,
                            file_size=file_size, block_size=block_size, clock=clock)

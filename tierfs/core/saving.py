@@ -29,13 +29,14 @@ from ..ranks import Group, agreement, check, seconds
 from ..errors import StepExistsError, TierfsError
 from ..format import DCP_SHARD_KEY, Manifest, Marker, crc32c, manifest_digest, manifest_filename
 from ..policies import SaveContext, StepInfo
-from ..protocol import check_complete, checked_manifest, commit, copy_shard
+from ..protocol import check_complete, checked_manifest, commit
 from ..tiers.base import AnyTier, Replicator, Tier
 from .layout import ShardLayout, Staged, describe
 from .layouts import RecentLayouts
 from .context import Context
 from .retention import Retention
 from .dataparallel import check_digests, digests
+from .helper import copy_out
 from .savevote import Vote, cast
 from . import room, timeline
 
@@ -348,7 +349,7 @@ class SavePath:
                 manifest, mbytes = checked_manifest(src, step, p.group.rank, marker)
                 # a damaged RAM copy must not become the durable one; verified and sent within the cap
                 pace = p.work.pace(step, dst.name, stoppable=True)
-                vote.mine = copy_shard(src, dst, step, manifest, mbytes, threads=1, pace=pace, batched=False)
+                vote.mine = copy_out(p.work.helper, src, dst, step, manifest, mbytes, pace)  # in the helper if any
         spread.heard(dst, vote.max)
         self._mark(group, dst, step, marker, f"copy step {step} to {dst.name}")
         log.info("step %d copied %s -> %s: %s in %s", step, src.name, dst.name, _readable.Bytes(vote.mine),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
@@ -88,6 +89,16 @@ class Tier(ABC):
     def is_local(self) -> bool:
         """True when each node has its own copy (e.g. tmpfs); False when all ranks share one store."""
         return False
+
+    def file_path(self, step: int, name: str) -> Path | None:
+        """Where another process of this node opens file ``name`` of ``step`` (a helper process reads the
+        first tier's files so); None where it cannot (the default)."""
+        return None
+
+    def recipe(self) -> dict[str, Any] | None:
+        """Keyword arguments that build this tier again in another process (a helper process's uploads);
+        None where it cannot be built so (the default)."""
+        return None
 
     @property
     def location(self) -> str:

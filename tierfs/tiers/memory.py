@@ -151,6 +151,8 @@ class MemoryTier(Tier):
     def _file(self, step: int, name: str) -> Path:
         return self._dir(step) / validate_filename(name)
 
+    file_path = _file  # a helper process of the node reads the step's files by path (the same pages)
+
     def list_steps(self) -> dict[int, bool]:
         out = {}
         try:

@@ -116,6 +116,15 @@ class ObjectTier(Tier):
     def location(self) -> str:
         return self.url
 
+    def recipe(self) -> dict[str, Any] | None:
+        """This tier's arguments, for a helper process to build it again: an ``ObjectTier`` itself (not a
+        subclass), without a request budget (the helper's requests would not spend this process's share)."""
+        if type(self) is not ObjectTier or self.requests_per_second is not None:
+            return None
+        return dict(url=self.url, storage_options=self.storage_options, concurrency=self.concurrency,
+                    part_size=self.part_size, retries=self.retries, throttle_patience=self.throttle_patience,
+                    name=self.name)
+
     def capacity(self) -> Capacity:
         return Capacity(used=0, budget=None, free=None)
 
