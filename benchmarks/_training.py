@@ -281,6 +281,29 @@ def cpu_of_process() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def cpu_of_children() -> float:
+    """CPU seconds so far of this process's children: those running (tierfs's helper process), read from
+    ``/proc``, and those that ended and were waited for."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = r.ru_utime + r.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: set[str] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                kids.update(f.read().split())
+        except OSError:
+            continue
+    for pid in kids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def cpu_of_thread() -> float:
     r = resource.getrusage(resource.RUSAGE_THREAD)
     return r.ru_utime + r.ru_stime

@@ -20,7 +20,8 @@ so each sees the same moments of a shared machine):
   copies a checkpoint every step needs, and nothing else (``_training.Floor``);
 - **tierfs**: ``TieredStore([MemoryTier(), PeerTier(replicas=1), ObjectTier(s3, save=
   FixedIntervalPolicy(50))])`` at its defaults (the background bandwidth cap included), ``save(step,
-  state, blocking=False)`` every step.
+  state, blocking=False)`` every step; with ``--helper``, ``TieredStore(..., helper=True)`` (uploads from
+  a process of each rank's own, whose CPU counts in the background's).
 
 Both take the state's tensors once: the floor as views of its buffers, tierfs as the state dict built after
 the warm-up (the model and AdamW update those tensors in place). Building the state dict again every step
@@ -79,12 +80,12 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     (untimed). Returns the step times, the background CPU and the probe's samples."""
     import time
 
-    from _training import cpu_by_thread, cpu_of_process, cpu_of_thread, schedstat
+    from _training import cpu_by_thread, cpu_of_children, cpu_of_process, cpu_of_thread, schedstat
 
     trainer.dist.barrier()
     probe.take()
     COLLECTIONS.take()
-    cpu0, own0, probe0, sched0 = cpu_of_process(), cpu_of_thread(), probe.cpu(), schedstat()
+    cpu0, own0, probe0, sched0, kids0 = cpu_of_process(), cpu_of_thread(), probe.cpu(), schedstat(), cpu_of_children()
     threads0 = cpu_by_thread()
     times, stalls = [], []
     for i in range(n):
@@ -100,11 +101,15 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     full = COLLECTIONS.take()
     sched1 = schedstat()
     on_cpu, queued = ((b - a) / n for a, b in zip(sched0, sched1))
+    helper = cpu_of_children() - kids0  # tierfs's helper process (uploads), if any
     background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
     # the background's CPU by thread role; what threads that ended took is the rest
     threads = {k: v - threads0.get(k, 0.0) for k, v in cpu_by_thread().items()
                if k not in ("MainThread", probe.name) and v - threads0.get(k, 0.0) > 0}
     threads["threads that ended"] = max(0.0, background - sum(threads.values()))
+    if helper > 0:
+        threads["helper process"] = helper
+        background += helper
     if wait is not None:
         wait()
     # the training thread's time per step: on a core, waiting for one, and blocked (the GIL, the all-reduce)
@@ -161,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
             tiers = {"ram": ram, "peer": peer, "s3": ObjectTier(f"s3://{args.bucket}/{tag}/tierfs", opts,
                                                                 save=FixedIntervalPolicy(args.upload_every),
                                                                 keep=LatestN(2))}
-            store = TieredStore([tiers[t] for t in args.tiers.split(",")],
+            store = TieredStore([tiers[t] for t in args.tiers.split(",")], helper=args.helper,
                                 **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}))
             floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor"), args.upload_every)
             step = 1
@@ -380,6 +385,8 @@ def main() -> int:
                     help="--loop device: the share of a step the training thread spends in Python")
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="TieredStore(max_in_flight=) for tierfs (default: the store's)")
+    ap.add_argument("--helper", action="store_true", help="TieredStore(helper=True): tierfs uploads from a "
+                    "process of each rank's own (its CPU counts in the background's)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default="every-step", help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
 """``benchmarks/bench_every_step.py`` at a tiny size: a real training loop on two ranks, each variant in
 each round, tierfs saving every step to RAM and peers and every few steps to S3 (moto), and a report with
-every figure."""
+every figure. tierfs uploads from its helper processes (``--helper``), in a job of two ranks whose
+copies agree."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_every_step.py"),
                           "--step-times", "0.02", "--steps", "4", "--rounds", "3", "--upload-every", "2",
                           "--d-model", "64", "--layers", "1", "--vocab", "256", "--seq", "16",
-                          "--out", str(tmp_path / "result")],
+                          "--helper", "--out", str(tmp_path / "result")],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_helper_killed_on_one_rank_fails_that_steps_upload_on_every_rank(shm_dir, tmp_path):
+    """Two ranks, each its own node: rank 0's helper is killed mid-upload of step 2. Both ranks' next call
+    raises (rank 0's names its helper; rank 1's names rank 0 and the upload), the object tier never gets
+    step 2 half-written, step 2 restores from RAM on both, a new helper uploads step 3, and a restart brings
+    step 2 to the object tier: every step then restores from it alone, bit-exact, on every rank."""
+    import gloo_job
+
+    outs = gloo_job.run_job(2, Path(__file__).parent / "children" / "helper_kill_child.py", shm_dir,
+                            str(tmp_path / "objects"))
+    first, second = outs
+    assert len(first["killed"]) == 1
+    assert first["raised"][0] == "BackgroundError" and f"upload helper (pid {first['killed'][0]})" in first["raised"][1]
+    assert second["raised"][0] == "BackgroundError" and "rank 0 failed" in second["raised"][1]
+    assert "HelperError" in second["raised"][1] and "step 2" in second["raised"][1]
+    for o in outs:
+        assert o["ram_restore"] == ["ram", True] and o["new_helper"]
+        assert o["object_steps"] == [1, 3]
+        assert o["object_steps_after_restart"] == [1, 2, 3] and o["object_exact"] == [True, True, True]

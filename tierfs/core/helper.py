@@ -17,7 +17,7 @@ A helper that ends mid-copy (killed, out of memory) is a :class:`~tierfs.errors.
 its process id and how it ended, raised on the copy thread as soon as its connection drops: the copy of
 that step fails on every rank (their agreement), the step stays in the first tier, the store's next call
 raises the error, and the next copy starts a new helper. A store opened again copies on the steps a slower
-tier lacks (``cleanup``), so the tier catches up. A helper whose parent ended is killed by the kernel.
+tier lacks (``cleanup``), so the tier catches up. A helper whose training process ended ends too.
 
 Only tiers that can be rebuilt in another process take a helper (:meth:`ObjectTier.recipe`: an
 ``ObjectTier`` without a request budget); the others, and a first tier without files another process can
@@ -93,7 +93,7 @@ class Helper:
         here = str(Path(__file__).resolve().parents[2])  # the directory tierfs is imported from
         env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "tierfs.core._helpermain", str(theirs.fileno())],
+            proc = subprocess.Popen([sys.executable, "-m", "tierfs.core._helpermain", str(theirs.fileno()), str(os.getpid())],
                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                     start_new_session=False)
         finally:
@@ -237,17 +237,22 @@ def _serve(conn: Connection) -> None:
             conn.send(("error", type(e).__name__, str(e)))
 
 
-def _die_with_parent() -> None:
-    """Have the kernel kill this process when the one that started it ends (Linux; elsewhere nothing)."""
-    try:
-        import ctypes
+def _die_with_parent(parent: int) -> None:
+    """End this process once the one that started it has (it is then a child of another): a thread that
+    looks every second. (The kernel's parent-death signal follows the thread that started a process, which
+    may end long before the training process does.)"""
+    import time
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tierfs-helper-parent", daemon=True).start()
 
 
-def main(fd: int) -> None:
-    """The helper process: serve the copies asked on the connection at file descriptor ``fd``."""
-    _die_with_parent()
+def main(fd: int, parent: int) -> None:
+    """The helper process: serve the copies asked on the connection at file descriptor ``fd`` for process
+    ``parent``."""
+    _die_with_parent(parent)
     _serve(Connection(fd))

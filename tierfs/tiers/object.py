@@ -18,6 +18,7 @@ bucket, ``<root>/ranks/<bucket>/step_…/`` (:mod:`tierfs.format.keys`, :mod:`._
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -121,9 +122,8 @@ class ObjectTier(Tier):
         subclass), without a request budget (the helper's requests would not spend this process's share)."""
         if type(self) is not ObjectTier or self.requests_per_second is not None:
             return None
-        return dict(url=self.url, storage_options=self.storage_options, concurrency=self.concurrency,
-                    part_size=self.part_size, retries=self.retries, throttle_patience=self.throttle_patience,
-                    name=self.name)
+        return {k: getattr(self, k) for k in ("url", "storage_options", "concurrency", "part_size", "retries",
+                                              "throttle_patience", "name")}
 
     def capacity(self) -> Capacity:
         return Capacity(used=0, budget=None, free=None)
@@ -346,29 +346,23 @@ class ObjectTier(Tier):
         """The marker, then the step's folder and its folder in each rank bucket (a listing of the buckets,
         and one deletion per folder: for retention's owner and for tools, never per rank)."""
         marker = self._keys.step_dir(step) + "/" + MARKER
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self.fs.rm_file(marker), self._what(step, "delete", MARKER))
-        except FileNotFoundError:
-            pass
         for d in self._dirs(step):  # one at a time: the connections a rank holds do not grow with the job
             self._delete_dir(step, d)
         self._keys.learn(step, None)
         self.fs.invalidate_cache(self.root)
 
     def _delete_dir(self, step: int, d: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self.fs.rm(d, recursive=True), self._what(step, "delete the files"))
-        except FileNotFoundError:
-            pass
         if self.protocol not in (*_LOCAL, "memory"):
             # Stores with real directories behind their S3 API (SeaweedFS's filer) keep the emptied step
             # directory, which delimited listings show as a prefix and as an object "step_.../": one would
             # be left behind per deleted step. On S3 the key is a folder placeholder (as the console
             # makes); deleting a missing key is no error there.
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._retry(lambda: self.fs.rm_file(d + "/"), self._what(step, "delete the directory"))
-            except FileNotFoundError:
-                pass
 
     def delete_files(self, step: int, names: Iterable[str]) -> None:
         paths = [p for n in names for p in self._keys.places(step, validate_filename(n))]
@@ -378,15 +372,11 @@ class ObjectTier(Tier):
         self._emptied.setdefault(step, set()).update(folders)  # what remove_if_empty tries
         if self.protocol in (*_LOCAL, "memory"):
             for path in paths:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     self._retry(functools.partial(self.fs.rm_file, path), self._what(step, "delete"))
-                except FileNotFoundError:
-                    pass
         else:  # one batch request (S3 DeleteObjects, GCS batch); gcsfs raises when none of them was there
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
-            except FileNotFoundError:
-                pass
         for d in folders:
             self.fs.invalidate_cache(d)
 
