@@ -227,7 +227,9 @@ def _serve(conn: Connection) -> None:
 
         try:
             key = repr(sorted(recipe.items()))
-            tier = tiers.get(key) or tiers.setdefault(key, ObjectTier(**recipe))
+            tier = tiers.get(key)
+            if tier is None:
+                tier = tiers[key] = ObjectTier(**recipe)
             src: Any = _Files(paths)  # the one method copy_shard asks of a source
             n = copy_shard(src, tier, step, Manifest.from_bytes(mbytes), mbytes, threads=1, pace=pace, batched=False)
             conn.send(("done", n))

@@ -26,8 +26,9 @@ torchrun's ``GROUP_RANK``, else ``rank // LOCAL_WORLD_SIZE``, else 0; tests run 
 node by setting ``TIERFS_NODE_RANK`` to the rank. Which ranks share a RAM directory is observed when a
 store opens (:mod:`tierfs.ranks.nodes`), not assumed from the node number.
 
-Bulk bytes (the peer tier's replicas) move point to point with ``exchange``: numpy buffers wrapped as
-tensors without a copy, every receive posted before any send so a ring of ranks cannot deadlock.
+Bulk bytes (the peer tier's replicas, erasure blocks, restores) move point to point with ``exchange``: over
+the group's streams (:mod:`tierfs.ranks.streams`), or over gloo as numpy buffers wrapped as tensors without
+a copy, every receive posted before any send so a ring of ranks cannot deadlock.
 """
 
 from __future__ import annotations
@@ -216,14 +217,14 @@ class TorchGroup:
     def exchange(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],
                  pace: Callable[[int], None] | None = None,
                  on_received: Callable[[int], None] | None = None, tag: int = 0, *,
-                 tolerate: bool = False) -> dict[int, str]:
+                 tolerate: bool = False, bulk: bool = False) -> dict[int, str]:
         """Send and receive contiguous uint8 buffers point to point: ``sends`` are ``(to rank, buffer)``,
         ``recvs`` ``(from rank, buffer)``; buffers between two ranks pair up in order, and the sizes must
         match on both sides. ``pace(nbytes)`` is called before each send (a throttle). ``on_received(i)`` is
         called on a thread of its own as soon as ``recvs[i]`` has landed, in order, while this thread goes
-        on sending and later buffers still move. With either, the exchange is a bulk transfer: its deadline
-        moves on with every buffer that moves (it fails when nothing moved for the timeout), and its bytes
-        go over the group's streams (:mod:`tierfs.ranks.streams`; ``on_received`` is then called in order
+        on sending and later buffers still move. With either, or ``bulk``, the exchange is a bulk transfer: its
+        deadline moves on with every buffer that moves (it fails when nothing moved for the timeout), and its
+        bytes go over the group's streams (:mod:`tierfs.ranks.streams`; ``on_received`` is then called in order
         for each peer, one call at a time) where the ranks have them, else over gloo.
 
         Every send is posted and every transfer waited for even when a receive, ``on_received`` or
@@ -237,8 +238,8 @@ class TorchGroup:
         where = _stages.current()  # the receiving thread reports the caller's stage
         diagnosis.raise_known(self._dist, self.rank, where)  # a rank failed before: at once
         with self._failing(), self.bounded() as op:
-            io = waits.Round(op, bulk=pace is not None or on_received is not None,  # data: moves on as it lands
-                             gone=self._gone)
+            bulk = bulk or pace is not None or on_received is not None  # data: the deadline moves as it lands
+            io = waits.Round(op, bulk=bulk, gone=self._gone)
             if self._link is not None and io.bulk:  # bulk bytes: over the group's streams
                 self._link.run(io, sends, recvs, pace, on_received, failures)
             else:

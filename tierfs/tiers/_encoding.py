@@ -2,8 +2,10 @@
 member's shard (a restore). See :mod:`tierfs.tiers.erasure` for what they keep and why.
 
 Both move pieces block by block in rounds of :meth:`~tierfs.ranks.groups.TorchGroup.exchange`, each block
-followed by a tail (:func:`~tierfs.tiers._stripes.seal`) its receiver checks. A member that cannot read a
-piece still sends its blocks, marked bad, so every round keeps its shape and no rank waits for bytes.
+followed by a tail (:func:`~tierfs.tiers._stripes.seal`) its receiver checks; a save sends each block of
+its own payload straight from the RAM tier's mapped file, its tail in a message of its own. A member that
+cannot read a piece still sends its blocks, marked bad, so every round keeps its shape and no rank waits
+for bytes.
 """
 
 from __future__ import annotations
@@ -136,11 +138,15 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
                 if not sent(me, j, a):
                     continue
                 assert payload is not None
-                payload.read(k * c + a, sbuf[k][:n])
-                seal(sbuf[k], n, True)
-                sends += [(members[h], sbuf[k][:n + TAIL]) for h in stripes.holders(j) if h in receivers]
-            recvs = [(members[x], rbuf[j, x][:n + TAIL]) for j, _ in kept for x in stripes.data_members(j)
-                     if sent(x, j, a)]
+                # the block straight from the mapped file where one file holds it (else copied), its tail
+                # (crc32c, good) after it in a message of its own
+                data = payload.view(k * c + a, n, sbuf[k])
+                tail = sbuf[k][-TAIL:]
+                tail[:] = 0
+                tail[:4].view(np.uint32)[0], tail[4] = crc32c(data), 1
+                sends += [(members[h], x) for h in stripes.holders(j) if h in receivers for x in (data, tail)]
+            recvs = [(members[x], part) for j, _ in kept for x in stripes.data_members(j) if sent(x, j, a)
+                     for part in (rbuf[j, x][:n], rbuf[j, x][n:n + TAIL])]
             g.exchange(sends, recvs, pace=pace)
             for q, (j, t) in enumerate(kept):
                 if errors.get(tier.rank):
@@ -251,7 +257,7 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
                     ok = crc32c(buf[:n]) == sums[bi]  # a damaged parity block is not sent as good
                 seal(buf, n, ok)
             g.exchange([(members[lx], buf[:n + TAIL]) for (_, lx, _, _), buf in outs],
-                       [(members[x], buf[:n + TAIL]) for (x, _, _, _), buf in ins])
+                       [(members[x], buf[:n + TAIL]) for (x, _, _, _), buf in ins], bulk=True)
             if payload is None or failed:
                 continue
             try:
@@ -346,7 +352,7 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
                     sends += [(members[combiner[j]], flags_out[j]), (members[combiner[j]], view)]
                 recvs += [r for (x, j), buf in ins.items()
                           for r in ((members[x], flags_in[x, j]), (members[x], buf[:b - a]))]
-            g.exchange(sends, recvs)
+            g.exchange(sends, recvs, bulk=True)
             if i == lost and done is not None:
                 bad += [f"bytes {done[0]}-{done[1]} of stripe {j} (rank {members[combiner[j]]} could not read "
                         "its pieces or was sent unreadable ones)" for j in mine if back[j][0] != 1]
