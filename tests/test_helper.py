@@ -134,3 +134,19 @@ def test_a_helper_killed_on_one_rank_fails_that_steps_upload_on_every_rank(shm_d
         assert o["ram_restore"] == ["ram", True] and o["new_helper"]
         assert o["object_steps"] == [1, 3]
         assert o["object_steps_after_restart"] == [1, 2, 3] and o["object_exact"] == [True, True, True]
+
+
+def test_a_tier_the_helper_cannot_build_uploads_in_the_training_process(shm_dir, tmp_path):
+    """An object tier with a request budget (whose share the helper could not spend) uploads as without a
+    helper: no helper process is started, and the step lands bit-exact all the same."""
+    state = train_state(4)
+    budgeted = ObjectTier(f"file://{tmp_path}/objects", requests_per_second=1000.0)
+    assert budgeted.recipe() is None and ObjectTier(f"file://{tmp_path}/objects").recipe() is not None
+    with TieredStore([MemoryTier(shm_dir), budgeted], helper=True) as store:
+        store.save(1, state)
+        store.wait_until_finished()
+        helper = store._ctx.work.helper
+        assert helper.copies == 0 and helper.pid is None
+    with TieredStore([ObjectTier(f"file://{tmp_path}/objects")]) as durable:
+        got, info = durable.restore(1)
+        assert same(got, state) and info.tier == "file"
