@@ -183,7 +183,7 @@ class Round:
         try:
             return post()
         except RuntimeError as e:
-            self._fail(peer, str(e))
+            self.fail(peer, str(e))
             return None
 
     def wait(self, work: Any, peer: int) -> bool:
@@ -199,10 +199,10 @@ class Round:
                 work.wait(timeout=datetime.timedelta(seconds=self.op.allowed()))
             elif watched(work, self.op.allowed(), [peer], self.gone) is not None:
                 self._lost.add(peer)
-                self._fail(peer, ended(peer))
+                self.fail(peer, ended(peer))
                 return False
         except RuntimeError as e:
-            self._fail(peer, str(e))
+            self.fail(peer, str(e))
             return False
         if self.bulk:
             self.op.progress()
@@ -213,7 +213,6 @@ class Round:
         with self._lock:
             self.failures.setdefault(peer, why)
 
-    _fail = fail
 
     def end(self) -> dict[int, str]:
         """The round's failures, ``{rank: backend message}``, noted in the operation."""
