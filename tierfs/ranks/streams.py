@@ -1,11 +1,10 @@
 """Bulk bytes between two ranks over plain TCP streams of tierfs's own: the data of a replica, an erasure
 code's blocks, a restore's shards.
 
-gloo moves a transfer's bytes through its I/O thread in pieces as each socket becomes writable; on this
-machine that costs about 1.6x the CPU of a blocking ``sendall`` and ``recv_into`` of the same bytes
-between two threads, most of it when the buffers are mapped files (the RAM tier's). So a group's bulk
-exchanges (those with a pace or a callback per buffer) go over streams instead, while its headers, votes
-and collectives stay on gloo:
+gloo moves a transfer's bytes through its I/O thread in pieces as each socket becomes writable: between
+mapped files (the RAM tier's) 1.3-1.5x the CPU of a blocking ``sendall`` and ``recv_into`` of the same
+bytes (``benchmarks/bench_streams.py``). So a group's bulk exchanges go over streams instead, while its
+headers, votes and collectives stay on gloo:
 
 - every process listens on one socket (on the address its peers route to, like
   :mod:`tierfs.ranks.liveness`) and writes that address to the job's store once per launch;
@@ -15,7 +14,7 @@ and collectives stay on gloo:
   unread; one naming a group the process does not know (yet) waits a minute at most to be claimed;
 - each exchange between a pair begins with its number and its length in bytes on that connection; the
   sender writes with ``sendall``, the receiver reads straight into the buffers with ``recv_into`` (no copy
-  in Python), one thread per source, and both release the GIL while the kernel copies.
+  in Python) on a thread per source, kept between exchanges; both release the GIL while the kernel copies.
 
 A failure on a connection (its peer's process ended and its kernel closed it, nothing moved within the
 operation's time, the pair out of step) closes it; later exchanges of the group with that peer fail at
@@ -26,7 +25,9 @@ keeps every transfer on gloo (the ranks agree on it when a group is made).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -39,13 +40,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import liveness
-from .waits import POLL, Round
+from .waits import POLL, Round, Threads
 
 log = logging.getLogger("tierfs")
 
-#: a connection's greeting: magic, group number, sender's rank, receiver's rank
-_HELLO = struct.Struct("!8sQII")
-_MAGIC = b"tierfs\x00\x01"
+_HELLO, _MAGIC = struct.Struct("!8sQII"), b"tierfs\x00\x01"  # a greeting: magic, group, sender, receiver
 #: an exchange's head on a connection: its number between the pair, its bytes
 _HEAD = struct.Struct("!QQ")
 #: bytes per system call at most: the deadline moves on at least this often
@@ -202,6 +201,9 @@ class Link:
         self._broken: dict[int, str] = {}  # peer -> why its streams were closed
         self._sent: dict[int, int] = {}  # exchanges sent to / received from each peer
         self._got: dict[int, int] = {}
+        #: the threads that read the streams from each source, one per source at a time, kept between
+        #: exchanges (an erasure code's save has one exchange per block) with the priority of the group's user
+        self._readers = Threads("tierfs-receive")
         _PLANE.publish(store, launch, rank)
         _PLANE.register(job)
         _links.add(self)
@@ -232,7 +234,7 @@ class Link:
             by_src.setdefault(src, []).append(i)
         one = threading.Lock()
 
-        def receive(src: int, order: list[int]) -> None:
+        def receive(src: int, order: list[int], done: threading.Event) -> None:
             try:
                 conn = self._incoming(src, io)
                 raw = np.empty(_HEAD.size, dtype=np.uint8)
@@ -255,11 +257,14 @@ class Link:
             except _Broken as e:
                 io.fail(src, str(e))
                 self._break(src, str(e))
+            except BaseException as e:  # noqa: BLE001 - raised by the caller at the end
+                failures.append(e)
+            finally:
+                done.set()
 
-        readers = [threading.Thread(target=receive, args=(s, o), name="tierfs-receive", daemon=True)
-                   for s, o in by_src.items()]
-        for t in readers:
-            t.start()  # inherits this thread's CPU priority
+        ended = [threading.Event() for _ in by_src]
+        for (src, order), done in zip(by_src.items(), ended):
+            self._readers.run(functools.partial(receive, src, order, done))
         try:
             totals: dict[int, int] = {}
             for dst, buf in sends:
@@ -284,8 +289,8 @@ class Link:
                     io.fail(dst, str(e))
                     self._break(dst, str(e))
         finally:
-            for t in readers:
-                t.join()
+            for done in ended:  # each reader ends within the operation's time (its reads are bounded)
+                done.wait()
 
     def _outgoing(self, dst: int, io: Round) -> socket.socket:
         conn = self._out.get(dst)
@@ -354,14 +359,10 @@ def _drop(job: int, out: dict[int, socket.socket]) -> None:
 
 
 def _close(conn: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError):
         conn.close()
-    except OSError:
-        pass
 
 
 def _said(e: BaseException, peer: int) -> str:

@@ -264,10 +264,12 @@ def ended(peer: int) -> str:
     return f"Connection closed by peer: rank {peer}'s process ended, or it gave up after a failure (its socket closed)"
 
 
-class _Threads:
-    """Daemon threads that run the watched waits, started as they are needed and reused."""
+class Threads:
+    """Daemon threads named ``name`` that run functions handed to them, started as they are needed (by the
+    thread that hands one over: a thread's CPU priority is its starter's) and reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "tierfs-wait") -> None:
+        self.name = name
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
@@ -278,7 +280,7 @@ class _Threads:
             if not start:
                 self._idle -= 1
         if start:
-            threading.Thread(target=self._loop, name="tierfs-wait", daemon=True).start()
+            threading.Thread(target=self._loop, name=self.name, daemon=True).start()
         self._queue.put(fn)
 
     def _loop(self) -> None:
@@ -307,6 +309,6 @@ def _reap() -> None:
             pass
 
 
-_WAITERS = _Threads()
+_WAITERS = Threads()  # the watched waits'
 _reaped: "queue.SimpleQueue[tuple[Any, float]]" = queue.SimpleQueue()
 _reaper: dict[str, Any] = {"lock": threading.Lock(), "started": False}
