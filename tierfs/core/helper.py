@@ -93,9 +93,8 @@ class Helper:
         here = str(Path(__file__).resolve().parents[2])  # the directory tierfs is imported from
         env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "tierfs.core._helpermain", str(theirs.fileno()), str(os.getpid())],
-                                    pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=False)
+            argv = [sys.executable, "-m", "tierfs.core._helpermain", str(theirs.fileno()), str(os.getpid())]
+            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self._proc, self._conn = proc, Connection(mine.detach())
