@@ -15,6 +15,12 @@ import time
 from typing import Any
 
 from _common import tensors
+from fastcrc import crc32 as _crc32
+
+
+def crc32c(data: Any) -> int:
+    """crc32c of a buffer, with the library tierfs uses (fastcrc: the widest instructions, the GIL released)."""
+    return int(_crc32.iscsi(data))
 
 
 # -- the model ----------------------------------------------------------------------------------------
@@ -170,16 +176,21 @@ class Floor:
     plain socket ``sendall`` of those bytes to the next rank (whose thread ``recv_into``\\ s a buffer), and on
     every ``upload_every``-th step a plain s3fs upload of them. No checksums, commit, agreement or
     retention. Three buffers in turn, so a buffer being sent or uploaded is never overwritten; a step waits
-    only when all three are (tierfs waits for room alike)."""
+    only when all three are (tierfs waits for room alike).
 
-    def __init__(self, dist: Any, state: dict, nice: int, upload: tuple[Any, str] | None, upload_every: int) -> None:
-        import torch
+    ``verified``: what any checkpoint in RAM that outlives its process and is checked end to end must do
+    on top, still without tierfs: the buffers and the receiver's are files on ``/dev/shm`` (mapped, as a
+    RAM tier's are), the sender computes the crc32c of each buffer before it sends it and sends it after
+    the bytes, and the receiver computes the crc32c of what it received and compares."""
 
+    def __init__(self, dist: Any, state: dict, nice: int, upload: tuple[Any, str] | None, upload_every: int,
+                 verified: bool = False) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.nbytes = nbytes_of(state)
-        self.bufs = [torch.zeros(self.nbytes, dtype=torch.uint8) for _ in range(3)]
+        self.verified, self.mismatches, self._maps = verified, 0, []
+        self.bufs = [self._buffer() for _ in range(3)]
         self.views = [flat_views(state, b) for b in self.bufs]
-        self.inbox = torch.zeros(self.nbytes, dtype=torch.uint8)
+        self.inbox = self._buffer()
         self.busy = [0, 0, 0]
         self.cond = threading.Condition()
         self.nice, self.upload, self.upload_every = nice, upload, upload_every
@@ -197,6 +208,23 @@ class Floor:
         for t in self.threads:
             t.start()
         self.uploads: list[threading.Thread] = []
+
+    def _buffer(self) -> Any:
+        """A uint8 tensor of the state's size: anonymous memory, or (``verified``) a mapped file on /dev/shm."""
+        import torch
+
+        if not self.verified:
+            return torch.zeros(self.nbytes, dtype=torch.uint8)
+        import mmap
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="floor-") as f:  # (unlinked: gone with the map)
+            os.ftruncate(f.fileno(), self.nbytes)
+            mm = mmap.mmap(f.fileno(), self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps.append(mm)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        buf.zero_()  # every page in place, as a RAM tier's pooled buffers are
+        return buf
 
     def _free(self, i: int) -> None:
         with self.cond:
@@ -230,7 +258,12 @@ class Floor:
                 if not self.sends:
                     return
                 i = self.sends[0]
-            self.out.sendall(memoryview(self.bufs[i].numpy()))
+            data = memoryview(self.bufs[i].numpy())
+            if self.verified:  # the commit's checksum, then the bytes and it
+                tail = crc32c(data).to_bytes(4, "little")
+            self.out.sendall(data)
+            if self.verified:
+                self.out.sendall(tail)
             with self.send_cond:
                 self.sends.pop(0)
                 self.send_cond.notify_all()
@@ -239,16 +272,20 @@ class Floor:
     def _receiver(self) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         mv = memoryview(self.inbox.numpy())
+        tail = memoryview(bytearray(4 if self.verified else 0))
         while True:
-            got = 0
-            while got < len(mv):
-                try:
-                    n = self.conn.recv_into(mv[got:], min(len(mv) - got, 4 << 20))
-                except OSError:
-                    return
-                if not n:
-                    return
-                got += n
+            for view in (mv, tail):
+                got = 0
+                while got < len(view):
+                    try:
+                        n = self.conn.recv_into(view[got:], min(len(view) - got, 4 << 20))
+                    except OSError:
+                        return
+                    if not n:
+                        return
+                    got += n
+            if self.verified and crc32c(mv) != int.from_bytes(tail, "little"):
+                self.mismatches += 1
 
     def _upload(self, i: int, step: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)

@@ -11,13 +11,19 @@ data-parallel or sharded job does. The batch is calibrated so a step takes about
 ``--step-times`` seconds. The checkpointed state is ``{"model": model.state_dict(), "optim":
 optimizer.state_dict()}``: every parameter, both AdamW moments and the step counts.
 
-Three variants take turns in ``--rounds`` rounds of ``--steps`` steps each (the order rotates every round,
+Four variants take turns in ``--rounds`` rounds of ``--steps`` steps each (the order rotates every round,
 so each sees the same moments of a shared machine):
 
 - **no checkpoints**: the loop alone;
 - **floor**: every step the state copied into a RAM buffer, then on background threads a plain socket copy
   of those bytes to the next rank and, every ``--upload-every``-th step, a plain s3fs upload of them: the
-  copies a checkpoint every step needs, and nothing else (``_training.Floor``);
+  copies a checkpoint every step needs, and nothing else (``_training.Floor``); the targets are counted
+  from it;
+- **verified floor**: the floor with what any checkpoint in RAM that outlives its process and is checked
+  end to end must add, still without tierfs: its buffers (and the receiver's) are mapped files on
+  ``/dev/shm``, the sender computes each buffer's crc32c before sending it and the receiver checks what
+  it received against it (``Floor(verified=True)``). tierfs over this floor is what its own protocol
+  costs (commit, agreement, manifests, retention) beyond those copies and checks;
 - **tierfs**: ``TieredStore([MemoryTier(), PeerTier(replicas=1), ObjectTier(s3, save=
   FixedIntervalPolicy(50))])`` at its defaults (the background bandwidth cap included), ``save(step,
   state, blocking=False)`` every step; with ``--helper``, ``TieredStore(..., helper=True)`` (uploads from
@@ -70,7 +76,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import MiB, launch_ranks, log, machine_note, results_path  # noqa: E402
 
-VARIANTS = ("no checkpoints", "floor", "tierfs")
+VARIANTS = ("no checkpoints", "floor", "verified floor", "tierfs")
 COLLECTIONS = None  # in each rank: its full garbage collections (_training.FullCollections)
 
 
@@ -168,16 +174,21 @@ def worker(args: argparse.Namespace) -> None:
                                                                 keep=LatestN(2))}
             store = TieredStore([tiers[t] for t in args.tiers.split(",")], helper=args.helper,
                                 **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}))
-            floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor"), args.upload_every)
+            floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor/{rank}"),
+                          args.upload_every)
+            verified = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/verified/{rank}"),
+                             args.upload_every, verified=True)
             step = 1
             try:
                 for _ in range(3):  # warm: RAM buffers and replica buffers mapped, then reused; plans cached
                     trainer.step()
                     store.save(step, trainer.state(), blocking=False)
                     floor.save(step)
+                    verified.save(step)
                     step += 1
                 store.wait_until_finished()
                 floor.wait()
+                verified.wait()
                 # the floor holds views of the state's tensors, made once; tierfs gets the state once too (the
                 # model and AdamW update its tensors in place), and what building it costs is reported apart
                 kept = trainer.state()
@@ -192,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
                 last = None  # the last step tierfs saved
                 seg = 0
                 for rnd in range(args.rounds):
-                    order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+                    order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
                     for v in order:
                         if args.only and v not in (args.only, "no checkpoints"):
                             continue
@@ -204,6 +215,8 @@ def worker(args: argparse.Namespace) -> None:
                                         store.wait_until_finished, probe)
                         elif v == "floor":
                             r = segment(trainer, args.steps, first, floor.save, floor.wait, probe)
+                        elif v == "verified floor":
+                            r = segment(trainer, args.steps, first, verified.save, verified.wait, probe)
                         else:
                             r = segment(trainer, args.steps, first, None, None, probe)
                         res[v].append(r)
@@ -218,10 +231,12 @@ def worker(args: argparse.Namespace) -> None:
                 held = {str(k): sorted(v) for k, v in store.steps().items()}  # where the steps are, at the end
                 say(f"RAM buffers: {buffers}")
                 out["targets"][str(target)] = {"state_ms": statistics.median(state_ms), "buffers": buffers, "held": held, "last": last, "calibrated": measured, "batch": trainer.batch, "nbytes": nbytes,
-                                               "tensors": ntensors, "rounds": res}
+                                               "tensors": ntensors, "rounds": res,
+                                               "verified_floor_mismatches": verified.mismatches}
             finally:
                 store.close()
                 floor.close()
+                verified.close()
                 scratch.remove(f"ram-{tag}")
     finally:
         probe.close()
@@ -324,7 +339,9 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
                       "than the training one; their mean ms): " + "; ".join(
                           f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
                           for v in VARIANTS if f0[v])]
-        for v in ("floor", "tierfs"):
+        for v in ("floor", "verified floor", "tierfs"):
+            if not f0[v]:
+                continue
             shares = {k: statistics.median(f[v]["threads"].get(k, 0.0) for f in figs) for k in f0[v].get("threads", {})}
             shown = [f"{k} {x * 1e3:.1f}" for k, x in sorted(shares.items(), key=lambda kx: -kx[1]) if x * 1e3 >= 0.5]
             if shown:
@@ -339,7 +356,16 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
         p99 = med("tierfs", "p99") / med("no checkpoints", "p99")
         lines += ["", f"- tierfs over the floor: {over:+.2f} pp (target <= +{goal} pp: "
                       f"{'MET' if over <= goal else 'MISSED'}); p99 {p99:.3f}x the p99 without checkpoints "
-                      f"(target <= 1.1x: {'MET' if p99 <= 1.1 else 'MISSED'})", ""]
+                      f"(target <= 1.1x: {'MET' if p99 <= 1.1 else 'MISSED'})"]
+        if f0["verified floor"]:
+            checks = (med("verified floor", "slowdown") - med("floor", "slowdown")) * 100
+            lines.append(f"- the verified floor over the floor: {checks:+.2f} pp (what checking every byte at both "
+                         f"ends and keeping both copies on /dev/shm cost here); tierfs over the verified floor: "
+                         f"{(med('tierfs', 'slowdown') - med('verified floor', 'slowdown')) * 100:+.2f} pp")
+            bad = sum(pr["targets"][target].get("verified_floor_mismatches", 0) for run in runs for pr in run)
+            if bad:
+                lines.append(f"- WARNING: the verified floor's receivers found {bad} checksum mismatches")
+        lines.append("")
     return "\n".join(lines)
 
 

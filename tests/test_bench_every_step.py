@@ -1,7 +1,7 @@
 """``benchmarks/bench_every_step.py`` at a tiny size: a real training loop on two ranks, each variant in
-each round, tierfs saving every step to RAM and peers and every few steps to S3 (moto), and a report with
-every figure. tierfs uploads from its helper processes (``--helper``), in a job of two ranks whose
-copies agree."""
+each round (the verified floor's checksums matching), tierfs saving every step to RAM and peers and every
+few steps to S3 (moto), and a report with every figure. tierfs uploads from its helper processes
+(``--helper``), in a job of two ranks whose copies agree."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for variant in ("no checkpoints", "floor", "tierfs"):
+    for variant in ("no checkpoints", "floor", "verified floor", "tierfs"):
         assert f"| {variant} |" in text, variant
     assert "tierfs over the floor:" in text and "the p99 without checkpoints" in text
+    assert "tierfs over the verified floor:" in text and "WARNING" not in text
     assert "full garbage collections in the timed steps" in text
     assert "building the state (" in text and "ms per call" in text
     assert "tierfs over the floor:" in (tmp_path / "result.md").read_text()
@@ -35,6 +36,7 @@ def test_every_step_run_saves_each_step_and_reports_every_figure(tmp_path) -> No
         rounds = fig["rounds"]
         assert all(len(rounds[v]) == 3 and all(len(s["times"]) == 4 for s in rounds[v]) for v in rounds)
         assert all(isinstance(s["full_gc"], list) for v in rounds for s in rounds[v])
+        assert fig["verified_floor_mismatches"] == 0  # every copy the verified floor sent arrived whole
         last = fig["last"]
         # tierfs saved its last step to RAM and peers; the last multiple of 2 before it went to S3 too
         assert fig["held"][str(last)] == ["peer", "ram"]
