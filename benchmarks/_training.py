@@ -377,6 +377,89 @@ def schedstat() -> tuple[float, float]:
     return int(run) / 1e9, int(wait) / 1e9
 
 
+class GilSampler:
+    """Which thread holds this process's GIL, sampled ``rate`` times a second by py-spy (``py-spy record
+    --gil --nonblocking``: it reads the interpreter's memory from outside, without stopping it, and at each
+    sample records the thread that holds the GIL, if one does). Unlike :class:`GilProbe` it counts the GIL
+    alone, never a wait for a core. ``start`` returns False (and the report says why) where py-spy is not
+    installed or may not read this process."""
+
+    def __init__(self, rate: int = 250) -> None:
+        import shutil
+        import sys
+        import tempfile
+
+        self.rate = rate
+        here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        self.exe = here if os.access(here, os.X_OK) else shutil.which("py-spy")
+        self.why = "" if self.exe else "py-spy is not installed"
+        self._dir = tempfile.mkdtemp(prefix="gil-sampler-")
+        self._proc: Any = None
+        self.cpu = 0.0  # CPU seconds py-spy itself took in its last sampling
+
+    def start(self) -> bool:
+        """Sample from now on (returns once py-spy sampled its first time), or say why not (False)."""
+        import select
+        import subprocess
+
+        if not self.exe:
+            return False
+        out = os.path.join(self._dir, "samples.txt")
+        self._proc = subprocess.Popen([self.exe, "record", "--gil", "--nonblocking", "--threads", "-r", str(self.rate),
+                                       "-f", "raw", "-o", out, "-p", str(os.getpid())],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._out = out
+        deadline, said = time.monotonic() + 30, b""
+        while time.monotonic() < deadline and b"Sampling process" not in said:
+            ready, _, _ = select.select([self._proc.stdout], [], [], 0.5)
+            if ready:
+                chunk = os.read(self._proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                said += chunk
+        if b"Sampling process" not in said:
+            self._stop()
+            self.why = f"py-spy did not start: {said.decode(errors='replace').strip()[-300:] or 'no answer'}"
+            self.exe = None
+            return False
+        return True
+
+    def _stop(self) -> None:
+        import signal
+
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.send_signal(signal.SIGINT)  # it writes its samples and ends
+        try:
+            _, _, usage = os.wait4(proc.pid, 0)
+            self.cpu = usage.ru_utime + usage.ru_stime
+        except ChildProcessError:
+            self.cpu = 0.0
+        proc.returncode = 0
+        proc.stdout.close()
+
+    def stop(self) -> dict[str, float]:
+        """Seconds each thread role held the GIL since :meth:`start` (roles named as :func:`cpu_by_thread`
+        names Python threads; ``MainThread`` is the training thread)."""
+        import re
+
+        self._stop()
+        held: dict[str, float] = {}
+        try:
+            with open(self._out) as f:
+                for line in f:
+                    stack, _, count = line.rstrip().rpartition(" ")
+                    head = stack.split(";", 1)[0]
+                    name = head.split(": ", 1)[1] if ": " in head else head
+                    role = re.sub(r"-\d+$", "", name.split(" (")[0])  # as cpu_by_thread names it
+                    held[role] = held.get(role, 0.0) + int(count) / self.rate
+            os.unlink(self._out)
+        except (OSError, ValueError):
+            pass
+        return held
+
+
 class GilProbe:
     """A thread that sleeps ``period`` seconds (``time.sleep`` lets go of the GIL) and records how late it
     gets the GIL back, ``1/period`` times a second. A wake-up that finds the GIL free is late by the OS's

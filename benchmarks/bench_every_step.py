@@ -47,6 +47,11 @@ checkpoints of the same round:
   probe's own excluded): what the background costs the machine;
 - the share of time some other thread held the GIL, from a probe thread (``_training.GilProbe``: how
   late it gets the GIL back after a 2 ms sleep; a wait for a core counts too, so an upper bound);
+- how long the background's threads and the training thread held the GIL, per step, from py-spy's
+  samples of which thread holds it (``_training.GilSampler``: ``py-spy record --gil``, 250 samples a
+  second from outside the process, which it does not stop; the GIL alone, never a wait for a core; its
+  own CPU is reported and not counted as the background's), with ``--gil-sampling``. Where py-spy is
+  missing or may not read the process (no ptrace permission) the report says so;
 - the training thread's time waiting for a core (runnable, from its schedstat) and blocked (neither
   running nor runnable: on the GIL, or in the all-reduce for a slower rank): how the background slows
   the step, by taking cores or by holding the GIL.
@@ -81,13 +86,15 @@ COLLECTIONS = None  # in each rank: its full garbage collections (_training.Full
 
 
 # -- inside each rank -----------------------------------------------------------------------------------
-def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
+def segment(trainer, n: int, first: int, save, wait, probe, sampler) -> dict:
     """``n`` timed steps numbered from ``first``, each followed by ``save(step)``; then ``wait()``
-    (untimed). Returns the step times, the background CPU and the probe's samples."""
+    (untimed). Returns the step times, the background CPU, the probe's samples and (``sampler``, where
+    py-spy runs) the seconds per step each thread held the GIL."""
     import time
 
     from _training import cpu_by_thread, cpu_of_children, cpu_of_process, cpu_of_thread, schedstat
 
+    sampling = sampler.start()
     trainer.dist.barrier()
     probe.take()
     COLLECTIONS.take()
@@ -106,8 +113,10 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     late = probe.take()
     full = COLLECTIONS.take()
     sched1 = schedstat()
+    held = sampler.stop() if sampling else None
     on_cpu, queued = ((b - a) / n for a, b in zip(sched0, sched1))
-    helper = cpu_of_children() - kids0  # tierfs's helper process (uploads), if any
+    # tierfs's helper process (uploads), if any; not py-spy's own CPU
+    helper = cpu_of_children() - kids0 - (sampler.cpu if sampling else 0.0)
     background = cpu_of_process() - cpu0 - (cpu_of_thread() - own0) - (probe.cpu() - probe0)
     # the background's CPU by thread role; what threads that ended took is the rest
     threads = {k: v - threads0.get(k, 0.0) for k, v in cpu_by_thread().items()
@@ -122,7 +131,9 @@ def segment(trainer, n: int, first: int, save, wait, probe) -> dict:
     blocked = sum(times) / n - on_cpu - queued
     return {"times": times, "stalls": stalls, "background_cpu": background / n, "late": late,
             "main": [on_cpu, queued, blocked], "full_gc": full,
-            "threads": {k: v / n for k, v in threads.items()}}
+            "threads": {k: v / n for k, v in threads.items()},
+            "gil_held": None if held is None else {k: v / n for k, v in held.items()},
+            "sampler_cpu": sampler.cpu / n if sampling else 0.0}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -130,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from _common import Scratch, tensors
-    from _training import DeviceLoop, Floor, FullCollections, GilProbe, Trainer, nbytes_of
+    from _training import DeviceLoop, Floor, FullCollections, GilProbe, GilSampler, Trainer, nbytes_of
 
     from tierfs import TieredStore
     from tierfs.policies import FixedIntervalPolicy, LatestN
@@ -152,6 +163,9 @@ def worker(args: argparse.Namespace) -> None:
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
     scratch = Scratch(f"bench-every-step-{rank}-")
     probe = GilProbe()
+    sampler = GilSampler()
+    if not args.gil_sampling:
+        sampler.exe, sampler.why = None, "not asked for: --gil-sampling"
     out: dict = {"rank": rank, "targets": {}}
     if args.loop == "device":
         trainer = DeviceLoop(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank,
@@ -212,13 +226,13 @@ def worker(args: argparse.Namespace) -> None:
                         if v == "tierfs":
                             r = segment(trainer, args.steps, first,
                                         lambda s: store.save(s, kept, blocking=False),
-                                        store.wait_until_finished, probe)
+                                        store.wait_until_finished, probe, sampler)
                         elif v == "floor":
-                            r = segment(trainer, args.steps, first, floor.save, floor.wait, probe)
+                            r = segment(trainer, args.steps, first, floor.save, floor.wait, probe, sampler)
                         elif v == "verified floor":
-                            r = segment(trainer, args.steps, first, verified.save, verified.wait, probe)
+                            r = segment(trainer, args.steps, first, verified.save, verified.wait, probe, sampler)
                         else:
-                            r = segment(trainer, args.steps, first, None, None, probe)
+                            r = segment(trainer, args.steps, first, None, None, probe, sampler)
                         res[v].append(r)
                         if v == "tierfs":
                             last = first + args.steps - 1
@@ -232,6 +246,7 @@ def worker(args: argparse.Namespace) -> None:
                 say(f"RAM buffers: {buffers}")
                 out["targets"][str(target)] = {"state_ms": statistics.median(state_ms), "buffers": buffers, "held": held, "last": last, "calibrated": measured, "batch": trainer.batch, "nbytes": nbytes,
                                                "tensors": ntensors, "rounds": res,
+                                               "gil_sampling": sampler.why or "py-spy",
                                                "verified_floor_mismatches": verified.mismatches}
             finally:
                 store.close()
@@ -285,11 +300,36 @@ def figures(run: list[dict], target: str) -> dict:
             full.append([(len(pooled), g) for s in rounds[v] for g in s.get("full_gc", [])] or [(len(pooled), None)])
             p50.append(pct(pooled, 0.5))
             p99.append(pct(pooled, 0.99))
-        out[v] = {"slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
+        held = gil_held(per_rank, v)
+        out[v] = {**held, "slowdown": statistics.median(slow), "p50": statistics.median(p50), "p99": statistics.median(p99),
                   "cpu": statistics.median(cpu), "gil": statistics.median(gil), "stall": statistics.median(stall),
                   "queued": statistics.median(queued), "blocked": statistics.median(blocked),
                   **collections_of(full), "threads": {k: statistics.median(x) for k, x in roles.items()}}
     return out
+
+
+def gil_held(per_rank: list[dict], v: str) -> dict:
+    """Seconds per step the background's threads (all but the training one) and the training thread held
+    the GIL by py-spy's samples, beyond the loop without checkpoints of the same round (medians over ranks
+    and rounds), and by role; empty where no segment was sampled."""
+    bg, main, sampler = [], [], []
+    roles: dict[str, list[float]] = {}
+    for pr in per_rank:
+        for seg, none in zip(pr["rounds"][v], pr["rounds"]["no checkpoints"]):
+            if seg.get("gil_held") is None or none.get("gil_held") is None:
+                continue
+            others = {k: x for k, x in seg["gil_held"].items() if k not in ("MainThread", "gil-probe")}
+            base = sum(x for k, x in none["gil_held"].items() if k not in ("MainThread", "gil-probe"))
+            bg.append(sum(others.values()) - base)
+            main.append(seg["gil_held"].get("MainThread", 0.0) - none["gil_held"].get("MainThread", 0.0))
+            sampler.append(seg.get("sampler_cpu", 0.0))
+            for k, x in others.items():
+                roles.setdefault(k, []).append(x)
+    if not bg:
+        return {}
+    return {"gil_bg": statistics.median(bg), "gil_main": statistics.median(main),
+            "sampler_cpu": statistics.median(sampler),
+            "gil_roles": {k: statistics.median(x) for k, x in roles.items()}}
 
 
 def collections_of(per_rank: list[list]) -> dict:
@@ -339,6 +379,22 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
                       "than the training one; their mean ms): " + "; ".join(
                           f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
                           for v in VARIANTS if f0[v])]
+        sampled = [v for v in VARIANTS[1:] if f0[v] and "gil_bg" in f0[v]]
+        if sampled:
+            lines.append("- GIL held, from py-spy's samples (`record --gil`, 250 a second; it counts the GIL alone, not a "
+                         "wait for a core), ms per step beyond the loop without checkpoints: by the background's "
+                         "threads " + ", ".join(f"{v} {med(v, 'gil_bg') * 1e3:.2f}" for v in sampled)
+                         + "; by the training thread " + ", ".join(f"{v} {med(v, 'gil_main') * 1e3:+.2f}" for v in sampled)
+                         + f" (py-spy itself took {statistics.median(f[v]['sampler_cpu'] for f in figs for v in sampled) * 1e3:.1f}"
+                         " ms of CPU per step)")
+            roles = {k: statistics.median(f["tierfs"].get("gil_roles", {}).get(k, 0.0) for f in figs)
+                     for k in f0["tierfs"].get("gil_roles", {})} if "tierfs" in sampled else {}
+            shown = [f"{k} {x * 1e3:.2f}" for k, x in sorted(roles.items(), key=lambda kx: -kx[1]) if x * 1e3 >= 0.05]
+            if shown:
+                lines.append("- GIL held by tierfs's threads, ms per step: " + ", ".join(shown))
+        else:
+            why = runs[0][0]["targets"][target].get("gil_sampling", "not measured")
+            lines.append(f"- GIL held (py-spy): not sampled ({why})")
         for v in ("floor", "verified floor", "tierfs"):
             if not f0[v]:
                 continue
@@ -413,6 +469,9 @@ def main() -> int:
                     help="TieredStore(max_in_flight=) for tierfs (default: the store's)")
     ap.add_argument("--helper", action="store_true", help="TieredStore(helper=True): tierfs uploads from a "
                     "process of each rank's own (its CPU counts in the background's)")
+    ap.add_argument("--gil-sampling", action="store_true",
+                    help="sample which thread holds the GIL with py-spy (_training.GilSampler; about 2%% of a "
+                    "core per rank, in every variant alike)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", default="every-step", help=argparse.SUPPRESS)
