@@ -62,8 +62,9 @@ def test_fetch_plan_spreads_the_load_over_holders():
 
 
 # -- real jobs ----------------------------------------------------------------------------------
-def job(world: int, shm: Path, obj: Path | str, mode: str, replicas: int | str, *extra: str) -> list[dict]:
-    return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, str(replicas), *extra)
+def job(world: int, shm: Path, obj: Path | str, mode: str, replicas: int | str, *extra: str,
+        env: dict[str, str | None] | None = None) -> list[dict]:
+    return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, str(replicas), *extra, env=env)
 
 
 def wipe(shm: Path, *nodes: int) -> None:
@@ -102,7 +103,7 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     assert outs[1]["held"] == {"3": [0]}  # the replaced node keeps rank 0's copy again
     # gloo groups, all made when the store opened, none by the restores: store + commit and the peer tier's
     # restore groups (2 connections) at full priority; the copy groups of the object tier (1) and peers (2)
-    # at nice 10
+    # at the background's
     assert all(o["loops"] == [0] * 4 + [BACKGROUND_NICE] * 3 for o in outs), [o["loops"] for o in outs]
     assert [o["groups_restoring"] for o in outs] == [0] * 4
     # closed and opened again in the same processes while another store of theirs is open: the second store
@@ -255,18 +256,22 @@ def test_a_peer_tier_needs_several_nodes(tmp_path):
         TieredStore([PeerTier(), MemoryTier(tmp_path / "ram")])
 
 
-def test_replication_gives_way_to_training(tmp_path):
+@pytest.mark.parametrize("nice", [None, "10"])
+def test_replication_runs_at_the_background_priority(tmp_path, nice):
     """The worker that replicates and the I/O threads of its groups (gloo's loops, one per connection, which
-    do the kernel copies) run at background priority; the commit group does not."""
-    outs = job(2, tmp_path / "shm", "-", "priorities", 1)
+    do the kernel copies) run at the background priority: by default the training thread's own (a lower
+    one makes a background thread that holds the GIL wait for a core with it), or
+    ``TIERFS_BACKGROUND_NICE``'s; the commit group's at full priority either way."""
+    outs = job(2, tmp_path / "shm", "-", "priorities", 1, env={"TIERFS_BACKGROUND_NICE": nice})
+    low = int(nice or 0)
     for o in outs:
         assert o["steps"]["1"] == ["ram", "peer"]
-        loops = sorted(nice for name, nice in o["threads"] if name == "gloo_tcp_loop")
+        loops = sorted(n for name, n in o["threads"] if name == "gloo_tcp_loop")
         # store + commit group and the peer tier's restore groups (2 connections, made at open so that no
-        # restore makes groups): full priority; the peer tier's copy groups (2 connections): nice 10
-        assert loops == [0, 0, 0, 0, BACKGROUND_NICE, BACKGROUND_NICE], o["threads"]
-        workers = [nice for name, nice in o["threads"] if not name.startswith(("gloo", "pt_"))]
-        assert BACKGROUND_NICE in workers and set(workers) <= {0, BACKGROUND_NICE}  # the replicating worker
+        # restore makes groups): full priority; the peer tier's copy groups (2 connections): the background's
+        assert loops == [0, 0, 0, 0, low, low], o["threads"]
+        workers = [n for name, n in o["threads"] if not name.startswith(("gloo", "pt_"))]
+        assert low in workers and set(workers) <= {0, low}  # the replicating worker
 
 
 def test_localize_brings_a_lost_shard_back_into_ram(saved_r1, tmp_path):

@@ -147,8 +147,8 @@ class TorchGroup:
         bounds its waits.
 
         With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
-        kernel copies of every transfer) run at that lower CPU priority, like tierfs's background workers,
-        so bulk transfers give way to training. With ``lanes`` > 1 the twin is that many groups and
+        kernel copies of every transfer) run at that CPU priority, like tierfs's background workers
+        (:data:`tierfs.util.worker.BACKGROUND_NICE`). With ``lanes`` > 1 the twin is that many groups and
         ``exchange`` deals the buffers between two ranks out over them in turn: gloo moves a group's bytes
         on one connection per pair of ranks and one I/O thread, so on one lane a rank's sends and receives
         take turns.

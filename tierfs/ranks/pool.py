@@ -70,7 +70,7 @@ def make(dist: Any, backend: str, timeout: float, nice: int = 0) -> Any:
     """A new group of every rank (collective), its connections made when first used (gloo's lazy
     initialisation): a collective over it connects each rank to its two neighbours of a ring, a transfer
     the two ranks that exchange, so the sockets a rank holds do not grow with the job. With ``nice``, the
-    threads the backend starts for it run at that lower CPU priority."""
+    threads the backend starts for it run at that CPU priority."""
     before = _tasks() if nice else set()
     lazy = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"

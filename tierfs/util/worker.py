@@ -1,5 +1,5 @@
-"""Background threads: a worker that runs jobs in order at low priority, a bandwidth throttle, and a
-function run on a thread of its own until joined."""
+"""Background threads: a worker that runs jobs in order at the background priority, a bandwidth
+throttle, and a function run on a thread of its own until joined."""
 
 from __future__ import annotations
 
@@ -16,8 +16,25 @@ from ..errors import ArgumentError
 
 log = logging.getLogger("tierfs")
 
-#: CPU priority (nice) of background work: tierfs's worker threads and the transfer threads of its groups
-BACKGROUND_NICE = 10
+
+def _background_nice() -> int:
+    """``TIERFS_BACKGROUND_NICE`` (0 to 19), else 0 (a value out of range is logged and ignored)."""
+    raw = os.environ.get("TIERFS_BACKGROUND_NICE", "").strip()
+    if not raw:
+        return 0
+    if raw.isdigit() and 0 <= int(raw) <= 19:
+        return int(raw)
+    log.warning("TIERFS_BACKGROUND_NICE=%r is not a CPU priority from 0 to 19; background work runs at 0", raw)
+    return 0
+
+
+#: CPU priority (nice) of background work: tierfs's worker threads and the transfer threads of its groups.
+#: 0 by default, the training thread's own: a background thread at a lower priority that holds the GIL
+#: when the cores are busy waits for a core with it, and the training thread waits for the GIL meanwhile
+#: (measured: the GIL held by the background twice as long, the training thread blocked twice as long,
+#: at nice 10; docs/performance.md). ``TIERFS_BACKGROUND_NICE`` sets another (1 to 19), e.g. to leave the
+#: cores to data-loading processes first.
+BACKGROUND_NICE = _background_nice()
 #: bytes/s that background copies (to slower tiers, to peers, the fsspec drain's uploads) may move on
 #: average: keeps a training loop within a few percent on a 2-core machine (see docs/performance.md)
 #: while a 2 GiB shard still reaches the slow tier in about 18 s (its checksum check and upload both count)
@@ -26,9 +43,12 @@ DEFAULT_BACKGROUND_BANDWIDTH = 256e6
 
 def lower_priority(nice: int = BACKGROUND_NICE) -> None:
     """Run the calling thread at CPU priority ``nice`` (Linux: a thread's priority is its own, so
-    training threads keep theirs); a no-op where the platform does not allow it."""
+    training threads keep theirs); never higher than it runs at, and a no-op where the platform does not
+    allow it."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        tid = threading.get_native_id()
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
     except (AttributeError, OSError):
         pass
 
