@@ -373,12 +373,7 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
                 f"{med(v, 'p99') / med('no checkpoints', 'p99'):.3f} | {med(v, 'stall') * 1e3:.1f} | "
                 f"{med(v, 'cpu') * 1e3:.1f} | {med(v, 'gil') * 100:+.2f}% | {med(v, 'queued') * 1e3:+.1f} / "
                 f"{med(v, 'blocked') * 1e3:+.1f} | {every(v, 'slowdown', '+.4f')} |")
-        if not (f0["tierfs"] and f0["floor"]):
-            continue
-        lines += ["", "- full garbage collections in the timed steps, per rank and 100 steps (on other threads "
-                      "than the training one; their mean ms): " + "; ".join(
-                          f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
-                          for v in VARIANTS if f0[v])]
+        lines.append("")
         sampled = [v for v in VARIANTS[1:] if f0[v] and "gil_bg" in f0[v]]
         if sampled:
             lines.append("- GIL held, from py-spy's samples (`record --gil`, 250 a second; it counts the GIL alone, not a "
@@ -395,6 +390,13 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
         else:
             why = runs[0][0]["targets"][target].get("gil_sampling", "not measured")
             lines.append(f"- GIL held (py-spy): not sampled ({why})")
+        if not (f0["tierfs"] and f0["floor"]):
+            lines.append("")
+            continue
+        lines += ["- full garbage collections in the timed steps, per rank and 100 steps (on other threads "
+                      "than the training one; their mean ms): " + "; ".join(
+                          f"{v} {med(v, 'gc'):.2f} ({med(v, 'gc_other'):.2f}; {med(v, 'gc_ms'):.0f} ms)"
+                          for v in VARIANTS if f0[v])]
         for v in ("floor", "verified floor", "tierfs"):
             if not f0[v]:
                 continue
