@@ -32,8 +32,8 @@ def _background_nice() -> int:
 #: 0 by default, the training thread's own: a background thread at a lower priority that holds the GIL
 #: when the cores are busy waits for a core with it, and the training thread waits for the GIL meanwhile
 #: (measured at nice 10, a save every 0.2 s: the GIL held by the background twice as long, the training
-#: thread blocked 13-14 ms per step against 8; docs/performance.md). ``TIERFS_BACKGROUND_NICE`` sets another (1 to 19), e.g. to leave the
-#: cores to data-loading processes first.
+#: thread blocked 13-14 ms per step against 8; docs/performance.md). ``TIERFS_BACKGROUND_NICE`` sets
+#: another (1 to 19), e.g. to leave the cores to data-loading processes first.
 BACKGROUND_NICE = _background_nice()
 #: bytes/s that background copies (to slower tiers, to peers, the fsspec drain's uploads) may move on
 #: average: keeps a training loop within a few percent on a 2-core machine (see docs/performance.md)
