@@ -384,16 +384,14 @@ class GilSampler:
     alone, never a wait for a core. ``start`` returns False (and the report says why) where py-spy is not
     installed or may not read this process."""
 
-    def __init__(self, rate: int = 250) -> None:
+    def __init__(self, enabled: bool = True, rate: int = 250) -> None:
         import shutil
         import sys
-        import tempfile
 
         self.rate = rate
         here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-        self.exe = here if os.access(here, os.X_OK) else shutil.which("py-spy")
-        self.why = "" if self.exe else "py-spy is not installed"
-        self._dir = tempfile.mkdtemp(prefix="gil-sampler-")
+        self.exe = (here if os.access(here, os.X_OK) else shutil.which("py-spy")) if enabled else None
+        self.why = "" if self.exe else "py-spy is not installed" if enabled else "not asked for: --gil-sampling"
         self._proc: Any = None
         self.cpu = 0.0  # CPU seconds py-spy itself took in its last sampling
 
@@ -401,10 +399,12 @@ class GilSampler:
         """Sample from now on (returns once py-spy sampled its first time), or say why not (False)."""
         import select
         import subprocess
+        import tempfile
 
         if not self.exe:
             return False
-        out = os.path.join(self._dir, "samples.txt")
+        fd, out = tempfile.mkstemp(prefix="gil-sampler-", suffix=".txt")  # py-spy writes it; stop() removes it
+        os.close(fd)
         self._proc = subprocess.Popen([self.exe, "record", "--gil", "--nonblocking", "--threads", "-r", str(self.rate),
                                        "-f", "raw", "-o", out, "-p", str(os.getpid())],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -454,9 +454,13 @@ class GilSampler:
                     name = head.split(": ", 1)[1] if ": " in head else head
                     role = re.sub(r"-\d+$", "", name.split(" (")[0])  # as cpu_by_thread names it
                     held[role] = held.get(role, 0.0) + int(count) / self.rate
-            os.unlink(self._out)
         except (OSError, ValueError):
             pass
+        finally:
+            try:
+                os.unlink(self._out)
+            except OSError:
+                pass
         return held
 
 

@@ -163,9 +163,7 @@ def worker(args: argparse.Namespace) -> None:
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
     scratch = Scratch(f"bench-every-step-{rank}-")
     probe = GilProbe()
-    sampler = GilSampler()
-    if not args.gil_sampling:
-        sampler.exe, sampler.why = None, "not asked for: --gil-sampling"
+    sampler = GilSampler(enabled=args.gil_sampling)
     out: dict = {"rank": rank, "targets": {}}
     if args.loop == "device":
         trainer = DeviceLoop(dist, args.vocab, args.d_model, args.layers, args.seq, seed=rank,
@@ -312,8 +310,7 @@ def gil_held(per_rank: list[dict], v: str) -> dict:
     """Seconds per step the background's threads (all but the training one) and the training thread held
     the GIL by py-spy's samples, beyond the loop without checkpoints of the same round (medians over ranks
     and rounds), and by role; empty where no segment was sampled."""
-    bg, main, sampler = [], [], []
-    roles: dict[str, list[float]] = {}
+    bg, main, sampler, segs = [], [], [], []
     for pr in per_rank:
         for seg, none in zip(pr["rounds"][v], pr["rounds"]["no checkpoints"]):
             if seg.get("gil_held") is None or none.get("gil_held") is None:
@@ -323,8 +320,8 @@ def gil_held(per_rank: list[dict], v: str) -> dict:
             bg.append(sum(others.values()) - base)
             main.append(seg["gil_held"].get("MainThread", 0.0) - none["gil_held"].get("MainThread", 0.0))
             sampler.append(seg.get("sampler_cpu", 0.0))
-            for k, x in others.items():
-                roles.setdefault(k, []).append(x)
+            segs.append(others)
+    roles = {k: [s.get(k, 0.0) for s in segs] for k in {k for s in segs for k in s}}  # absent: held 0 s
     if not bg:
         return {}
     return {"gil_bg": statistics.median(bg), "gil_main": statistics.median(main),
