@@ -76,15 +76,16 @@ FIRST = 16 << 10
 
 def swap(g: Any, sends: Mapping[int, bytes], sources: list[int]) -> dict[int, bytes]:
     """Byte strings to other ranks (``sends``: ``{rank: bytes}``) and from ``sources``: a first message of
-    :data:`FIRST` bytes each, then the rest of longer ones, between the pairs that have some, in a second."""
+    :data:`FIRST` bytes each, then the rest of longer ones, between the pairs that have some, in a second.
+    Both over the group's streams where it has them (a third of gloo's CPU and latency per small round)."""
     room = FIRST - 8
     firsts = [(r, np.zeros(FIRST, np.uint8)) for r in sources]
-    g.exchange([(r, framed(b, FIRST)) for r, b in sends.items()], firsts)
+    g.exchange([(r, framed(b, FIRST)) for r, b in sends.items()], firsts, bulk=True)
     lens = {r: int(f[:8].view(np.int64)[0]) for r, f in firsts}
     rest_in = [(r, np.empty(lens[r] - room, np.uint8)) for r, _ in firsts if lens[r] > room]
     rest_out = [(r, np.frombuffer(b, np.uint8)[room:].copy()) for r, b in sends.items() if len(b) > room]
     if rest_in or rest_out:
-        g.exchange(rest_out, rest_in)
+        g.exchange(rest_out, rest_in, bulk=True)
     rest = dict(rest_in)
     return {r: f[8:8 + min(lens[r], room)].tobytes() + (rest[r].tobytes() if r in rest else b"") for r, f in firsts}
 
