@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -64,23 +65,44 @@ class Wire:
             raise ArgumentError(f"bad transfer sizes {self}: ints, chunk >= 1, first >= 16, max_header >= 1 bytes")
 
 
+#: a header's frame: the bytes of its JSON fields, of the manifest and of the marker, which follow raw (no
+#: escaping of the manifest inside a JSON string, at either end)
+_FRAME = struct.Struct("!III")
+
+
 def header(step: int, rank: int, manifest: bytes, marker: bytes, files: Mapping[str, Any],
            error: str | None = None, limit: int = MAX_HEADER) -> bytes:
     """A shard's header: what the receiver checks before it takes the files (or why there are none)."""
-    h = {"step": step, "rank": rank, "manifest": manifest.decode("latin-1"), "marker": marker.decode("latin-1"),
-         "error": error, "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}
-    raw = json.dumps(h).encode()
-    if len(raw) > limit:  # the receiver would refuse it: say why instead
-        why = f"its header is {len(raw)} bytes, over {limit}" + (f" ({error})" if error else "")
-        raw = json.dumps(h | {"manifest": "", "marker": "", "files": [], "error": why}).encode()
-    return raw
+    fields = {"step": step, "rank": rank, "error": error, "files": [[n, memoryview(f).nbytes] for n, f in files.items()]}
+    meta = json.dumps(fields).encode()
+    if _FRAME.size + len(meta) + len(manifest) + len(marker) > limit:  # the receiver would refuse it: say why
+        why = (f"its header is {_FRAME.size + len(meta) + len(manifest) + len(marker)} bytes, over {limit}"
+               + (f" ({error})" if error else ""))
+        meta, manifest, marker = json.dumps(fields | {"files": [], "error": why}).encode(), b"", b""
+    return b"".join((_FRAME.pack(len(meta), len(manifest), len(marker)), meta, manifest, marker))
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    """The fields of a header (:func:`header`), ``manifest`` and ``marker`` as bytes; FormatError when its
+    frame does not add up."""
+    if len(raw) < _FRAME.size:
+        raise FormatError(f"a peer's header is {len(raw)} bytes, too short for its frame")
+    a, b, c = _FRAME.unpack_from(raw)
+    if _FRAME.size + a + b + c != len(raw):
+        raise FormatError(f"a peer's header of {len(raw)} bytes does not match its frame ({a}, {b}, {c}); do all "
+                          "ranks run the same tierfs version?")
+    h = json.loads(raw[_FRAME.size:_FRAME.size + a])
+    if not isinstance(h, dict):
+        raise FormatError("a peer's header is not a JSON object")
+    h["manifest"], h["marker"] = raw[_FRAME.size + a:_FRAME.size + a + b], raw[_FRAME.size + a + b:]
+    return h
 
 
 def check_header(h: dict[str, Any], step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
     """The manifest a peer announced for ``rank``'s shard of ``step``, checked against its marker."""
     if h.get("error"):
         raise TierfsError(f"the holder cannot send it ({h['error']})")
-    mbytes, marker_bytes = h["manifest"].encode("latin-1"), h["marker"].encode("latin-1")
+    mbytes, marker_bytes = h["manifest"], h["marker"]
     if h["step"] != step or h["rank"] != rank:
         raise FormatError(f"a peer offered step {h['step']} rank {h['rank']} for step {step} rank {rank}")
     marker = Marker.from_bytes(marker_bytes)
@@ -126,13 +148,15 @@ def direct(m: Manifest, views: Mapping[str, np.ndarray], files: Mapping[str, Any
 
 
 def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Accept, pace: Pace | None,
-             wire: Wire = Wire(), land: bool = False) -> dict[int, str | None]:
+             wire: Wire = Wire(), land: bool = False,
+             parse: Callable[[bytes], dict[str, Any]] = parse_header) -> dict[int, str | None]:
     """One round of shard moves between ranks: headers, accept/refuse, then the files, every block checked
     as it lands. A header goes in a first message of ``wire.first`` bytes with its length; the rest of a longer
     one follows only once its receiver agreed to its length (one out of range is refused before the rest
     is sent). With ``land`` (the same on every rank) messages are also cut around large entries, and each
-    receiver takes the entries ``accept`` names in its ``direct`` straight into their arrays. Returns
-    ``{source: error or None}``.
+    receiver takes the entries ``accept`` names in its ``direct`` straight into their arrays. ``parse`` reads
+    a header's bytes into what ``accept`` takes (default: a shard's, :func:`header`). Returns ``{source: error
+    or None}``.
 
     A rank whose connection fails (its process ended, or it did not answer in time) drops out of the later
     steps of the round, on both sides, while the other pairs go on: every rank still reaches the caller's
@@ -179,7 +203,7 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
             continue
         try:
             raw = first[8:8 + min(lengths[s], room)].tobytes() + (rest_in[s].tobytes() if s in rest_in else b"")
-            h = json.loads(raw)
+            h = parse(raw)
             manifests[s], bufs[s], direct[s] = accept(s, h)
             errors[s] = None
         except Exception as e:  # noqa: BLE001 - between rounds: the sender hears of it in the next one

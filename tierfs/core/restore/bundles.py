@@ -115,7 +115,7 @@ def complete(g: Any, step: int, manifest: Manifest | None, files: dict[str, Any]
         m, bufs = _carried(step, me, manifest, items)  # type: ignore[arg-type]
         return m, bufs, _wire.direct(m, views, bufs)
 
-    errors = _wire.transfer(g, sends, sorted(want), accept, pace, wire, land=True)
+    errors = _wire.transfer(g, sends, sorted(want), accept, pace, wire, land=True, parse=json.loads)
     bad = [f"from rank {s}: {why}" for s, why in errors.items() if why]
     if bad:
         return "; ".join(bad)
