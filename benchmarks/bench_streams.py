@@ -13,7 +13,11 @@ Reported per variant, medians over ``--rounds`` rounds of each rank: the CPU sec
 per round (every thread), the wall time, and both against the floor. The receiver checks nothing here: this
 is the transport alone (a replica's receiver also checks every block's crc32c, the same in either case).
 
-    .venv/bin/python benchmarks/bench_streams.py [--mib 30] [--rounds 20] [--out PATH]
+Then the small rounds a save also makes, ``--small`` times each: a 1-byte exchange (a transfer's yes/no)
+over gloo and over the streams, and an all-reduce of three integers (a vote, which stays on gloo); the CPU
+microseconds the process spends per round and the wall time, medians of both ranks.
+
+    .venv/bin/python benchmarks/bench_streams.py [--mib 30] [--rounds 20] [--small 500] [--out PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import MiB, launch_ranks, log, machine_note, results_path  # noqa: E402
 
 VARIANTS = ("gloo", "streams", "socket floor")
+SMALL = ("1-byte exchange, gloo", "1-byte exchange, streams", "all-reduce of 3 integers, gloo")
 CHUNK = 8 << 20
 
 
@@ -115,6 +120,18 @@ def worker(args: argparse.Namespace) -> None:
                 result[v]["wall"].append(time.perf_counter() - w0)
                 if not np.array_equal(dst, want):
                     raise SystemExit(f"{v}: the bytes received differ from those sent")
+        one_out, one_in = np.ones(1, np.uint8), np.zeros(1, np.uint8)
+        smalls = {"1-byte exchange, gloo": lambda: over_gloo.exchange([(peer, one_out)], [(peer, one_in)]),
+                  "1-byte exchange, streams": lambda: over_streams.exchange([(peer, one_out)], [(peer, one_in)],
+                                                                             bulk=True),
+                  "all-reduce of 3 integers, gloo": lambda: base.all_reduce([rank, 1, 2])}
+        for v, run in smalls.items():
+            run()  # connections made
+            dist.barrier()
+            c0, w0 = cpu(), time.perf_counter()
+            for _ in range(args.small):
+                run()
+            result[v] = {"cpu": (cpu() - c0) / args.small, "wall": (time.perf_counter() - w0) / args.small}
         gathered: list = [None, None]
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -143,6 +160,11 @@ def report(ranks: list[dict], args: argparse.Namespace) -> str:
     lines.append("")
     lines.append(f"- streams against gloo: CPU {med['streams']['cpu'] / med['gloo']['cpu']:.2f}x, wall "
                  f"{med['streams']['wall'] / med['gloo']['wall']:.2f}x (medians over both ranks' rounds)")
+    lines += ["", f"### Small rounds ({args.small} of each)", "",
+              "| round | CPU us per round (process) | wall us |", "|---|---|---|"]
+    for v in SMALL:
+        lines.append(f"| {v} | {statistics.median(r[v]['cpu'] for r in ranks) * 1e6:.0f} | "
+                     f"{statistics.median(r[v]['wall'] for r in ranks) * 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +172,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=30, help="MiB each rank sends (and receives) per round")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--small", type=int, default=500, help="rounds of each small exchange")
     ap.add_argument("--out", default=None, help="results file (no extension); default benchmarks/results/...")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
