@@ -236,7 +236,7 @@ class ShardLayout:
                 assert data is not None
                 np.copyto(d, data)
         copies = None
-        if tdst and (overlap is not None or any(t.device.type != "cpu" for t in tsrc)):
+        if tdst and (overlap is not None or not all(t.is_cpu for t in tsrc)):  # (is_cpu: no device object made)
             copies, here = _device.plan(step, [self.names[i] for i in self.arrays], list(zip(tj, tsrc, tdst)),
                                         overlap, buffers)
             if copies is not None:
