@@ -77,7 +77,8 @@ FIRST = 16 << 10
 def swap(g: Any, sends: Mapping[int, bytes], sources: list[int]) -> dict[int, bytes]:
     """Byte strings to other ranks (``sends``: ``{rank: bytes}``) and from ``sources``: a first message of
     :data:`FIRST` bytes each, then the rest of longer ones, between the pairs that have some, in a second.
-    Both over the group's streams where it has them (a third of gloo's CPU and latency per small round)."""
+    Both over the group's streams where it has them (less than half of gloo's CPU and time per small round,
+    ``benchmarks/bench_streams.py``)."""
     room = FIRST - 8
     firsts = [(r, np.zeros(FIRST, np.uint8)) for r in sources]
     g.exchange([(r, framed(b, FIRST)) for r, b in sends.items()], firsts, bulk=True)

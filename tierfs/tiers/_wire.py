@@ -167,7 +167,7 @@ def transfer(g: Any, sends: Sequence[Send], incoming: Sequence[int], accept: Acc
     def exchange(out: Sequence[tuple[int, np.ndarray]], into: Sequence[tuple[int, np.ndarray]], **kw: Any) -> None:
         """A round with the peers not lost (``into`` must hold none with ``on_received``: it counts them).
         Every round goes over the group's streams where it has them, the headers and yes/no bytes too: a
-        round there costs a third of gloo's CPU (its I/O thread's polling) and latency."""
+        small round there costs less than half of gloo's CPU and time (``benchmarks/bench_streams.py``)."""
         into = into if "on_received" in kw else [x for x in into if x[0] not in lost]
         for peer, why in g.exchange([x for x in out if x[0] not in lost], into, tolerate=True, bulk=True,
                                     **kw).items():
