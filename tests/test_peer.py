@@ -102,9 +102,9 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     assert all(o["ranks"] == outs[0]["ranks"] for o in outs)  # every rank reports every rank's source
     assert outs[1]["held"] == {"3": [0]}  # the replaced node keeps rank 0's copy again
     # gloo groups, all made when the store opened, none by the restores: store + commit and the peer tier's
-    # restore groups (2 connections) at full priority; the copy groups of the object tier (1) and peers (2)
-    # at the background's
-    assert all(o["loops"] == [0] * 4 + [BACKGROUND_NICE] * 3 for o in outs), [o["loops"] for o in outs]
+    # restore group at full priority; the copy groups of the object tier and the peers at the background's
+    # (over the streams each of the peer tier's roles is one group, whatever its connections)
+    assert all(o["loops"] == [0] * 3 + [BACKGROUND_NICE] * 2 for o in outs), [o["loops"] for o in outs]
     assert [o["groups_restoring"] for o in outs] == [0] * 4
     # closed and opened again in the same processes while another store of theirs is open: the second store
     # takes the groups the first gave back (no new group, no new thread but the other store's two), and its
@@ -256,20 +256,22 @@ def test_a_peer_tier_needs_several_nodes(tmp_path):
         TieredStore([PeerTier(), MemoryTier(tmp_path / "ram")])
 
 
-@pytest.mark.parametrize("nice", [None, "10"])
-def test_replication_runs_at_the_background_priority(tmp_path, nice):
-    """The worker that replicates and the I/O threads of its groups (gloo's loops, one per connection, which
-    do the kernel copies) run at the background priority: by default the training thread's own (a lower
-    one makes a background thread that holds the GIL wait for a core with it), or
-    ``TIERFS_BACKGROUND_NICE``'s; the commit group's at full priority either way."""
-    outs = job(2, tmp_path / "shm", "-", "priorities", 1, env={"TIERFS_BACKGROUND_NICE": nice})
-    low = int(nice or 0)
+@pytest.mark.parametrize("nice,streams", [(None, None), ("10", "0")], ids=["default", "nice10-gloo"])
+def test_replication_runs_at_the_background_priority(tmp_path, nice, streams):
+    """The worker that replicates and the I/O threads of its groups (gloo's loops, which do the kernel
+    copies where the bytes go over gloo) run at the background priority: by default the training thread's
+    own (a lower one makes a background thread that holds the GIL wait for a core with it), or
+    ``TIERFS_BACKGROUND_NICE``'s; the commit group's at full priority either way. Over the streams each of
+    the peer tier's roles is one group; over gloo (``TIERFS_STREAMS=0``) one per connection."""
+    outs = job(2, tmp_path / "shm", "-", "priorities", 1,
+               env={"TIERFS_BACKGROUND_NICE": nice, "TIERFS_STREAMS": streams})
+    low, per_role = int(nice or 0), 1 if streams is None else 2
     for o in outs:
         assert o["steps"]["1"] == ["ram", "peer"]
         loops = sorted(n for name, n in o["threads"] if name == "gloo_tcp_loop")
-        # store + commit group and the peer tier's restore groups (2 connections, made at open so that no
-        # restore makes groups): full priority; the peer tier's copy groups (2 connections): the background's
-        assert loops == [0, 0, 0, 0, low, low], o["threads"]
+        # store + commit group and the peer tier's restore groups (made at open so that no restore makes
+        # groups): full priority; the peer tier's copy groups: the background's
+        assert loops == sorted([0, 0] + [0] * per_role + [low] * per_role), o["threads"]
         workers = [n for name, n in o["threads"] if not name.startswith(("gloo", "pt_"))]
         assert low in workers and set(workers) <= {0, low}  # the replicating worker
 

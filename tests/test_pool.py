@@ -17,7 +17,8 @@ CHILDREN = Path(__file__).parent / "children"
 
 
 def test_groups_are_made_once_and_taken_again_while_a_store_is_open():
-    outs = gloo_job.run_job(2, CHILDREN / "pool_child.py")
+    # the bulk bytes over gloo, so that the fork is 2 lanes (over the streams it would be one)
+    outs = gloo_job.run_job(2, CHILDREN / "pool_child.py", env={"TIERFS_STREAMS": "0"})
     for o in outs:
         steps = o["steps"]
         assert all(s["works"] for s in steps), steps

@@ -1,4 +1,5 @@
-"""One rank of a two-rank job exercising ``TorchGroup.exchange`` over two lanes (gloo on localhost).
+"""One rank of a two-rank job exercising ``TorchGroup.exchange`` of a group forked with two lanes (gloo on
+localhost; over the streams it makes one).
 
 Rank 0's ``on_received`` fails on the second buffer: rank 0 must still send everything and raise only after,
 rank 1 must get every byte, and the group must stay in step. Before the exchange, rank 0 connects to rank 1's
@@ -24,7 +25,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     g = TorchGroup().fork(lanes=2)
     me, other = g.rank, 1 - g.rank
-    out: dict = {"rank": me, "streams": g._link is not None}
+    out: dict = {"rank": me, "streams": g._link is not None, "lanes": len(g._lanes)}
     if me == 0 and g._link is not None:  # a stranger's greeting: rank 1 closes the connection unread
         from tierfs.ranks import diagnosis, streams
 

@@ -1,12 +1,13 @@
 """One rank of a two-rank job taking groups from the process's pool as stores do (gloo on localhost).
 
-Steps, each an opening (``POOL.opening``) that makes a store's groups (``TorchGroup()``, ``fork(lanes=2)``),
-and what it made: a first one; a second one while the first holds its groups (it makes its own); a third
-one after the first gave its groups back while the second is still open (it makes none); then a failure
-seen on rank 1 alone (the groups of the third's fork are not reused), after which the next opening makes
-new groups on both ranks instead of hanging on groups that only one rank has. Once every opening gave its
-groups back (the last store closed), none is left. Each step checks its groups work (an all-reduce, a
-transfer). Prints one JSON line.
+Steps, each an opening (``POOL.opening``) that makes a store's groups (``TorchGroup()``, ``fork(lanes=2)``:
+the test turns the streams off, so that the fork is its two lanes), and what it made: a first one; a
+second one while the first holds its groups (it makes its own); a third one after the first gave its
+groups back while the second is still open (it makes none); then a failure seen on rank 1 alone (the
+groups of the third's fork are not reused), after which the next opening makes new groups on both ranks
+instead of hanging on groups that only one rank has. Once every opening gave its groups back (the last
+store closed), none is left. Each step checks its groups work (an all-reduce, a transfer). Prints one
+JSON line.
 """
 
 import numpy as np

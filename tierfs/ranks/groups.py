@@ -148,10 +148,12 @@ class TorchGroup:
 
         With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
         kernel copies of every transfer) run at that CPU priority, like tierfs's background workers
-        (:data:`tierfs.util.worker.BACKGROUND_NICE`). With ``lanes`` > 1 the twin is that many groups and
-        ``exchange`` deals the buffers between two ranks out over them in turn: gloo moves a group's bytes
-        on one connection per pair of ranks and one I/O thread, so on one lane a rank's sends and receives
-        take turns.
+        (:data:`tierfs.util.worker.BACKGROUND_NICE`). With ``lanes`` > 1, where the group's bulk bytes go
+        over gloo (the ranks have no streams), the twin is that many groups and ``exchange`` deals the
+        buffers between two ranks out over them in turn: gloo moves a group's bytes on one connection per
+        pair of ranks and one I/O thread, so on one lane a rank's sends and receives take turns. Over the
+        streams more lanes would carry nothing, and each gloo group costs its idle I/O loop (it wakes every
+        10 ms: 1-2.5 ms of CPU a second here), so the twin is then one group.
         """
         twin = object.__new__(TorchGroup)
         twin.__dict__.update(self.__dict__)
@@ -159,9 +161,10 @@ class TorchGroup:
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
         twin._state = {}
         twin._lanes = []
-        for _ in range(max(1, int(lanes))):
+        twin._lanes.append(pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state, twin._lanes))
+        twin._named()  # whether the ranks have streams: every rank sees the same
+        for _ in range(max(1, int(lanes)) - 1 if twin._link is None else 0):
             twin._lanes.append(pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state, twin._lanes))
-        twin._named()
         return twin
 
     def _named(self) -> None:

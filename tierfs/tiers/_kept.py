@@ -50,8 +50,9 @@ class KeptInRam(Replicator):
         # one set of groups per thread role, made (or taken from the process's pool) now, never on a save's
         # or a restore's path. "copy": copies run in a background worker, its transfer threads give way to
         # training too; "main": restores (a node's loss, re-seeding peers). An idle group costs its gloo
-        # threads (under 1 ms of CPU a second) and a listening socket, whether or not a restore ever needs
-        # it; its connections come when first used
+        # threads (its I/O loop wakes every 10 ms: 1-2.5 ms of CPU a second) and a listening socket, whether
+        # or not a restore ever needs it; its connections come when first used. Over the streams each role
+        # is one group; only where bulk bytes go over gloo is it `connections` of them (TorchGroup.fork)
         self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
                         "main": group.fork(self.backend, lanes=self.connections)}
 
@@ -66,7 +67,7 @@ class KeptInRam(Replicator):
         return groups[role]
 
     def transfer_group(self) -> Any:
-        """The restore's groups (``connections`` of them): a restore's bulk transfers use them too."""
+        """The restore's group (``connections`` lanes where bulk bytes go over gloo): its bulk transfers too."""
         return self._group("main")
 
     @property

@@ -62,9 +62,10 @@ class PeerTier(KeptInRam):
     backend:
         torch.distributed backend of the groups tierfs creates for replication (default ``"gloo"``).
     connections:
-        Groups a transfer is spread over (default 2). gloo moves a group's bytes between two ranks on one
-        connection and one I/O thread, which cannot send and receive at the same time; two let a rank send
-        its shard while it receives another's.
+        Groups a transfer is spread over where its bytes go over gloo (default 2): gloo moves a group's
+        bytes between two ranks on one connection and one I/O thread, which cannot send and receive at the
+        same time; two let a rank send its shard while it receives another's. Where the ranks have tierfs's
+        own streams (the default) the bytes go over those instead, and each role gets one group.
     node_rank:
         This process's node number, overriding ``TIERFS_NODE_RANK`` / torchrun's ``GROUP_RANK``.
     name:
