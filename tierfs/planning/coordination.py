@@ -31,13 +31,13 @@ class PerRank:
         shard file (:mod:`tierfs.planning.store_requests`).
     """
 
-    collectives: int = 8
-    sockets: int = 20
+    collectives: int = 7
+    sockets: int = 28
     store_requests: int = 0
     object_requests: int = 6
 
 
-#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261127-9.md`` (the object store's:
+#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261130-1.md`` (the object store's:
 #: ``bench_requests-20261129-3.md``)
 MEASURED = PerRank()
 
