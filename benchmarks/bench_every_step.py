@@ -34,9 +34,11 @@ the warm-up (the model and AdamW update those tensors in place). Building the st
 costs the same to any checkpoint; it is timed apart and reported beside the figures.
 
 A step's time is its whole wall time on the training thread: forward, backward, optimizer, the
-all-reduce, and the save call. Each variant's store or floor is opened and warmed (three saves) before
-the timed rounds; after each round the background work is waited for outside the timing, so no round's
-work spills into another variant's.
+all-reduce, and the save call. The floors are opened and warmed (three saves) before the timed rounds,
+tierfs's store before each of its segments (three saves, untimed), and closed after it, as a loop
+without checkpoints has no store: an open store's threads cost CPU while idle (each gloo group's I/O
+loop wakes every 10 ms), which every variant's figures would otherwise share. After each round the
+background work is waited for outside the timing, so no round's work spills into another variant's.
 
 Reported per step time, medians over ranks and rounds (``--runs`` repeats, each a fresh job, and their
 median): the slowdown of the mean step against the loop without checkpoints of the same round; p50 and
@@ -180,12 +182,19 @@ def worker(args: argparse.Namespace) -> None:
             say(f"state: {nbytes / MiB:.1f} MiB in {ntensors} tensors per rank; "
                 f"{args.rounds} rounds x {len(VARIANTS)} variants x {args.steps} steps")
             tag = f"t{target}".replace(".", "_")
-            ram, peer = MemoryTier(scratch.fresh(f"ram-{tag}"), keep=LatestN(2)), PeerTier(replicas=1)
-            tiers = {"ram": ram, "peer": peer, "s3": ObjectTier(f"s3://{args.bucket}/{tag}/tierfs", opts,
-                                                                save=FixedIntervalPolicy(args.upload_every),
-                                                                keep=LatestN(2))}
-            store = TieredStore([tiers[t] for t in args.tiers.split(",")], helper=args.helper,
-                                **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}))
+
+            def open_store(k: int):
+                """A fresh store (its own RAM directory; the object tier's prefix is shared): its RAM tier
+                and itself."""
+                ram = MemoryTier(scratch.fresh(f"ram-{tag}-{k}"), keep=LatestN(2))
+                tiers = {"ram": ram, "peer": PeerTier(replicas=1),
+                         "s3": ObjectTier(f"s3://{args.bucket}/{tag}/tierfs", opts,
+                                          save=FixedIntervalPolicy(args.upload_every), keep=LatestN(2))}
+                return ram, TieredStore([tiers[t] for t in args.tiers.split(",")], helper=args.helper,
+                                        **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}))
+
+            opened = 0
+            ram, store = open_store(opened)
             floor = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/floor/{rank}"),
                           args.upload_every)
             verified = Floor(dist, trainer.state(), BACKGROUND_NICE, (fs, f"{args.bucket}/{tag}/verified/{rank}"),
@@ -201,6 +210,11 @@ def worker(args: argparse.Namespace) -> None:
                 store.wait_until_finished()
                 floor.wait()
                 verified.wait()
+                # tierfs's store is open during its own segments only: an open store's threads cost CPU while
+                # idle (each gloo group's I/O loop wakes every 10 ms), which a loop without it does not spend
+                store.close()
+                scratch.remove(f"ram-{tag}-{opened}")
+                store = None
                 # the floor holds views of the state's tensors, made once; tierfs gets the state once too (the
                 # model and AdamW update its tensors in place), and what building it costs is reported apart
                 kept = trainer.state()
@@ -212,6 +226,7 @@ def worker(args: argparse.Namespace) -> None:
                 # steps numbered so that each segment begins at a multiple of --upload-every: every variant
                 # uploads the same number of times
                 res: dict = {v: [] for v in VARIANTS}
+                buffers, held = {}, {}  # the RAM tier's buffers and where the steps are, after tierfs's last segment
                 last = None  # the last step tierfs saved
                 seg = 0
                 for rnd in range(args.rounds):
@@ -222,9 +237,19 @@ def worker(args: argparse.Namespace) -> None:
                         seg += 1
                         first = seg * args.upload_every * max(1, -(-args.steps // args.upload_every))
                         if v == "tierfs":
+                            opened += 1
+                            ram, store = open_store(opened)
+                            for s in range(first - 3, first):  # warm, untimed: buffers mapped, plans cached
+                                store.save(s, kept, blocking=False)
+                            store.wait_until_finished()
                             r = segment(trainer, args.steps, first,
                                         lambda s: store.save(s, kept, blocking=False),
                                         store.wait_until_finished, probe, sampler)
+                            buffers = {"ram": ram.stats()}
+                            held = {str(k): sorted(v) for k, v in store.steps().items()}
+                            store.close()
+                            scratch.remove(f"ram-{tag}-{opened}")
+                            store = None
                         elif v == "floor":
                             r = segment(trainer, args.steps, first, floor.save, floor.wait, probe, sampler)
                         elif v == "verified floor":
@@ -239,18 +264,17 @@ def worker(args: argparse.Namespace) -> None:
                             f"save {statistics.fmean(r['stalls']) * 1e3:.1f} ms, background CPU "
                             f"{r['background_cpu'] * 1e3:.1f} ms per step; training thread on a core / waiting "
                             f"for one / blocked: {' / '.join(f'{x * 1e3:.1f}' for x in r['main'])} ms per step")
-                buffers = {"ram": ram.stats()}
-                held = {str(k): sorted(v) for k, v in store.steps().items()}  # where the steps are, at the end
                 say(f"RAM buffers: {buffers}")
                 out["targets"][str(target)] = {"state_ms": statistics.median(state_ms), "buffers": buffers, "held": held, "last": last, "calibrated": measured, "batch": trainer.batch, "nbytes": nbytes,
                                                "tensors": ntensors, "rounds": res,
                                                "gil_sampling": sampler.why or "py-spy",
                                                "verified_floor_mismatches": verified.mismatches}
             finally:
-                store.close()
+                if store is not None:
+                    store.close()
+                    scratch.remove(f"ram-{tag}-{opened}")
                 floor.close()
                 verified.close()
-                scratch.remove(f"ram-{tag}")
     finally:
         probe.close()
         scratch.cleanup()
