@@ -201,6 +201,7 @@ class Floor:
         self.conn, _ = srv.accept()
         srv.close()
         self.sends: list[Any] = []
+        self.send_error: OSError | None = None  # why the sender stopped, if it did
         self.send_cond = threading.Condition()
         self.closed = False
         self.threads = [threading.Thread(target=self._sender, name="floor-send", daemon=True),
@@ -261,9 +262,16 @@ class Floor:
             data = memoryview(self.bufs[i].numpy())
             if self.verified:  # the commit's checksum, then the bytes and it
                 tail = crc32c(data).to_bytes(4, "little")
-            self.out.sendall(data)
-            if self.verified:
-                self.out.sendall(tail)
+            try:
+                self.out.sendall(data)
+                if self.verified:
+                    self.out.sendall(tail)
+            except OSError as e:  # the peer went away: what waits for the sends raises, never hangs
+                with self.send_cond:
+                    self.send_error = self.send_error or e
+                    self.sends.clear()
+                    self.send_cond.notify_all()
+                return
             with self.send_cond:
                 self.sends.pop(0)
                 self.send_cond.notify_all()
@@ -298,6 +306,8 @@ class Floor:
     def wait(self) -> None:
         with self.send_cond:
             self.send_cond.wait_for(lambda: not self.sends)
+            if self.send_error is not None:
+                raise RuntimeError(f"the floor's copy to the next rank failed: {self.send_error}")
         for t in self.uploads:
             t.join()
         self.uploads.clear()

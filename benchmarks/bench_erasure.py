@@ -33,7 +33,8 @@ In one run (each process of a job is its own node, gloo on 127.0.0.1, its RAM di
    one thread, a 4-byte all-reduce of the loss per step to keep the ranks in step) ``--train-steps``
    steps per run, saving ``blocking=False`` in the middle of every ``--save-every`` steps (default
    throttle), with no checkpoints, RAM only, RAM + erasure and RAM + peers; runs take turns in ``--rounds``
-   rounds in an order that rotates, each store opened and warmed up (3 saves) before.
+   rounds in an order that rotates, each store opened and warmed up (3 saves) before its run and closed
+   after it (an open store's idle gloo groups would cost every variant's runs).
    Slowdown: median over ranks and rounds of a run's mean step time (save calls included) over the same
    round's run without checkpoints. Other jobs on a shared machine move step times by tens of percent, so
    the CPU the store's threads spend per save (beside the run without checkpoints) is reported too.
@@ -365,20 +366,32 @@ def training(dist, scratch: Scratch, makers, args, say) -> dict:
         train_step()  # AdamW's state exists
     state_bytes = sum(t.nbytes for t in model.state_dict().values()) + sum(
         t.nbytes for s in opt.state.values() for t in s.values())
-    stores: dict = {"no checkpoints": None}
-    for label, make in [("RAM only", None), *makers]:
-        tiers = [MemoryTier(scratch.fresh(f"train-{len(stores)}"), keep=LatestN(1))] + ([make()] if make else [])
-        stores[label] = TieredStore(tiers)  # the default throttle, as a job would run
-        for step in range(3):  # warm-up: RAM buffers, replicas, pools in steady state
-            stores[label].save(step, ckpt())
-            stores[label].wait_until_finished()
+    makes: dict = {"no checkpoints": None, "RAM only": None, **dict(makers)}
     out: dict = {"state bytes": state_bytes, "runs": {}}
-    labels = list(stores)
+    labels = list(makes)
     next_step = {k: 100 for k in labels}
+    opened = 0
+    store = None
+
+    def open_store(label: str):
+        """The variant's store, fresh and warmed up (3 saves: RAM buffers, replicas, pools in steady state),
+        open during its own run only: an open store's idle threads (each gloo group's I/O loop wakes every
+        10 ms) would cost the other variants' runs too."""
+        nonlocal opened
+        opened += 1
+        make = makes[label]
+        tiers = [MemoryTier(scratch.fresh(f"train-{opened}"), keep=LatestN(1))] + ([make()] if make else [])
+        st = TieredStore(tiers)  # the default throttle, as a job would run
+        for _ in range(3):
+            st.save(next_step[label], ckpt())
+            st.wait_until_finished()
+            next_step[label] += 1
+        return st
+
     try:
         for rnd in range(args.rounds):
             for label in labels[rnd % len(labels):] + labels[:rnd % len(labels)]:
-                store = stores[label]
+                store = open_store(label) if label != "no checkpoints" else None
                 dist.barrier()
                 times, stalls = [], []
                 cpu0 = background_cpu()
@@ -399,11 +412,14 @@ def training(dist, scratch: Scratch, makers, args, say) -> dict:
                 out["runs"].setdefault(label, []).append({"background cpu s": cpu, "saves": len(stalls),
                     "median step s": statistics.median(times), "mean step s": sum(times) / len(times),
                     "save call s": statistics.median(stalls) if stalls else 0.0, "tail s": tail})
+                if store is not None:
+                    store.close()
+                    scratch.remove(f"train-{opened}")
+                    store = None
             say(f"training: round {rnd + 1} of {args.rounds}")
     finally:
-        for store in stores.values():
-            if store is not None:
-                store.close()
+        if store is not None:
+            store.close()
     return out
 
 

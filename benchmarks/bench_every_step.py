@@ -264,6 +264,9 @@ def worker(args: argparse.Namespace) -> None:
                             f"save {statistics.fmean(r['stalls']) * 1e3:.1f} ms, background CPU "
                             f"{r['background_cpu'] * 1e3:.1f} ms per step; training thread on a core / waiting "
                             f"for one / blocked: {' / '.join(f'{x * 1e3:.1f}' for x in r['main'])} ms per step")
+                # every rank's floors done sending before any closes what it receives on (a rank that closed
+                # it early would reset a slower neighbour's last copy)
+                dist.barrier()
                 say(f"RAM buffers: {buffers}")
                 out["targets"][str(target)] = {"state_ms": statistics.median(state_ms), "buffers": buffers, "held": held, "last": last, "calibrated": measured, "batch": trainer.batch, "nbytes": nbytes,
                                                "tensors": ntensors, "rounds": res,
