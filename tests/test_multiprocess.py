@@ -66,12 +66,14 @@ def test_ranks_sharing_a_node_directory_reuse_their_buffers(shm_dir, tmp_path):
 @pytest.mark.parametrize("no_streams", [None, "1"], ids=["streams", "gloo"])
 def test_exchange_sends_everything_and_raises_after_a_failed_check(no_streams):
     """Point-to-point exchange, over the group's streams or (streams off on one rank: on every rank) over two
-    lanes of gloo (over the streams the group is one lane: a second would only idle): buffers of any size (empty too) arrive bit-exact and in order; a failing check on one rank
-    is raised there only once every byte has moved, and the group stays usable (all_gather of short and long
-    JSON too). A stranger's connection to a rank's stream socket is closed unread and disturbs nothing."""
+    lanes of gloo (over the streams the fork holds no gloo group: its collectives go over the streams too):
+    buffers of any size (empty too) arrive bit-exact and in order; a failing check on one rank is raised there
+    only once every byte has moved, and the group stays usable (all_gather of short and long JSON too). A
+    stranger's connection to a rank's stream socket is closed unread and disturbs nothing."""
     outs = gloo_job.run_job(2, CHILDREN / "exchange_child.py", env={"NO_STREAMS_RANK": no_streams})
     assert all(o["streams"] is (no_streams is None) and o["streamed"] is (no_streams is None) for o in outs)
-    assert all(o["lanes"] == (1 if no_streams is None else 2) for o in outs)  # no idle gloo lane beside streams
+    # no idle gloo group beside the streams
+    assert all((o["lanes"], o["tree"]) == ((0, True) if no_streams is None else (2, False)) for o in outs)
     assert outs[0].get("stranger_closed") is (True if no_streams is None else None)
     assert [o["raised"] for o in outs] == ["check failed", None]
     assert all(o["exact"] and o["after"] == [0, 1] and o["off_thread"] for o in outs)

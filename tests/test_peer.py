@@ -101,16 +101,16 @@ def test_a_lost_node_restores_from_its_peer_and_gets_its_replicas_back(saved_r1,
     assert sources == [("ram", None), ("peer", 2), ("ram", None), ("ram", None)]  # object tier untouched
     assert all(o["ranks"] == outs[0]["ranks"] for o in outs)  # every rank reports every rank's source
     assert outs[1]["held"] == {"3": [0]}  # the replaced node keeps rank 0's copy again
-    # gloo groups, all made when the store opened, none by the restores: store + commit and the peer tier's
-    # restore group at full priority; the copy groups of the object tier and the peers at the background's
-    # (over the streams each of the peer tier's roles is one group, whatever its connections)
-    assert all(o["loops"] == [0] * 3 + [BACKGROUND_NICE] * 2 for o in outs), [o["loops"] for o in outs]
+    # gloo groups, all made when the store opened, none by the restores: the store's own, at full priority;
+    # the commit's, the copy workers' and the peer tier's groups have none (their collectives go over
+    # tierfs's streams, on the threads that call them), so no idle I/O loop of theirs
+    assert all(o["loops"] == [0] for o in outs), [o["loops"] for o in outs]
     assert [o["groups_restoring"] for o in outs] == [0] * 4
     # closed and opened again in the same processes while another store of theirs is open: the second store
-    # takes the groups the first gave back (no new group, no new thread but the other store's two), and its
+    # takes the group the first gave back (no new group, no new thread but the other store's loop), and its
     # restore over them gets the replaced node's shard from its peer
     assert [o["groups_reopening"] for o in outs] == [0] * 4
-    assert all(o["loops_reopened"] == [0] * 2 + o["loops"] for o in outs), [o["loops_reopened"] for o in outs]
+    assert all(o["loops_reopened"] == [0] + o["loops"] for o in outs), [o["loops_reopened"] for o in outs]
     assert [o["reopened_tier"] for o in outs] == ["ram", "peer", "ram", "ram"] and all(o["reopened_exact"] for o in outs)
     assert (shm / "node1" / "peers" / "rank_00001" / step_dirname(3) / "rank_00000.manifest.json").exists()
     # into new arrays: the replaced node's shard again from its peer, its large entry received in place
@@ -261,17 +261,20 @@ def test_replication_runs_at_the_background_priority(tmp_path, nice, streams):
     """The worker that replicates and the I/O threads of its groups (gloo's loops, which do the kernel
     copies where the bytes go over gloo) run at the background priority: by default the training thread's
     own (a lower one makes a background thread that holds the GIL wait for a core with it), or
-    ``TIERFS_BACKGROUND_NICE``'s; the commit group's at full priority either way. Over the streams each of
-    the peer tier's roles is one group; over gloo (``TIERFS_STREAMS=0``) one per connection."""
+    ``TIERFS_BACKGROUND_NICE``'s; the commit group's at full priority either way. Over the streams the
+    forked groups hold no gloo group (their collectives run on the threads that call them); over gloo
+    (``TIERFS_STREAMS=0``) each of the peer tier's roles has one per connection."""
     outs = job(2, tmp_path / "shm", "-", "priorities", 1,
                env={"TIERFS_BACKGROUND_NICE": nice, "TIERFS_STREAMS": streams})
     low, per_role = int(nice or 0), 1 if streams is None else 2
     for o in outs:
         assert o["steps"]["1"] == ["ram", "peer"]
         loops = sorted(n for name, n in o["threads"] if name == "gloo_tcp_loop")
-        # store + commit group and the peer tier's restore groups (made at open so that no restore makes
-        # groups): full priority; the peer tier's copy groups: the background's
-        assert loops == sorted([0, 0] + [0] * per_role + [low] * per_role), o["threads"]
+        # over gloo: store + commit group and the peer tier's restore groups (made at open so that no restore
+        # makes groups): full priority; the peer tier's copy groups: the background's; over the streams, the
+        # store's own group alone
+        want = [0] if streams is None else [0, 0] + [0] * per_role + [low] * per_role
+        assert loops == sorted(want), o["threads"]
         workers = [n for name, n in o["threads"] if not name.startswith(("gloo", "pt_"))]
         assert low in workers and set(workers) <= {0, low}  # the replicating worker
 

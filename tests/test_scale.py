@@ -25,10 +25,19 @@ pytest.importorskip("s3fs")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _scale import Harness, measure  # noqa: E402
 
+from tierfs.ranks import tree  # noqa: E402
+
 #: what a steady save costs a rank, each the same at every job size
 STEADY = ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", "groups_created", "store_writes",
           "store_reads", "s3_LIST", "s3_keys_listed", "s3_PUT", "s3_HEAD", "s3_GET", "s3_DELETE",
-          "s3_keys_deleted")
+          "s3_keys_deleted", "stream_collectives", "stream_p2p", "stream_p2p_bytes_sent", "stream_p2p_bytes_recv")
+
+
+def tree_neighbours(rank: int, n: int) -> int:
+    """How many ranks ``rank`` talks to in the tree of tierfs's collectives over its streams (its parent and
+    children): 3 at most, whatever the job's size."""
+    parent, children = tree.edges(rank, n)
+    return (parent is not None) + len(children)
 
 
 def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
@@ -63,6 +72,13 @@ def test_a_steady_save_costs_a_rank_the_same_at_2_3_and_6_ranks():
         assert jobs[3][rank]["open"]["tierfs_socket_fds"] == large[rank]["open"]["tierfs_socket_fds"], rank
     # every rank, rank 0 and the ranks only the larger job has included, makes the same calls
     assert len({r["steady_save"]["calls"] for job in jobs.values() for r in job.values()}) == 1
+    # the collectives over the streams: the same on every rank; each costs a rank two messages per neighbour
+    # of the tree (three at most), of the same bytes
+    steady = [(n, rank, r["steady_save"]) for n, job in jobs.items() for rank, r in job.items()]
+    assert len({s["stream_collectives"] for _, _, s in steady}) == 1 and steady[0][2]["stream_collectives"] > 0
+    assert all(s["stream_messages"] == 2 * tree_neighbours(rank, n) * s["stream_collectives"]
+               for n, rank, s in steady), [(n, rank, s["stream_messages"]) for n, rank, s in steady]
+    assert len({s["stream_bytes_sent"] / tree_neighbours(rank, n) for n, rank, s in steady}) == 1
 
     # retention (LatestN(2) of steps 1-5): at each save the owner deletes the marker of the step dropped,
     # and each rank takes back its own files at the next save's retention; the close removes what is left
@@ -94,8 +110,8 @@ def test_a_data_parallel_save_costs_a_rank_the_same_at_2_and_6_ranks():
         large = measure(6, ("steady_save",), harness=h, replicated=True)
 
     def figures(job, rank):
-        return {f: job[rank]["steady_save"].get(f, 0) for f in STEADY if f not in ("bytes_sent", "bytes_recv")}
+        return {f: job[rank]["steady_save"].get(f, 0) for f in STEADY if "bytes" not in f}
     assert figures(small, 0) == figures(large, 0) and figures(small, 1) == figures(large, 5)
     assert small[0]["steady_save"]["s3_PUT"] > small[1]["steady_save"]["s3_PUT"]  # the array: stored once
     middle = [figures(large, r) for r in range(1, 5)]
-    assert all(m == middle[0] for m in middle) and middle[0]["calls"] == figures(large, 5)["calls"] + 1
+    assert all(m == middle[0] for m in middle) and middle[0]["stream_p2p"] == figures(large, 5)["stream_p2p"] + 1

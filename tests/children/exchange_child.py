@@ -29,7 +29,7 @@ def main() -> None:
     if me == 0 and g._link is not None:  # a stranger's greeting: rank 1 closes the connection unread
         from tierfs.ranks import diagnosis, streams
 
-        host, port = bytes(diagnosis.job_store(dist).get(streams._key(g._link._launch, 1))).decode().rsplit(":", 1)
+        host, port = bytes(diagnosis.job_store(dist).get(streams._key(g._link.launch, 1))).decode().rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=30) as c:
             c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
             out["stranger_closed"] = c.recv(1) == b""
@@ -51,10 +51,12 @@ def main() -> None:
         out["raised"] = None
     except RuntimeError as e:
         out["raised"] = str(e)
+    # the exchange was one message each way on the pair's streams (the collectives after it add more)
+    streamed = g._link is not None and (g._link._sent.get(other), g._link._got.get(other)) == (1, 1)
     want = [np.random.default_rng(10 * other + k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate(sizes)]
     out.update(exact=all(a.tobytes() == b.tobytes() for a, b in zip(in_bufs, want)), seen=seen, paced=paced,
                off_thread=threading.get_ident() not in threads, after=g.all_gather(me),
-               streamed=g._link is not None and (g._link._sent.get(other), g._link._got.get(other)) == (1, 1),
+               streamed=streamed, tree=g._tree,
                # JSON of any length: one rank's over the first collective's width takes a second round
                gathered=[g.all_gather(x) for x in ("é" * GATHER_WIDTH if me else [me], {"r": me}, "x" * me)])
     finish(out)

@@ -175,7 +175,8 @@ def main() -> None:
         out.update(again_tier=info.tier, again_exact=all(again[k].tobytes() == want[k].tobytes() for k in ("w", "b")))
         out["groups_restoring"] = made[0] - opened  # groups made by the restores (every group: at open)
         if reopen:  # the same store again in these processes, while another store of theirs is open (one
-            # RAM tier of its own: a store group and a commit group): it takes the groups the first gave back
+            # RAM tier of its own: a store group, and a commit group over the streams): it takes the group the
+            # first gave back
             keeper = TieredStore([MemoryTier(os.path.join(shm, f"keeper{rank}"))])
             store.close()
             opened = made[0]

@@ -170,13 +170,53 @@ def _wrap_new_group() -> None:
     dist.new_group = new_group
 
 
+def _wrap_streams() -> None:
+    """Count tierfs's collectives over its streams (a tree of the ranks, tierfs.ranks.tree) and their
+    messages (each rank's depend on its place in the tree: how many children it has, not the job's size),
+    and the buffers its exchanges move over them (point to point)."""
+    from tierfs.ranks import streams, tree
+
+    orig = tree.up_and_down
+    if getattr(orig, "_scale_counted", False):
+        return
+
+    def up_and_down(*args, **kwargs):
+        _add("stream_collectives")
+        _add(f"fn:tree.{sys._getframe(1).f_code.co_name}")
+        _add(f"site:{_site()} [tree]")
+        return orig(*args, **kwargs)
+
+    def send(self, io, dst, data, _send=streams.Link.send):
+        _add("stream_messages")
+        _add("stream_bytes_sent", len(data))
+        return _send(self, io, dst, data)
+
+    def receive(self, io, src, _receive=streams.Link.receive):
+        out = _receive(self, io, src)
+        _add("stream_messages")
+        _add("stream_bytes_recv", len(out))
+        return out
+
+    def run(self, io, sends, recvs, *args, _run=streams.Link.run):
+        _add("stream_p2p", len(sends) + len(recvs))
+        _add("stream_p2p_bytes_sent", sum(b.nbytes for _, b in sends))
+        _add("stream_p2p_bytes_recv", sum(b.nbytes for _, b in recvs))
+        return _run(self, io, sends, recvs, *args)
+
+    up_and_down._scale_counted = True  # type: ignore[attr-defined]
+    tree.up_and_down = up_and_down
+    streams.Link.send, streams.Link.receive, streams.Link.run = send, receive, run
+
+
 def install() -> None:
-    """Wrap torch.distributed's functions and ProcessGroup's methods (before tierfs is imported)."""
+    """Wrap torch.distributed's functions and ProcessGroup's methods (before tierfs is imported; its
+    collectives over its streams once it is)."""
     for name in _FUNCS:
         _wrap(dist, name, name, name in _P2P)
     for name in _PG_METHODS:
         _wrap(_PG, name, f"ProcessGroup.{name}", name in _P2P)
     _wrap_new_group()
+    _wrap_streams()
 
 
 # -- what the process holds ------------------------------------------------------------------------------
@@ -261,7 +301,9 @@ class Meter:
         o1 = self.objects()
         d = {k: c1[(s, k)] - c0[(s, k)] for (s, k) in set(c1) | set(c0) if s == scope}
         figures = {k: v for k, v in d.items() if ":" not in k}
-        for k in ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", "groups_created"):
+        for k in ("calls", "collective_calls", "p2p_calls", "bytes_sent", "bytes_recv", "groups_created",
+                  "stream_collectives", "stream_messages", "stream_bytes_sent", "stream_bytes_recv", "stream_p2p",
+                  "stream_p2p_bytes_sent", "stream_p2p_bytes_recv"):
             figures.setdefault(k, 0)
         figures.update(socks)
         figures["tierfs_socket_fds"] = socks["socket_fds"] - self.own["socket_fds"]

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
-from . import collectives, diagnosis, liveness, pool, severing, streams, waits
+from . import collectives, diagnosis, liveness, pool, severing, streams, tree, waits
 from .collectives import framed
 from .waits import Operation
 
@@ -119,6 +119,8 @@ class TorchGroup:
         self._state: dict[str, str] = {}
         self._lanes: list[Any] = []  # the groups (one, or a fork's lanes); empty once destroyed
         self._gone: Callable[[int], bool] | None = None  # set once the group is named
+        self._tree = False  # its collectives go over its streams (a fork's, where the ranks have streams)
+        self._link: streams.Link | None = None  # its streams, once named
         self._lanes.append(pool.POOL.take(dist, backend, self.timeout, 0, self._state, self._lanes))
         self._named()
         if node_rank is None:
@@ -161,11 +163,24 @@ class TorchGroup:
         twin.timeout = self.timeout if timeout is None else seconds(timeout)
         twin._state = {}
         twin._lanes = []
+        if self._link is not None:  # every rank has streams: the twin's collectives go over a tree of its own
+            twin._over_streams(self)
+            return twin
         twin._lanes.append(pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state, twin._lanes))
         twin._named()  # whether the ranks have streams: every rank sees the same
         for _ in range(max(1, int(lanes)) - 1 if twin._link is None else 0):
             twin._lanes.append(pool.POOL.take(self._dist, twin._backend, twin.timeout, nice, twin._state, twin._lanes))
         return twin
+
+    def _over_streams(self, parent: "TorchGroup") -> None:
+        """Make this fork a group without a torch.distributed group of its own (collective, on ``parent``):
+        its collectives go over its streams (:mod:`tierfs.ranks.tree`), under a number the ranks draw on
+        ``parent``."""
+        assert parent._link is not None
+        self._tree, self._calls = True, [0]
+        self._job = parent.all_reduce([secrets.randbits(62) if self.rank == 0 else 0], "max")[0]
+        self._link = streams.Link(self._job, self.rank, parent._link.store, parent._link.launch, self._gone)
+        severing.watch(self)  # closed after a failure of the job's ranks (its streams, with every other)
 
     def _named(self) -> None:
         """Number the group's collectives from here on, under a name of the group's own that every rank
@@ -191,6 +206,8 @@ class TorchGroup:
     @property
     def _pg(self) -> Any:
         """The group of the collectives (the first lane)."""
+        if self._tree:
+            raise TierfsError("this group's collectives go over tierfs's streams: it has no torch.distributed group")
         if not self._lanes:
             raise TierfsError("the store using these ranks' groups is closed")
         return self._lanes[0]
@@ -243,25 +260,57 @@ class TorchGroup:
         with self._failing(), self.bounded() as op:
             bulk = bulk or pace is not None or on_received is not None  # data: the deadline moves as it lands
             io = waits.Round(op, bulk=bulk, gone=self._gone)
-            if self._link is not None and io.bulk:  # bulk bytes: over the group's streams
+            if self._link is not None and (io.bulk or self._tree):  # over the group's streams
                 self._link.run(io, sends, recvs, pace, on_received, failures)
             else:
                 collectives.posted(self, io, sends, recvs, pace, on_received, failures, tag)
-            failed = io.end()
-            if failed:  # a pair of ranks may no longer be in step on the group
-                self._state.setdefault("failed", f"transfers with ranks {sorted(failed)} failed")
-            kinds = {waits.kind_of(why) for why in failed.values()}
-            if waits.LATE in kinds:  # gloo closed the group's connections: later waits fail at once
-                self._state.setdefault("closed", str(op.error(where)))
-            lost = next((k for k in (waits.LATE, waits.GONE, waits.CLOSED) if k in kinds), None)
-            if lost is not None:  # a rank is gone or stuck: the ranks blocked on this one fail too, and
-                severing.sever_all(self._dist)  # every rank finds out which (this rank's error names its peers)
-                diagnosis.find_out(self, op, lost)
-            if failed and not tolerate:
-                raise op.error(where, self._state.get("closed"))
+            failed = self._ended(op, io, where, tolerate)
         if failures:
             raise failures[0]
         return failed
+
+    def _ended(self, op: Operation, io: waits.Round, where: str | None, tolerate: bool) -> dict[int, str]:
+        """The failures of an exchange's ``io``: a rank gone or stuck closes this rank's connections, so the
+        ranks blocked on it fail too, and every rank finds out which failed; raised (naming the peers this
+        rank waited on) unless ``tolerate``."""
+        failed = io.end()
+        if failed:  # a pair of ranks may no longer be in step on the group
+            self._state.setdefault("failed", f"transfers with ranks {sorted(failed)} failed")
+        kinds = {waits.kind_of(why) for why in failed.values()}
+        if waits.LATE in kinds:  # gloo closed the group's connections: later waits fail at once
+            self._state.setdefault("closed", str(op.error(where)))
+        lost = next((k for k in (waits.LATE, waits.GONE, waits.CLOSED) if k in kinds), None)
+        if lost is not None:  # the ranks blocked on this one fail too, and every rank finds out which
+            severing.sever_all(self._dist)  # (this rank's error names its peers)
+            diagnosis.find_out(self, op, lost)
+        if failed and not tolerate:
+            raise op.error(where, self._state.get("closed"))
+        return failed
+
+    def _over_tree(self, run: Callable[[waits.Round], Any]) -> Any:
+        """Run a collective over the group's streams (:mod:`tierfs.ranks.tree`), ``run(io)``, numbered and
+        bounded like gloo's. A failure is one of gloo's collectives': this rank closes its connections (the
+        ranks blocked on it fail at once) and raises the error naming the ranks that made it fail, found
+        out through the job's store (:func:`~tierfs.ranks.diagnosis.diagnose`)."""
+        diagnosis.raise_known(self._dist, self.rank, _stages.current())
+        self._calls[0] += 1
+        with self._failing(), self.bounded() as op:
+            io = waits.Round(op, gone=self._gone)
+            try:
+                return run(io)
+            except streams.Stopped as e:
+                failed = io.end()
+                self._state.setdefault("failed", f"a collective over the streams failed ({e})")
+                severing.sever_all(self._dist)
+                raise diagnosis.diagnose(self, op, next(iter(failed.values()), str(e))) from None
+
+    def _gather(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's uint8 ``row`` as the rows of an array, in rank order."""
+        if self._tree:
+            assert self._link is not None
+            link = self._link
+            return self._over_tree(lambda io: tree.all_gather(link, io, self.rank, self.world_size, row))
+        return collectives.all_gather(self, row)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON), in rank order: one gather of ``GATHER_WIDTH`` bytes per rank when
@@ -270,14 +319,14 @@ class TorchGroup:
         only for what every rank needs of every other, or when the ranks' views differ."""
         data = json.dumps(obj).encode()
         with self.bounded(), self._failing():
-            rows = collectives.all_gather(self, framed(data, 8 + GATHER_WIDTH))
+            rows = self._gather(framed(data, 8 + GATHER_WIDTH))
             sizes = [int(n) for n in rows[:, :8].copy().view(np.int64)[:, 0]]
             rest = None
             if max(sizes) > GATHER_WIDTH:  # every rank saw the same sizes: all take this round
                 mine = np.zeros(max(sizes) - GATHER_WIDTH, dtype=np.uint8)
                 tail = np.frombuffer(data, dtype=np.uint8)[GATHER_WIDTH:]
                 mine[:tail.size] = tail
-                rest = collectives.all_gather(self, mine)
+                rest = self._gather(mine)
         return [json.loads(rows[r, 8:8 + min(n, GATHER_WIDTH)].tobytes()
                            + (rest[r, :n - GATHER_WIDTH].tobytes() if rest is not None and n > GATHER_WIDTH else b""))
                 for r, n in enumerate(sizes)]
@@ -285,8 +334,12 @@ class TorchGroup:
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (int64, the same count on every rank), in rank order: 8 bytes per value
         and rank (:func:`~tierfs.ranks.collectives.all_gather_ints`)."""
-        with self._failing():
-            rows = collectives.all_gather_ints(self, values)
+        if self._tree:
+            row = np.array([int(v) for v in values], dtype=np.int64).view(np.uint8)
+            rows = self._gather(row).view(np.int64)
+        else:
+            with self._failing():
+                rows = collectives.all_gather_ints(self, values)
         return [[int(v) for v in row] for row in rows]
 
     def barrier(self) -> None:
@@ -299,7 +352,13 @@ class TorchGroup:
         return self.all_reduce_started(values, op)()
 
     def all_reduce_started(self, values: Sequence[int], op: str = "min") -> Callable[[], list[int]]:
-        """:meth:`all_reduce` started now, its result from calling what it returns (once, on this thread)."""
+        """:meth:`all_reduce` started now, its result from calling what it returns (once, on this thread);
+        over the streams, it all runs in that call."""
+        if self._tree:
+            assert self._link is not None
+            link, mine = self._link, [int(v) for v in values]
+            return lambda: self._over_tree(lambda io: tree.all_reduce(link, io, self.rank, self.world_size,
+                                                                       mine, op))
         with self._failing():
             result = collectives.all_reduce_started(self, values, op)
 
@@ -310,6 +369,10 @@ class TorchGroup:
 
     def broadcast(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s ``obj`` (JSON) on every rank (:func:`~tierfs.ranks.collectives.broadcast`)."""
+        if self._tree:
+            assert self._link is not None
+            link = self._link
+            return self._over_tree(lambda io: tree.broadcast(link, io, self.rank, self.world_size, obj, src))
         with self._failing():
             return collectives.broadcast(self, obj, src)
 

@@ -50,6 +50,8 @@ _HELLO, _MAGIC = struct.Struct("!8sQII"), b"tierfs\x00\x01"  # a greeting: magic
 _HEAD = struct.Struct("!QQ")
 #: bytes per system call at most: the deadline moves on at least this often
 PIECE = 8 << 20
+#: bytes of one collective's message at most (a longer head is a stream out of step)
+MESSAGE = 1 << 30
 #: seconds a connection's greeting may take; seconds a connection of no known group is kept
 _GREET, _UNCLAIMED = 5.0, 60.0
 
@@ -191,13 +193,17 @@ class _Broken(Exception):
     """A stream failed; the message says how, in the words :func:`tierfs.ranks.waits.kind_of` reads."""
 
 
+class Stopped(Exception):
+    """A collective's message could not move: the failure is noted in its round, the stream closed."""
+
+
 class Link:
     """This rank's streams with the other ranks of one group: ``job`` is the group's number (the same on every
     rank), ``store`` the job's, ``launch`` the number the ranks' addresses are written under there, and
     ``gone(peer)`` whether a peer's process ended (:mod:`tierfs.ranks.liveness`), or None."""
 
     def __init__(self, job: int, rank: int, store: Any, launch: int, gone: Callable[[int], bool] | None) -> None:
-        self.job, self.rank, self._store, self._launch, self._gone = job, rank, store, launch, gone
+        self.job, self.rank, self.store, self.launch, self._gone = job, rank, store, launch, gone
         self._out: dict[int, socket.socket] = {}
         self._broken: dict[int, str] = {}  # peer -> why its streams were closed
         self._sent: dict[int, int] = {}  # exchanges sent to / received from each peer
@@ -293,6 +299,38 @@ class Link:
             for done in ended:  # each reader ends within the operation's time (its reads are bounded)
                 done.wait()
 
+    def send(self, io: Round, dst: int, data: bytes) -> None:
+        """One message of a collective to ``dst``, on this thread (:mod:`tierfs.ranks.tree`): numbered like
+        an exchange. A failure is noted in ``io`` and raised as :class:`Stopped`."""
+        try:
+            _write(self._outgoing(dst, io), _HEAD.pack(self._sent.get(dst, 0), len(data)) + data, io, dst)
+            self._sent[dst] = self._sent.get(dst, 0) + 1
+        except _Broken as e:
+            self._stop(io, dst, str(e))
+
+    def receive(self, io: Round, src: int) -> bytes:
+        """The next message of a collective from ``src``, on this thread (at most :data:`MESSAGE` bytes)."""
+        try:
+            conn = self._incoming(src, io)
+            raw = np.empty(_HEAD.size, dtype=np.uint8)
+            _read_into(conn, raw, io, src)
+            number, size = _HEAD.unpack(raw.tobytes())
+            if number != self._got.get(src, 0) or size > MESSAGE:
+                raise _Broken(f"rank {src} is out of step on its stream: it sent message {number} of {size} "
+                              f"bytes where {self._got.get(src, 0)} was due")
+            self._got[src] = number + 1
+            body = np.empty(size, dtype=np.uint8)
+            _read_into(conn, body, io, src)
+            return body.tobytes()
+        except _Broken as e:
+            self._stop(io, src, str(e))
+            raise  # (never reached: _stop raises)
+
+    def _stop(self, io: Round, peer: int, why: str) -> None:
+        io.fail(peer, why)
+        self._break(peer, why)
+        raise Stopped(why)
+
     def _outgoing(self, dst: int, io: Round) -> socket.socket:
         conn = self._out.get(dst)
         if conn is not None:
@@ -310,16 +348,16 @@ class Link:
         return conn
 
     def _address(self, dst: int, io: Round) -> tuple[str, int]:
-        key = _key(self._launch, dst)
+        key = _key(self.launch, dst)
         while True:
             try:
-                if self._store.check([key]):
-                    host, port = bytes(self._store.get(key)).decode().rsplit(":", 1)
+                if self.store.check([key]):
+                    host, port = bytes(self.store.get(key)).decode().rsplit(":", 1)
                     return host, int(port)
             except Exception as e:  # noqa: BLE001 - the store's errors are RuntimeErrors
                 raise _Broken(f"rank {dst}'s stream address cannot be read from the job's store ({e})") from None
             try:
-                self._store.wait([key], datetime.timedelta(seconds=POLL))
+                self.store.wait([key], datetime.timedelta(seconds=POLL))
             except Exception:  # noqa: BLE001 - not written yet (a store that is gone fails the next look)
                 pass
             self._wait(dst, io)
