@@ -63,6 +63,27 @@ def test_ranks_sharing_a_node_directory_reuse_their_buffers(shm_dir, tmp_path):
         assert (o["step"], o["tier"], o["exact"]) == (7, "ram", True)
 
 
+def test_a_forks_collectives_go_up_and_down_a_tree_of_its_streams_and_name_a_rank_that_left():
+    """A group forked where the ranks have streams holds no gloo group: its all-reduces, broadcast (from a
+    leaf), all-gathers (of JSON longer than one round's width too) and barrier go over a binary tree of the
+    ranks, each rank talking to its parent and children only; when a rank's process ends, every other rank's
+    next collective fails naming that rank, not the neighbour it waited on."""
+    world = 6
+    outs = gloo_job.run_job(world, CHILDREN / "tree_child.py")
+    for o in outs:
+        r = o["rank"]
+        assert (o["tree"], o["lanes"]) == (True, 0)
+        assert o["reduced"] == [[0, -(world - 1), 2 ** 40], [world - 1, 0, 2 ** 40 + world - 1],
+                                [sum(range(world)), -sum(range(world)), world * 2 ** 40 + sum(range(world))]]
+        assert o["broadcast"] == {"from": world - 1, "text": "é" * 3000}
+        assert o["gathered"] == [{"r": k, "pad": "x" * (k * 700)} for k in range(world)]
+        assert o["ints"] == [[k, k * k, -1] for k in range(world)]
+        parent, children = ([] if r == 0 else [(r - 1) // 2]), [c for c in (2 * r + 1, 2 * r + 2) if c < world]
+        assert o["neighbours"] == sorted(parent + children), r
+    for o in outs[:-1]:
+        assert o["error"] is not None and o["error"][0] == "RankWaitError" and o["error"][2] == [world - 1], o
+
+
 @pytest.mark.parametrize("no_streams", [None, "1"], ids=["streams", "gloo"])
 def test_exchange_sends_everything_and_raises_after_a_failed_check(no_streams):
     """Point-to-point exchange, over the group's streams or (streams off on one rank: on every rank) over two

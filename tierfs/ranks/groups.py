@@ -6,9 +6,14 @@ gets its own group (``fork``), so collectives from different threads never inter
 While a store opens, its groups come from the process's pool (:mod:`tierfs.ranks.pool`): made by the
 first store, reused by the later ones; a group on which a wait failed is not reused.
 
-The collectives are gloo's all-reduce and broadcast (:mod:`tierfs.ranks.collectives`), over connections
-made when first used: each rank talks to its ring's neighbours, so the sockets it holds do not grow with
-the job; bulk transfers are point to point, between the ranks that exchange. The waits of one operation
+The store's own group's collectives are gloo's all-reduce and broadcast (:mod:`tierfs.ranks.collectives`),
+over connections made when first used: each rank talks to its ring's neighbours. Where every rank has
+streams of tierfs's own (:mod:`tierfs.ranks.streams`), the groups forked from it for the store's threads
+hold no gloo group: their collectives go over their streams, up and down a binary tree of the ranks
+(:mod:`tierfs.ranks.tree`), on the thread that calls them, so an idle fork costs nothing (a gloo group's I/O
+loop wakes every 10 ms) and a collective takes ``2 log2(N)`` hops instead of the ring's ``2 (N - 1)``.
+Either way the sockets a rank holds do not grow with the job; bulk transfers are point to point, between
+the ranks that exchange. The waits of one operation
 share one deadline, the group's ``timeout`` (:mod:`tierfs.ranks.waits`): a rank that does not arrive in
 time, or whose process is gone (noticed as soon as its connections drop, or, for a transfer under way with
 it, its socket of tierfs, :mod:`tierfs.ranks.liveness`), makes the waiting rank raise
@@ -144,9 +149,11 @@ class TorchGroup:
 
     def fork(self, backend: str | None = None, nice: int = 0, lanes: int = 1,
              timeout: float | datetime.timedelta | None = None) -> "TorchGroup":
-        """The same ranks over a new group, for use by another thread (collective; while a store opens, one
-        given back by an earlier store, see :mod:`tierfs.ranks.pool`); ``timeout`` (default: this group's)
-        bounds its waits.
+        """The same ranks over a new group, for use by another thread (collective); ``timeout`` (default:
+        this group's) bounds its waits. Where the ranks have streams, the new group's collectives and
+        transfers all go over streams of its own (:mod:`tierfs.ranks.tree`), and it holds no torch.distributed
+        group; else it is a gloo group (while a store opens, one given back by an earlier store, see
+        :mod:`tierfs.ranks.pool`), and the rest of this applies.
 
         With ``nice``, the threads the backend starts for the group (gloo: its I/O threads, which do the
         kernel copies of every transfer) run at that CPU priority, like tierfs's background workers

@@ -1,8 +1,10 @@
 """Where the store's torch.distributed groups come from: made once while the process has a store open,
 reused by the stores it opens meanwhile, destroyed when the last one closes.
 
-A store takes every group it needs while it opens (:meth:`Pool.opening`: the store's own, its commit and
-copy workers', the peer tier's) and gives them back when it closes (:meth:`Lease.give_back`). A store
+A store takes every group it needs while it opens (:meth:`Pool.opening`: the store's own; its commit and
+copy workers' and the peer tier's only where the ranks have no streams of tierfs's, else those carry their
+collectives over the streams, see :mod:`tierfs.ranks.tree`) and gives them back when it closes
+(:meth:`Lease.give_back`). A store
 opened while another is still open takes the groups given back instead of making new ones; groups still
 held by a store that is open are never handed to another (two threads never share one). When the last
 store of the process closes, the groups given back are destroyed: their threads and sockets go. Groups are interchangeable when

@@ -4,8 +4,8 @@ code's blocks, a restore's shards.
 gloo moves a transfer's bytes through its I/O thread in pieces as each socket becomes writable: between
 mapped files (the RAM tier's) 1.3-1.5x the CPU of a blocking ``sendall`` and ``recv_into`` of the same
 bytes (``benchmarks/bench_streams.py``), and a small round over twice the CPU and time. So a
-group's bulk exchanges go over streams instead, a transfer's headers and yes/no rounds too, while its votes
-and collectives stay on gloo:
+group's bulk exchanges go over streams instead, a transfer's headers and yes/no rounds too, and a forked
+group's collectives (:mod:`tierfs.ranks.tree`, one message at a time on the calling thread):
 
 - every process listens on one socket (on the address its peers route to, like
   :mod:`tierfs.ranks.liveness`) and writes that address to the job's store once per launch;

@@ -49,10 +49,10 @@ class KeptInRam(Replicator):
         self._local = Kept(first.path / folder / f"rank_{group.rank:05d}", first, self.name)
         # one set of groups per thread role, made (or taken from the process's pool) now, never on a save's
         # or a restore's path. "copy": copies run in a background worker, its transfer threads give way to
-        # training too; "main": restores (a node's loss, re-seeding peers). An idle group costs its gloo
-        # threads (its I/O loop wakes every 10 ms: 1-2.5 ms of CPU a second) and a listening socket, whether
-        # or not a restore ever needs it; its connections come when first used. Over the streams each role
-        # is one group; only where bulk bytes go over gloo is it `connections` of them (TorchGroup.fork)
+        # training too; "main": restores (a node's loss, re-seeding peers). Over tierfs's streams a role's
+        # group holds no gloo group (its collectives go over the streams too) and costs nothing idle; only
+        # where bulk bytes go over gloo is a role `connections` gloo groups, each with its threads (an I/O
+        # loop that wakes every 10 ms: 1-2.5 ms of CPU a second) and a listening socket (TorchGroup.fork)
         self._groups = {"copy": group.fork(self.backend, nice=BACKGROUND_NICE, lanes=self.connections),
                         "main": group.fork(self.backend, lanes=self.connections)}
 

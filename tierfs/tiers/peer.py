@@ -65,7 +65,8 @@ class PeerTier(KeptInRam):
         Groups a transfer is spread over where its bytes go over gloo (default 2): gloo moves a group's
         bytes between two ranks on one connection and one I/O thread, which cannot send and receive at the
         same time; two let a rank send its shard while it receives another's. Where the ranks have tierfs's
-        own streams (the default) the bytes go over those instead, and each role gets one group.
+        own streams (the default) the bytes and the collectives go over those instead, and the tier holds no
+        gloo group.
     node_rank:
         This process's node number, overriding ``TIERFS_NODE_RANK`` / torchrun's ``GROUP_RANK``.
     name:
