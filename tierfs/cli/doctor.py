@@ -12,7 +12,7 @@ is 1 when any check failed, and ``--json`` prints the same as data. The checks:
   ``tierfs plan`` uses: the kept steps, one in flight, 15% headroom);
 - **locked memory** (``RLIMIT_MEMLOCK``), where a CUDA device is: page-locking the RAM tier makes device
   copies fast;
-- **open files** (``RLIMIT_NOFILE``) against what a rank holds: tierfs's 28 sockets, one per peer rank with
+- **open files** (``RLIMIT_NOFILE``) against what a rank holds: tierfs's 39 sockets at most, one per peer rank with
   gloo (``--world-size``), and what the training process itself opens;
 - **object store**, per object tier: a probe object written, read back bit-exact and deleted under the
   tier's prefix (each step a permission the job needs), and the clock's skew against the store's.
@@ -44,7 +44,7 @@ from .targets import add_target_args, select, storage_options_from_args, tiers_f
 #: the oldest torch tierfs works with
 TORCH_MIN = (2, 6)
 #: sockets tierfs's groups hold per rank (``docs/performance.md#scale``)
-TIERFS_SOCKETS = 28
+TIERFS_SOCKETS = 39
 #: files a training process opens besides tierfs's and gloo's: data loader workers, libraries, logs
 PROCESS_FILES = 4096
 #: skew against the store's clock beyond which commit times and ages are off (S3 refuses past 15 minutes)

@@ -151,12 +151,12 @@ def _coordination(sizes: list[int]) -> str:
     (:mod:`tierfs.planning.coordination`)."""
     m = coordination.MEASURED
     lines = [f"coordination per save (one rank per accelerator; per rank, the same at any size: {m.collectives} "
-             f"all-reduces of a few integers, {m.sockets} sockets, {m.object_requests} object-store requests, "
+             f"all-reduces of a few integers, at most {m.sockets} sockets, {m.object_requests} object-store requests, "
              f"{m.store_requests} TCPStore requests; measured by benchmarks/bench_scale.py)"]
     for n in sizes:
         c = coordination.per_save(n)
-        lines.append(f"  {n} accelerators: {c.object_requests:,} object-store requests, {c.sockets:,} sockets held "
-                     "in the job; no rank lists or deletes another rank's objects")
+        lines.append(f"  {n} accelerators: {c.object_requests:,} object-store requests, at most {c.sockets:,} sockets "
+                     "held in the job; no rank lists or deletes another rank's objects")
     return "\n".join(lines)
 
 

@@ -17,9 +17,12 @@ class PerRank:
     Attributes
     ----------
     collectives:
-        All-reduces of a few integers (agreements, the commit, the copy and the replication).
+        All-reduces of a few integers (agreements, the commit, the copy and the replication): one on the
+        store's gloo group, the rest up and down the tree of its threads' groups over tierfs's streams.
     sockets:
-        Sockets the rank's store holds open (its groups' ring neighbours and replication peers).
+        Sockets the rank's store holds open at most (its gloo group's ring neighbours and listening socket,
+        its threads' groups' streams to their tree's parent and children, the replication peers); a rank
+        with fewer neighbours in the tree (half the ranks are its leaves) holds fewer.
     store_requests:
         Requests to the job's TCPStore (none while nothing fails).
     object_requests:
@@ -32,12 +35,12 @@ class PerRank:
     """
 
     collectives: int = 7
-    sockets: int = 28
+    sockets: int = 39
     store_requests: int = 0
     object_requests: int = 6
 
 
-#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261130-1.md`` (the object store's:
+#: per-rank figures of a steady save, ``benchmarks/results/bench_scale-20261201-1.md`` (the object store's:
 #: ``bench_requests-20261129-3.md``)
 MEASURED = PerRank()
 
