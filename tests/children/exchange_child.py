@@ -27,9 +27,9 @@ def main() -> None:
     me, other = g.rank, 1 - g.rank
     out: dict = {"rank": me, "streams": g._link is not None, "lanes": len(g._lanes)}
     if me == 0 and g._link is not None:  # a stranger's greeting: rank 1 closes the connection unread
-        from tierfs.ranks import diagnosis, streams
+        from tierfs.ranks import diagnosis, plane
 
-        host, port = bytes(diagnosis.job_store(dist).get(streams._key(g._link.launch, 1))).decode().rsplit(":", 1)
+        host, port = bytes(diagnosis.job_store(dist).get(plane.key(g._link.launch, 1))).decode().rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=30) as c:
             c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
             out["stranger_closed"] = c.recv(1) == b""

@@ -8,7 +8,8 @@ group's bulk exchanges go over streams instead, a transfer's headers and yes/no 
 group's collectives (:mod:`tierfs.ranks.tree`, one message at a time on the calling thread):
 
 - every process listens on one socket (on the address its peers route to, like
-  :mod:`tierfs.ranks.liveness`) and writes that address to the job's store once per launch;
+  :mod:`tierfs.ranks.liveness`; :mod:`tierfs.ranks.plane`) and writes that address to the job's store once
+  per launch;
 - for each group of tierfs (named by the random number its ranks share) and each ordered pair of ranks
   that exchange, the sender opens one connection when it first sends and says who it is: a magic word,
   the group's number, its rank and the receiver's. A connection whose greeting is not that is closed
@@ -26,7 +27,6 @@ keeps every transfer on gloo (the ranks agree on it when a group is made).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import logging
@@ -40,20 +40,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import liveness
+from . import liveness, plane
 from .waits import POLL, Round, Threads
 
 log = logging.getLogger("tierfs")
 
-_HELLO, _MAGIC = struct.Struct("!8sQII"), b"tierfs\x00\x01"  # a greeting: magic, group, sender, receiver
 #: an exchange's head on a connection: its number between the pair, its bytes
 _HEAD = struct.Struct("!QQ")
 #: bytes per system call at most: the deadline moves on at least this often
 PIECE = 8 << 20
 #: bytes of one collective's message at most (a longer head is a stream out of step)
 MESSAGE = 1 << 30
-#: seconds a connection's greeting may take; seconds a connection of no known group is kept
-_GREET, _UNCLAIMED = 5.0, 60.0
 
 
 def enabled() -> bool:
@@ -61,115 +58,20 @@ def enabled() -> bool:
     if os.environ.get("TIERFS_STREAMS", "1").strip() == "0":
         return False
     try:
-        _PLANE.listen()
+        plane.PLANE.listen()
     except OSError as e:
         log.info("tierfs: no streams of its own for bulk transfers (%s); they go over gloo", e)
         return False
     return True
 
 
-class _Plane:
-    """This process's listening socket and the connections it accepted, by ``(group, source rank)``."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()
-        self.sock: socket.socket | None = None
-        self.address = ""
-        self.jobs: set[int] = set()
-        self.incoming: dict[tuple[int, int, int], socket.socket] = {}  # (group, source, receiver) -> conn
-        self.unclaimed: dict[tuple[int, int, int], tuple[socket.socket, float]] = {}
-        self.published: set[int] = set()
-        self.severed = False
-
-    def listen(self) -> None:
-        with self.lock:
-            if self.sock is not None:
-                return
-            if self.severed:
-                raise OSError("this rank gave up after a failure of the job's ranks")
-            address = liveness.own_address()
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind((address, 0))
-            except OSError:
-                sock.bind(("", 0))
-            sock.listen(256)
-            self.sock, self.address = sock, address
-            threading.Thread(target=self._serve, args=(sock,), name="tierfs-streams", daemon=True).start()
-
-    def publish(self, store: Any, launch: int, rank: int) -> None:
-        """Write this process's address under ``launch`` (once per launch)."""
-        with self.lock:
-            if launch in self.published or self.sock is None:
-                return
-            self.published.add(launch)
-            port = self.sock.getsockname()[1]
-        store.set(_key(launch, rank), f"{self.address}:{port}")
-
-    def _serve(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed: severed, or the process forked
-            try:
-                conn.settimeout(_GREET)
-                magic, job, src, dst = _HELLO.unpack(conn.recv(_HELLO.size, socket.MSG_WAITALL))
-                if magic != _MAGIC:
-                    raise ValueError("not a tierfs stream")
-                conn.settimeout(None)
-            except (OSError, ValueError, struct.error):
-                _close(conn)
-                continue
-            with self.lock:
-                key, now = (job, src, dst), time.monotonic()
-                for k, (c, t) in list(self.unclaimed.items()):
-                    if now - t > _UNCLAIMED:
-                        del self.unclaimed[k]
-                        _close(c)
-                old = self.incoming.get(key) or self.unclaimed.get(key, (None, 0.0))[0]
-                if self.severed or old is not None or len(self.unclaimed) >= 1024:
-                    _close(conn)  # a second connection for the same pair, or too many nobody claims
-                elif job in self.jobs:
-                    self.incoming[key] = conn
-                else:  # a group whose ranks were quicker than this one to get going
-                    self.unclaimed[key] = (conn, now)
-                self.lock.notify_all()
-
-    def register(self, job: int) -> None:
-        with self.lock:
-            self.jobs.add(job)
-            for k in [k for k in self.unclaimed if k[0] == job]:
-                self.incoming[k] = self.unclaimed.pop(k)[0]
-            self.lock.notify_all()
-
-    def forget(self, job: int) -> None:
-        with self.lock:
-            self.jobs.discard(job)
-            for k in [k for k in self.incoming if k[0] == job]:
-                _close(self.incoming.pop(k))
-
-    def sever(self) -> None:
-        with self.lock:
-            self.severed = True
-            sock, self.sock = self.sock, None
-            conns = list(self.incoming.values()) + [c for c, _ in self.unclaimed.values()]
-            self.incoming.clear()
-            self.unclaimed.clear()
-            self.lock.notify_all()
-        for c in conns + ([sock] if sock is not None else []):
-            _close(c)
-
-_PLANE = _Plane()
 _links: "weakref.WeakSet[Link]" = weakref.WeakSet()
 
 
 def _forked() -> None:
     """In a process just forked: close the copies of the parent's sockets (closing, not shutting them down,
     which would end the parent's connections too)."""
-    global _PLANE
-    old, _PLANE = _PLANE, _Plane()
-    conns = [*old.incoming.values(), *(c for c, _ in old.unclaimed.values()), *([old.sock] if old.sock else [])]
+    conns = plane.forked()
     for link in list(_links):
         conns += link._out.values()
         link._out.clear()
@@ -186,7 +88,7 @@ def sever() -> None:
     fail at once, as if this process had ended."""
     for link in list(_links):
         link.close("this rank gave up after a failure of the job's ranks")
-    _PLANE.sever()
+    plane.PLANE.sever()
 
 
 class _Broken(Exception):
@@ -211,24 +113,24 @@ class Link:
         #: the threads that read the streams from each source, one per source at a time, kept between
         #: exchanges (an erasure code's save has one exchange per block) with the priority of the group's user
         self._readers = Threads("tierfs-receive")
-        _PLANE.publish(store, launch, rank)
-        _PLANE.register(job)
+        plane.PLANE.publish(store, launch, rank)
+        plane.PLANE.register(job)
         _links.add(self)
         weakref.finalize(self, _drop, job, self._out)
 
     def close(self, why: str = "closed") -> None:
         for peer in list(self._out):
             self._break(peer, why)
-        _PLANE.forget(self.job)
+        plane.PLANE.forget(self.job)
 
     def _break(self, peer: int, why: str) -> None:
         self._broken.setdefault(peer, why)
         conn = self._out.pop(peer, None)
         if conn is not None:
-            _close(conn)
-        with _PLANE.lock:
-            for key in [k for k in _PLANE.incoming if k[0] == self.job and k[1] == peer and k[2] == self.rank]:
-                _close(_PLANE.incoming.pop(key))
+            plane.close(conn)
+        with plane.PLANE.lock:
+            for key in [k for k in plane.PLANE.incoming if k[0] == self.job and k[1] == peer and k[2] == self.rank]:
+                plane.close(plane.PLANE.incoming.pop(key))
 
     def run(self, io: Round, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, np.ndarray]],
             pace: Callable[[int], None] | None, on_received: Callable[[int], None] | None,
@@ -341,14 +243,14 @@ class Link:
         try:
             conn = socket.create_connection((host, port), timeout=min(io.op.allowed(), liveness.CONNECT * 5))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(_HELLO.pack(_MAGIC, self.job, self.rank, dst))
+            conn.sendall(plane.HELLO.pack(plane.MAGIC, self.job, self.rank, dst))
         except OSError as e:
             raise _Broken(_said(e, dst)) from None
         self._out[dst] = conn
         return conn
 
     def _address(self, dst: int, io: Round) -> tuple[str, int]:
-        key = _key(self.launch, dst)
+        key = plane.key(self.launch, dst)
         while True:
             try:
                 if self.store.check([key]):
@@ -365,16 +267,16 @@ class Link:
     def _incoming(self, src: int, io: Round) -> socket.socket:
         key = (self.job, src, self.rank)
         while True:
-            with _PLANE.lock:
-                conn = _PLANE.incoming.get(key)
+            with plane.PLANE.lock:
+                conn = plane.PLANE.incoming.get(key)
                 if conn is not None:
                     return conn
                 if src in self._broken:
                     raise _Broken(f"pair closure: the stream from rank {src} was closed ({self._broken[src]})")
-                if _PLANE.severed:
+                if plane.PLANE.severed:
                     raise _Broken("pair closure: this rank gave up after a failure of the job's ranks")
-                _PLANE.lock.wait(min(POLL, max(io.op.deadline - time.monotonic(), 0.0)))
-                if key in _PLANE.incoming:
+                plane.PLANE.lock.wait(min(POLL, max(io.op.deadline - time.monotonic(), 0.0)))
+                if key in plane.PLANE.incoming:
                     continue
             self._wait(src, io)
 
@@ -386,22 +288,11 @@ class Link:
             raise _Broken(f"Timed out: rank {peer} opened no stream within {io.op.timeout:.0f} s")
 
 
-def _key(launch: int, rank: int) -> str:
-    return f"tierfs/streams/{launch}/{rank}"
-
-
 def _drop(job: int, out: dict[int, socket.socket]) -> None:
     for conn in list(out.values()):
-        _close(conn)
+        plane.close(conn)
     out.clear()
-    _PLANE.forget(job)
-
-
-def _close(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        conn.close()
+    plane.PLANE.forget(job)
 
 
 def _said(e: BaseException, peer: int) -> str:
