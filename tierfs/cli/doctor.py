@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..ranks.groups import env_node_source
+from ..ranks.nodenumbers import env_node_source
 from ..util.readable import size
 from ..tiers.base import Tier
 from ..tiers.memory import MemoryTier

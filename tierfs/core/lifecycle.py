@@ -33,7 +33,7 @@ from .ownership import Ownership
 from .context import Context
 from ..policies import StepInfo
 from ..ranks import Group, agreement
-from ..ranks.groups import env_node_source
+from ..ranks.nodenumbers import env_node_source
 from ..ranks.nodes import observe
 from ..ranks.pool import POOL, Lease
 from ..tiers.base import AnyTier, Replicator, Tier

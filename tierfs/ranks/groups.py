@@ -44,7 +44,7 @@ import functools
 import json
 import os
 import secrets
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from ..util import stages as _stages
 from ..errors import ArgumentError, TierfsError
 from . import collectives, diagnosis, liveness, pool, severing, streams, tree, waits
 from .collectives import framed
+from .nodenumbers import env_node_rank
 from .waits import Operation
 
 #: seconds a rank waits for the others in any of tierfs's collectives, unless the store says otherwise
@@ -397,30 +398,6 @@ def seconds(timeout: float | datetime.timedelta | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ArgumentError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     return float(value)
-
-
-def env_node_rank(rank: int) -> int:
-    """This process's node number from the environment (see the module docstring)."""
-    var = env_node_source()
-    if var in ("TIERFS_NODE_RANK", "GROUP_RANK"):
-        return int(os.environ[var])
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return rank // int(local) if local else 0
-
-
-#: the variables a node number is taken from, first set first: a node's index (tierfs's own, torchrun's),
-#: else ``rank // LOCAL_WORLD_SIZE``
-NODE_VARS = ("TIERFS_NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-
-
-def env_node_source(env: Mapping[str, str] | None = None) -> str:
-    """Where :func:`env_node_rank` takes the node number from (in ``env``, default this process's
-    environment): the variable's name, or ``"default"``."""
-    env = os.environ if env is None else env
-    for var in NODE_VARS:
-        if env.get(var, "").strip():
-            return var
-    return "default"
 
 
 Group = Union[SingleProcess, "TorchGroup"]
