@@ -50,6 +50,22 @@ def launch_ranks(script: str, argv: list[str], world: int) -> int:
     return max(abs(c) for c in codes.values())
 
 
+def export_tierfs(rev: str, dest: str) -> str:
+    """tierfs as committed at ``rev`` (``git archive``), unpacked under ``dest``: a directory to put first on
+    the ranks' ``PYTHONPATH`` (a ``tierfs_root``), so a measurement is of that commit whatever the working
+    tree holds meanwhile."""
+    import io
+    import subprocess
+    import tarfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, "tierfs"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
 def results_path(bench: str) -> str:
     """``benchmarks/results/<bench>-<day>-<k>`` (no extension) for the next run of the day: k counts up."""
     here = os.path.dirname(os.path.abspath(__file__))

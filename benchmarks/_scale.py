@@ -554,7 +554,7 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
     ``timeout``: seconds each job may take (default grows with ``n``). ``timings`` gets each job's
     seconds; ``detail`` gets, per operation, every rank's calls by function and by tierfs call site, and
     each rank's ``info``; and under ``"keys"``, per job, the object tier's keys after it. ``tierfs_root``: the directory the ranks import tierfs from (default: this
-    checkout; see :func:`export_tierfs`). ``fork``: ranks are forked from a zygote that imported
+    checkout; see :func:`_common.export_tierfs`). ``fork``: ranks are forked from a zygote that imported
     everything once (:class:`Zygote`; fast, and light on memory), else each is started as a process of its own.
     ``replicated``: the state has an array every rank holds alike, declared ``replicated`` (data parallelism:
     stored once, and checked along each group's ranks at every commit).
@@ -598,19 +598,6 @@ def measure(n: int, ops: Sequence[str] = OPS, workdir: str | None = None, *, har
         if own_harness:
             h.close()
     return out
-
-
-def export_tierfs(rev: str, dest: str) -> str:
-    """tierfs as committed at ``rev`` (``git archive``), unpacked under ``dest``: a directory to pass as
-    ``tierfs_root``, so a measurement is of that commit whatever the working tree holds meanwhile."""
-    import io
-    import tarfile
-
-    data = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", rev, "tierfs"], check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
 
 
 def _fresh_shm(prefix: str) -> str:

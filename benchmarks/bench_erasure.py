@@ -58,7 +58,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import GB, MiB, Scratch, launch_ranks, log, machine_note  # noqa: E402
+from _common import GB, MiB, Scratch, export_tierfs, launch_ranks, log, machine_note  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -702,19 +702,6 @@ def describe_tierfs(rev: str | None) -> str:
     dirty = git("status", "--porcelain", "--", "tierfs")
     return (f"tierfs from this checkout's working tree, HEAD {git('rev-parse', '--short', 'HEAD')}"
             + (" (tierfs changed since: " + ", ".join(line[3:] for line in dirty.splitlines()) + ")" if dirty else ""))
-
-
-def export_tierfs(rev: str, dest: str) -> str:
-    """tierfs as committed at ``rev`` (``git archive``) under ``dest``, for the imports of this process and
-    the ranks: the run measures that commit whatever the working tree holds meanwhile."""
-    import io
-    import tarfile
-
-    data = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", rev, "tierfs"], check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
 
 
 def main() -> int:

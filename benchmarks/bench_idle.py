@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import launch_ranks, log, machine_note, results_path  # noqa: E402
+from _common import export_tierfs, launch_ranks, log, machine_note, results_path  # noqa: E402
 
 REPO = os.path.dirname(HERE)
 
@@ -109,17 +109,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def export(rev: str, dest: str) -> str:
-    import io
-    import tarfile
-
-    data = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", rev, "tierfs"], check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
-
-
 def describe(rev: str) -> str:
     if rev == ".":
         return "the working tree"
@@ -144,7 +133,7 @@ def main() -> int:
         return 0
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
     tmp = tempfile.mkdtemp(prefix="bench-idle-")
-    roots = {r: (None if r == "." else export(r, os.path.join(tmp, f"src{i}"))) for i, r in enumerate(revs)}
+    roots = {r: (None if r == "." else export_tierfs(r, os.path.join(tmp, f"src{i}"))) for i, r in enumerate(revs)}
     base_path = os.environ.get("PYTHONPATH")
     got: dict[str, list[dict]] = {r: [] for r in revs}
     try:

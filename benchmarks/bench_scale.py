@@ -46,9 +46,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log, machine_note  # noqa: E402
-from _scale import (OPS, REPO, Harness, JobError, aggregate_details, compare, export_tierfs,  # noqa: E402
-                    measure, report)
+from _common import export_tierfs, log, machine_note  # noqa: E402
+from _scale import OPS, REPO, Harness, JobError, aggregate_details, compare, measure, report  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
