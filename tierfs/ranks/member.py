@@ -38,7 +38,8 @@ class Member(Protocol):
 
     @property
     def _lanes(self) -> list[Any]:
-        """The torch.distributed groups that carry the group's transfers (empty once destroyed)."""
+        """The torch.distributed groups that carry the group's transfers (empty once destroyed, and for a
+        group whose collectives and transfers go over tierfs's streams: :mod:`tierfs.ranks.tree`)."""
 
     @property
     def _job(self) -> int:

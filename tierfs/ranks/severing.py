@@ -61,7 +61,8 @@ def sever_all(dist: Any) -> None:
             g._state["severed"] = "closed after a failure of the job's ranks"
             _live.discard(g)
     for g in groups:
-        if g._lanes:  # (a closed store's groups are destroyed: nothing to close)
+        if g._lanes:  # (a closed store's groups are destroyed, and a group over the streams has no gloo
+            # group: streams.sever above closed its streams)
             sever(dist, g._lanes[0], g.rank, g.world_size)
 
 
