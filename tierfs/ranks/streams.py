@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
@@ -226,9 +226,8 @@ class Link:
             return body.tobytes()
         except _Broken as e:
             self._stop(io, src, str(e))
-            raise  # (never reached: _stop raises)
 
-    def _stop(self, io: Round, peer: int, why: str) -> None:
+    def _stop(self, io: Round, peer: int, why: str) -> NoReturn:
         io.fail(peer, why)
         self._break(peer, why)
         raise Stopped(why)
