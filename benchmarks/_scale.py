@@ -794,6 +794,11 @@ def report(by_n: Mapping[int, Counts], ops: Sequence[str], details: Mapping[int,
                 extra.append(f"{row['figure']} {num(p['rank0'])} vs {num(p['others'])} ({r})")
         lines.append(f"Rank 0 against the median of the other ranks at N={big}: "
                      f"{'; '.join(extra) if extra else 'the same'}.")
+        most = [f"{row['figure']} " + ", ".join(num(row["per"][n]["max"]) for n in ns if row["per"].get(n))
+                for row in rows if row["figure"] != "seconds"
+                and any(p and p["max"] != p["median"] for p in row["per"].values())]
+        if most:  # a tree's inner ranks do more than its leaves: the most of any rank, at each N
+            lines.append(f"The most of any rank at N={', '.join(str(n) for n in ns)}: {'; '.join(most)}.")
         d = (details or {}).get(big, {}).get(op) or (details or {}).get(str(big), {}).get(op)
         if d:
             lines += ["", f"At N={big}, calls by function (median over ranks; rank 0), TCPStore requests as "
