@@ -72,6 +72,11 @@ def test_manifest_round_trip():
     ({"entries.0.crc32c": []}, "checksums"),
     ({"entries.0.kind": "pickle"}, "unknown kind"),
     ({"entries.0.name": "a\x00b"}, "bad entry name"),
+    ({"entries.0.name": ""}, "bad entry name .* it is empty"),
+    ({"entries.0.name": 7}, "bad entry name 7 .* not a string"),
+    ({"entries.0.name": "a" * 5000}, "bad entry name .* more than 4096"),
+    ({"entries.0.pickle": "x"}, "unexpected fields"),
+    ({"entries": {"x": 1}}, "unexpected fields"),
     ({"version": 99}, "version 99 is not supported"),
     ({"format": "other"}, "not a tierfs manifest"),
     ({"extra_field": 1}, "unexpected fields"),
@@ -79,6 +84,16 @@ def test_manifest_round_trip():
 def test_bad_manifests_are_rejected(changes, message):
     with pytest.raises(FormatError, match=message):
         Manifest.from_bytes(_manifest(**changes))
+
+
+def test_an_entry_without_some_fields_takes_their_defaults():
+    d = json.loads(_manifest())
+    del d["entries"][0]["value"], d["entries"][0]["lib"]
+    d.pop("self_crc32c")
+    body = json.dumps(d, separators=(",", ":")).encode()
+    m = Manifest.from_bytes(body[:-1] + b',"self_crc32c":' + str(crc32c(body)).encode() + b"}")
+    assert (m.entries[0].lib, m.entries[0].value, m.entries[0].crc32c) == ("numpy", None, d["entries"][0]["crc32c"])
+    assert m.entries[0] == Manifest.from_bytes(_manifest()).entries[0]
 
 
 def test_garbage_manifest_and_marker():
@@ -99,3 +114,21 @@ def test_unknown_dtypes_in_manifest_are_refused():
         allocate("numpy", "O", [1])
     with pytest.raises(FormatError):
         allocate("torch", "__class__", [1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_checksums_are_each_blocks_crc32c_on_any_path(threads):
+    """A save's checksums: per block of each entry, the same whether computed on this thread (a commit's
+    path for thousands of small entries) or spread over threads, empty entries included."""
+    import numpy as np
+
+    from tierfs.format import blockio
+
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 100, 4096, 4097, 10000)]
+    want = [[crc32c(a[s:s + 4096]) for s in range(0, a.size, 4096)] or [0] for a in arrays]
+    jobs = [blockio.Job(f"e{i}", a, None, 4096) for i, a in enumerate(arrays)]
+    assert blockio.run(jobs, threads) == want
+    dst = [np.zeros_like(a) for a in arrays]  # a copy beside them takes the general path
+    assert blockio.run([blockio.Job(f"e{i}", a, d, 4096) for i, (a, d) in enumerate(zip(arrays, dst))], 1) == want
+    assert all(np.array_equal(a, d) for a, d in zip(arrays, dst))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from ..errors import ChecksumError, FormatError
 from ..util import nogc as _nogc
-from .names import (DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, READ_VERSIONS, crc32c, nblocks,
-                    user_key, validate_entry_name, validate_filename)
+from .names import (CONTROL, DCP_SHARD_KEY, DEFAULT_BLOCK_SIZE, FORMAT_VERSION, MAX_NAME, READ_VERSIONS, crc32c,
+                    nblocks, user_key, validate_entry_name, validate_filename)
 
 #: a version-2 manifest's last field: the crc32c of the bytes before it
 _SELF_CRC = re.compile(rb',"self_crc32c":(\d+)\}\s*$')
@@ -34,6 +34,28 @@ class Entry:
     length: int = 0
     crc32c: list[int] = field(default_factory=list)  # one per block of the manifest's block_size
     value: Any = None
+
+
+#: an entry's fields, as a manifest's JSON holds them
+_FIELDS = frozenset(f.name for f in fields(Entry))
+
+
+def _entries(raw: Any) -> list[Entry]:
+    """A manifest's entries from its JSON. Those with every field (as tierfs writes them) are made without
+    the dataclass's ``__init__``, which costs as much again as parsing the JSON for thousands of entries;
+    others through it (a field too many or missing: TypeError)."""
+    if not isinstance(raw, list):
+        raise TypeError("entries is not a list")
+    out = []
+    new = object.__new__
+    for e in raw:
+        if type(e) is dict and e.keys() == _FIELDS:
+            x = new(Entry)
+            x.__dict__.update(e)
+            out.append(x)
+        else:
+            out.append(Entry(**e))
+    return out
 
 
 @dataclass
@@ -151,7 +173,7 @@ class Manifest:
         if (not checked) != (d["version"] < 2):
             raise FormatError("manifest of version 2 without its own checksum; the copy is damaged")
         try:
-            entries = [Entry(**e) for e in d.pop("entries")]
+            entries = _entries(d.pop("entries"))
             m = cls(entries=entries, **d)
         except TypeError as e:
             raise FormatError(f"manifest has unexpected fields ({e})") from None
@@ -167,18 +189,32 @@ class Manifest:
                 raise FormatError(f"bad length {n!r} for file {f!r} in manifest")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise FormatError(f"bad block size {self.block_size!r} in manifest")
-        for e in self.entries if entries else ():
-            validate_entry_name(e.name)
+        if entries:
+            self._validate_entries()
+        self._validate_bundles()
+
+    def _validate_entries(self) -> None:
+        names = [e.name for e in self.entries]
+        try:  # the names in one pass (thousands of entries); one by one only to say which is bad
+            joined = "".join(names)
+        except TypeError:
+            joined = None
+        if joined is None or not all(names) or max(map(len, names), default=0) > MAX_NAME or \
+                CONTROL.search(joined) is not None:
+            for n in names:
+                validate_entry_name(n)
+        files, bs = self.files, self.block_size
+        for e in self.entries:
             if e.kind == "json":
                 continue
             if e.kind != "array" or e.lib not in ("numpy", "torch"):
                 raise FormatError(f"entry {self.key(e.name)} has unknown kind/lib {e.kind!r}/{e.lib!r}")
-            if e.file not in self.files or e.offset < 0 or e.offset + e.length > self.files[e.file]:
+            size = files.get(e.file)
+            if size is None or e.offset < 0 or e.offset + e.length > size:
                 raise FormatError(f"entry {self.key(e.name)} points outside its shard file {e.file!r}")
-            if len(e.crc32c) != nblocks(e.length, self.block_size):
+            if len(e.crc32c) != max(1, -(-e.length // bs)):
                 raise FormatError(f"entry {self.key(e.name)} has {len(e.crc32c)} checksums, expected "
-                                  f"{nblocks(e.length, self.block_size)}")
-        self._validate_bundles()
+                                  f"{nblocks(e.length, bs)}")
 
     def _validate_bundles(self) -> None:
         def ranks(v: Any) -> bool:

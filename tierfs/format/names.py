@@ -23,7 +23,8 @@ DEFAULT_FILE_SIZE = 16 << 20  # entries are packed into shard files of about thi
 
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_CONTROL = re.compile("[\x00-\x1f]")
+#: a control character, which no entry name holds
+CONTROL = re.compile("[\x00-\x1f]")
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -91,7 +92,7 @@ def entry_name_problem(name: object) -> str | None:
         return "it is empty"
     if len(name) > MAX_NAME:
         return f"it is {len(name)} characters long, more than {MAX_NAME}"
-    if _CONTROL.search(name) is not None:
+    if CONTROL.search(name) is not None:
         return "it holds a control character (a tab, a newline, a NUL, ...)"
     return None
 

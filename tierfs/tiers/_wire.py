@@ -282,23 +282,32 @@ class _FileCheck:
         bs = manifest.block_size
         # (start, end, crc32c, entry name) of every block in the file, in order; the name is shown only on a
         # mismatch (as its user knows it)
-        self.blocks = sorted((e.offset + a, e.offset + min(e.length, a + bs), e.crc32c[k], e.name)
-                             for e in manifest.entries if e.kind == "array" and e.file == name
-                             for k, a in enumerate(range(0, max(e.length, 1), bs)))
+        mine = [e for e in manifest.entries if e.kind == "array" and e.file == name]
+        if all(e.length <= bs for e in mine):  # (most entries are one block)
+            blocks = [(e.offset, e.offset + e.length, e.crc32c[0], e.name) for e in mine]
+        else:
+            blocks = [(e.offset + a, e.offset + min(e.length, a + bs), e.crc32c[k], e.name) for e in mine
+                      for k, a in enumerate(range(0, max(e.length, 1), bs))]
+        blocks.sort()  # (in file order already, as a save lays them out: one pass)
+        self.blocks = blocks
         self.next, self.crc = 0, 0
 
     def feed(self, data: np.ndarray, start: int, end: int) -> None:
         """Bytes ``start:end`` of the file have landed, in ``data`` (every byte before them already has)."""
-        while self.next < len(self.blocks):
-            lo, hi, want, entry = self.blocks[self.next]
-            if lo >= end and not (lo == hi == end):
-                return
-            if max(lo, start) < min(hi, end):
-                self.crc = crc32c(data[max(lo, start) - start:min(hi, end) - start], self.crc)
-            if hi > end:
-                return
-            if self.crc != want:
-                raise ChecksumError(f"checksum mismatch in {self.manifest.key(entry)} ({self.name} bytes {lo}-{hi}): "
-                                    f"stored "
-                                    f"{want:#010x}, received {self.crc:#010x}")
-            self.next, self.crc = self.next + 1, 0
+        blocks, i, crc = self.blocks, self.next, self.crc
+        try:
+            while i < len(blocks):
+                lo, hi, want, entry = blocks[i]
+                if lo >= end and not (lo == hi == end):
+                    return
+                a, b = (lo if lo > start else start), (hi if hi < end else end)
+                if a < b:
+                    crc = crc32c(data[a - start:b - start], crc)
+                if hi > end:
+                    return
+                if crc != want:
+                    raise ChecksumError(f"checksum mismatch in {self.manifest.key(entry)} ({self.name} bytes "
+                                        f"{lo}-{hi}): stored {want:#010x}, received {crc:#010x}")
+                i, crc = i + 1, 0
+        finally:
+            self.next, self.crc = i, crc
