@@ -66,6 +66,53 @@ def export_tierfs(rev: str, dest: str) -> str:
     return dest
 
 
+def interleaved(script: str, revs: list[str], runs: int, world: int,
+                jobs: Callable[[str, str], list[tuple[str, list[str]]]]) -> dict[str, list[dict]]:
+    """Jobs of ``world`` ranks (:func:`launch_ranks`) for each revision in ``revs`` (a git revision,
+    exported with :func:`export_tierfs`; ``"."`` the working tree) in each of ``runs`` rounds, revisions
+    interleaved so that the machine's load falls on all alike. ``jobs(rev, tmp)`` gives a revision's jobs
+    of a round, ``(key, argv)`` each: every rank writes its figures to ``<--json>.<rank>`` (``--json``
+    is added to ``argv``), gathered under ``key``."""
+    import json
+
+    tmp = tempfile.mkdtemp(prefix="bench-revs-")
+    base_path = os.environ.get("PYTHONPATH")
+    got: dict[str, list[dict]] = {}
+    try:
+        roots = {r: (None if r == "." else export_tierfs(r, os.path.join(tmp, f"src{i}"))) for i, r in enumerate(revs)}
+        for k in range(runs):
+            for i, rev in enumerate(revs):
+                os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (roots[rev], base_path) if p)
+                for j, (key, argv) in enumerate(jobs(rev, tmp)):
+                    out = os.path.join(tmp, f"r{k}-{i}-{j}.json")
+                    log(f"round {k + 1}/{runs}: {key}")
+                    code = launch_ranks(script, ["--json", out, *argv], world)
+                    if code:
+                        raise SystemExit(f"the ranks failed (exit {code})")
+                    for r in range(world):
+                        with open(f"{out}.{r}") as f:
+                            got.setdefault(key, []).append(json.load(f))
+    finally:
+        if base_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = base_path
+        shutil.rmtree(tmp, ignore_errors=True)
+    return got
+
+
+def write_results(bench: str, lines: list[str], data: dict) -> None:
+    """The report to ``benchmarks/results/<bench>-<day>-<k>.md`` and ``data`` beside it as ``.json``."""
+    import json
+
+    path = results_path(bench)
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(path + ".json", "w") as f:
+        json.dump(data, f)
+    log(f"written: {path}.md (and .json)")
+
+
 def results_path(bench: str) -> str:
     """``benchmarks/results/<bench>-<day>-<k>`` (no extension) for the next run of the day: k counts up."""
     here = os.path.dirname(os.path.abspath(__file__))

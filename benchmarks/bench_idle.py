@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import export_tierfs, launch_ranks, log, machine_note, results_path  # noqa: E402
+from _common import interleaved, machine_note, write_results  # noqa: E402
 
 REPO = os.path.dirname(HERE)
 
@@ -132,40 +132,15 @@ def main() -> int:
         worker(args)
         return 0
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
-    tmp = tempfile.mkdtemp(prefix="bench-idle-")
-    roots = {r: (None if r == "." else export_tierfs(r, os.path.join(tmp, f"src{i}"))) for i, r in enumerate(revs)}
-    base_path = os.environ.get("PYTHONPATH")
-    got: dict[str, list[dict]] = {r: [] for r in revs}
-    try:
-        for k in range(args.runs):
-            for i, rev in enumerate(revs):
-                root = roots[rev]
-                os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_path) if p)
-                out = os.path.join(tmp, f"r{k}-{i}.json")
-                objects = tempfile.mkdtemp(dir=tmp)
-                log(f"round {k + 1}/{args.runs}: {rev}")
-                code = launch_ranks(__file__, ["--json", out, "--objects", objects, "--seconds", str(args.seconds)],
-                                    args.world)
-                if code:
-                    raise SystemExit(f"the ranks failed (exit {code})")
-                for r in range(args.world):
-                    with open(f"{out}.{r}") as f:
-                        got[rev].append(json.load(f))
-    finally:
-        if base_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = base_path
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def jobs(rev: str, tmp: str) -> list[tuple[str, list[str]]]:
+        return [(rev, ["--objects", tempfile.mkdtemp(dir=tmp), "--seconds", str(args.seconds)])]
+
+    got = interleaved(__file__, revs, args.runs, args.world, jobs)
     lines = report(args, revs, got)
     print("\n".join(lines))
     if not args.no_write:
-        path = results_path("bench_idle")
-        with open(path + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
-        with open(path + ".json", "w") as f:
-            json.dump({"args": vars(args), "runs": got}, f)
-        log(f"written: {path}.md (and .json)")
+        write_results("bench_idle", lines, {"args": vars(args), "runs": got})
     return 0
 
 

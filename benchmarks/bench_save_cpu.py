@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import export_tierfs, launch_ranks, log, machine_note, results_path  # noqa: E402
+from _common import interleaved, machine_note, write_results  # noqa: E402
 from bench_idle import describe  # noqa: E402
 
 
@@ -139,43 +139,17 @@ def main() -> int:
         worker(args)
         return 0
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
-    tmp = tempfile.mkdtemp(prefix="bench-savecpu-")
-    roots = {r: (None if r == "." else export_tierfs(r, os.path.join(tmp, f"src{i}"))) for i, r in enumerate(revs)}
-    base_path = os.environ.get("PYTHONPATH")
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if not set(tiers) <= {"ram", "peer", "erasure"}:
         raise SystemExit(f"--tiers: peer, erasure or ram, got {args.tiers}")
-    got: dict[str, list[dict]] = {f"{r} {t}": [] for r in revs for t in tiers}
     passed = [f"--{k.replace('_', '-')}={getattr(args, k)}"
               for k in ("saves", "gap", "d_model", "layers", "vocab", "seq", "code")]
-    try:
-        for k in range(args.runs):
-            for i, (rev, tier) in enumerate((r, t) for r in revs for t in tiers):
-                root = roots[rev]
-                os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_path) if p)
-                out = os.path.join(tmp, f"r{k}-{i}.json")
-                log(f"round {k + 1}/{args.runs}: {rev} {tier}")
-                code = launch_ranks(__file__, ["--json", out, "--tier", tier, *passed], args.world)
-                if code:
-                    raise SystemExit(f"the ranks failed (exit {code})")
-                for r in range(args.world):
-                    with open(f"{out}.{r}") as f:
-                        got[f"{rev} {tier}"].append(json.load(f))
-    finally:
-        if base_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = base_path
-        shutil.rmtree(tmp, ignore_errors=True)
+    got = interleaved(__file__, revs, args.runs, args.world,
+                      lambda rev, tmp: [(f"{rev} {t}", ["--tier", t, *passed]) for t in tiers])
     lines = report(args, revs, got)
     print("\n".join(lines))
     if not args.no_write:
-        path = results_path("bench_save_cpu")
-        with open(path + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
-        with open(path + ".json", "w") as f:
-            json.dump({"args": vars(args), "runs": got}, f)
-        log(f"written: {path}.md (and .json)")
+        write_results("bench_save_cpu", lines, {"args": vars(args), "runs": got})
     return 0
 
 
