@@ -212,7 +212,7 @@ class Manifest:
             size = files.get(e.file)
             if size is None or e.offset < 0 or e.offset + e.length > size:
                 raise FormatError(f"entry {self.key(e.name)} points outside its shard file {e.file!r}")
-            if len(e.crc32c) != max(1, -(-e.length // bs)):
+            if len(e.crc32c) != nblocks(e.length, bs):
                 raise FormatError(f"entry {self.key(e.name)} has {len(e.crc32c)} checksums, expected "
                                   f"{nblocks(e.length, bs)}")
 

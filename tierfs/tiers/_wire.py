@@ -282,14 +282,10 @@ class _FileCheck:
         bs = manifest.block_size
         # (start, end, crc32c, entry name) of every block in the file, in order; the name is shown only on a
         # mismatch (as its user knows it)
-        mine = [e for e in manifest.entries if e.kind == "array" and e.file == name]
-        if all(e.length <= bs for e in mine):  # (most entries are one block)
-            blocks = [(e.offset, e.offset + e.length, e.crc32c[0], e.name) for e in mine]
-        else:
-            blocks = [(e.offset + a, e.offset + min(e.length, a + bs), e.crc32c[k], e.name) for e in mine
-                      for k, a in enumerate(range(0, max(e.length, 1), bs))]
-        blocks.sort()  # (in file order already, as a save lays them out: one pass)
-        self.blocks = blocks
+        self.blocks = [(e.offset + a, e.offset + min(e.length, a + bs), e.crc32c[k], e.name)
+                       for e in manifest.entries if e.kind == "array" and e.file == name
+                       for k, a in enumerate(range(0, max(e.length, 1), bs))]
+        self.blocks.sort()  # (in file order already, as a save lays them out: one pass)
         self.next, self.crc = 0, 0
 
     def feed(self, data: np.ndarray, start: int, end: int) -> None:
