@@ -356,11 +356,12 @@ def cpu_of_thread() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def cpu_by_thread() -> dict[str, float]:
+def cpu_by_thread(precise: bool = False) -> dict[str, float]:
     """CPU seconds so far of each live thread of this process, summed by role: Python threads by name
     (a trailing ``-N`` dropped, so ``tierfs-copy-peer``), the others by their OS name (``native
     gloo_tcp_loop``: gloo's I/O loop; ``native python``: torch's intra-op threads and the like). A thread
-    that ended is in none (the caller finds it as the rest of the process's CPU)."""
+    that ended is in none (the caller finds it as the rest of the process's CPU). ``precise``: the time on
+    a CPU from ``schedstat`` (nanoseconds), not user + system time in clock ticks."""
     import re
 
     names = {t.native_id: re.sub(r"-\d+$", "", t.name.split(" (")[0]) for t in threading.enumerate()}
@@ -368,14 +369,19 @@ def cpu_by_thread() -> dict[str, float]:
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/{'schedstat' if precise else 'stat'}") as f:
+                text = f.read()
             with open(f"/proc/self/task/{tid}/comm") as f:
                 comm = f.read().strip()
         except OSError:  # ended meanwhile
             continue
+        if precise:
+            seconds = int(text.split()[0]) / 1e9
+        else:
+            fields = text.rsplit(")", 1)[1].split()
+            seconds = (int(fields[11]) + int(fields[12])) / tick
         role = names.get(int(tid)) or f"native {comm}"
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[role] = out.get(role, 0.0) + seconds
     return out
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -38,28 +37,9 @@ from _common import interleaved, machine_note, write_results  # noqa: E402
 from bench_idle import describe  # noqa: E402
 
 
-def by_role() -> dict[str, float]:
-    """CPU ms so far of each live thread, summed by role: Python threads by name (``tierfs-copy-peer``),
-    the others by their OS name (``native gloo_tcp_loop``)."""
-    import threading
-
-    names = {t.native_id: re.sub(r"-\d+$", "", t.name.split(" (")[0]) for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:  # ended meanwhile
-            continue
-        role = names.get(int(tid)) or f"native {comm}"
-        out[role] = out.get(role, 0.0) + ns / 1e6
-    return out
-
-
 def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: b[k] - a.get(k, 0.0) for k in b}
+    """Each thread role's CPU ms between two readings of :func:`_training.cpu_by_thread` (seconds)."""
+    return {k: 1000 * (b[k] - a.get(k, 0.0)) for k in b}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -69,7 +49,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     import tierfs
-    from _training import Trainer
+    from _training import Trainer, cpu_by_thread, nbytes_of
+    from _common import tensors
     from tierfs import TieredStore
     from tierfs.policies import LatestN
     from tierfs.tiers import ErasureCodedTier, MemoryTier, PeerTier
@@ -88,33 +69,22 @@ def worker(args: argparse.Namespace) -> None:
                 store.save(step, state, blocking=False)
             store.wait_until_finished()
             dist.barrier()
-            a = by_role()
+            a = cpu_by_thread(precise=True)
             time.sleep(args.saves * args.gap)
-            b = by_role()
+            b = cpu_by_thread(precise=True)
             for step in range(5, 5 + args.saves):
                 store.save(step, state, blocking=False)
                 time.sleep(args.gap)
             store.wait_until_finished()
-            c = by_role()
+            c = cpu_by_thread(precise=True)
         idle, busy = delta(a, b), delta(b, c)
         per_save = {k: (busy[k] - idle.get(k, 0.0)) / args.saves for k in busy}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     with open(f"{args.json}.{rank}", "w") as f:
         json.dump({"rank": rank, "tierfs": os.path.dirname(tierfs.__file__), "per_save": per_save,
-                   "nbytes": sum(t.numel() * t.element_size() for t in _tensors(state)),
-                   "tensors": sum(1 for _ in _tensors(state))}, f)
+                   "nbytes": nbytes_of(state), "tensors": sum(1 for _ in tensors(state))}, f)
     dist.destroy_process_group()
-
-
-def _tensors(state):
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from _tensors(v)
 
 
 def main() -> int:
