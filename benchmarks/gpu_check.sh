@@ -2,7 +2,8 @@
 # make gpu-check: tierfs on one CUDA GPU, within 8 minutes. Uses the machine's python3 and its torch as they
 # are: builds no .venv, installs nothing from the network and does not install tierfs (the repository root
 # goes on PYTHONPATH). The one dependency a bare torch environment lacks, fastcrc, is unpacked from the wheel
-# in benchmarks/wheels/ into a temporary directory when `import fastcrc` fails.
+# in benchmarks/wheels/ into a temporary directory when `import fastcrc` fails (without orjson, tierfs
+# writes and reads its manifests with Python's json).
 #
 # Runs the gpu-marked tests (tests/test_gpu.py), then benchmarks/bench_gpu.py (even when the tests failed),
 # and writes into $GPU_CHECK_OUT (default benchmarks/results/) at most 5 files, gpu_check-<stamp>-*:

@@ -112,3 +112,21 @@ def test_values_orjson_would_write_its_own_way_go_through_the_standard_library()
             jsonio.dumps({"v": bad, "n": [1]}, [{"v": bad}])
     for odd in (Level.HIGH, OrderedDict(b=1, a=2), np.float64(2.5)):
         assert jsonio.dumps({"v": odd}) == _std({"v": odd})
+
+
+def test_without_orjson_the_standard_library_does_it_all():
+    """A process that imports tierfs from its sources without its dependencies installed (the GPU check
+    on a bare torch environment) still writes and reads manifests."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['orjson'] = None\n"
+            "from tierfs.format import Entry, Manifest, jsonio\n"
+            "assert jsonio.orjson is None\n"
+            "m = Manifest(1, 0, 1, [Entry('v', kind='json', value={'big': 2**70, 'x': 0.5})], {}, metadata={'k': 'ü'})\n"
+            "raw = m.to_bytes()\n"
+            "assert b'\\\\u00fc' in raw  # (json escapes what orjson writes as UTF-8)\n"
+            "assert Manifest.from_bytes(raw).entries[0].value == {'big': 2**70, 'x': 0.5}\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

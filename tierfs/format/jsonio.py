@@ -16,6 +16,9 @@ keep the standard library's results:
 - :func:`loads` gives what ``json.loads`` gives. Text orjson refuses (``NaN``, lone surrogates, encodings
   other than UTF-8) and any with a run of 19 digits or more (orjson reads an integer past 64 bits as a
   float) go through the standard library, with its errors.
+
+Without orjson (a dependency of tierfs, but a process that imports tierfs from its sources may lack it)
+both are the standard library's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import json
 import math
 from typing import Any, Iterable
 
-import orjson
+try:
+    import orjson
+except ImportError:  # (a dependency of tierfs; without it, as where tierfs runs from its sources alone: json)
+    orjson = None  # type: ignore[assignment]
 
 #: every digit as ``0``, every other byte as a space: 19 digits in a row (possibly an integer past 64 bits,
 #: which orjson would read as a float) are then one ``bytes.find`` away (a regular expression takes 10x longer)
@@ -34,7 +40,8 @@ _LONG = b"0" * 19
 
 #: orjson's own ways with dataclasses, datetimes and subclasses of str, int, dict and list, left to the
 #: standard library (which refuses the first two and writes subclasses its own way)
-_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+_OPTIONS = (orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+            if orjson is not None else 0)
 #: the types whose JSON orjson writes as the standard library does (a finite float's, read back)
 _PLAIN = frozenset({str, int, float, bool, type(None), dict, list, tuple})
 
@@ -43,7 +50,7 @@ def dumps(obj: Any, values: Iterable[Any] | None = None) -> bytes:
     """Compact JSON of ``obj`` (see the module docstring). ``values``: the parts of ``obj`` that may hold
     other values than text, integers, lists and dicts of them (None: all of it); a caller that knows where
     its users' values are spares the walk over the rest."""
-    if _plain(obj if values is None else values, whole=values is None):
+    if orjson is not None and _plain(obj if values is None else values, whole=values is None):
         try:
             return orjson.dumps(obj, option=_OPTIONS)
         except TypeError:  # (orjson.JSONEncodeError) what the standard library says, or writes
@@ -55,7 +62,7 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """The value of JSON text ``data`` (see the module docstring); ValueError (``json.JSONDecodeError``)
     when it is not JSON."""
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    if raw.translate(_DIGITS).find(_LONG) < 0:
+    if orjson is not None and raw.translate(_DIGITS).find(_LONG) < 0:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
