@@ -284,6 +284,44 @@ def test_directories_are_private(shm_dir, tmp_path):
     assert (ram / step_dirname(1) / "rank_00000.0000.bin").stat().st_mode & 0o077 == 0
 
 
+def test_private_directories_are_made_or_made_private(tmp_path):
+    from tierfs.util.fileio import make_private_dir
+
+    deep = tmp_path / "a" / "b" / "c"
+    make_private_dir(deep)  # parents too
+    assert deep.is_dir() and deep.stat().st_mode & 0o777 == 0o700
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    make_private_dir(str(open_dir))  # one that others can enter is closed to them
+    assert open_dir.stat().st_mode & 0o777 == 0o700
+    make_private_dir(open_dir)  # again: nothing to do
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        make_private_dir(tmp_path / "file")
+
+
+def test_ram_tier_files_are_fsynced_unless_on_tmpfs(shm_dir, tmp_path, monkeypatch):
+    """On tmpfs an fsync does nothing but cost its system calls; elsewhere a manifest is written durably."""
+    from tierfs.tiers.rootdir import filesystem_type
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    for path, tmpfs in ((shm_dir, True), (tmp_path / "disk", False)):
+        if not tmpfs and filesystem_type(tmp_path) == "tmpfs":
+            continue  # (no other file system at hand)
+        tier = MemoryTier(path)
+        tier.open()
+        try:
+            synced.clear()
+            tier.write_file(1, "rank_00000.manifest.json", b"{}")
+            assert bool(synced) is not tmpfs, path
+            assert (Path(path) / step_dirname(1) / "rank_00000.manifest.json").read_bytes() == b"{}"
+        finally:
+            tier.close()
+
+
 def test_restore_rejects_mismatched_target(shm_dir):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         store.save(1, state_for(1))

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..util import args as _args
 from ..util.fileio import atomic_write, make_private_dir
-from .rootdir import check_root, default_path, root_dir, warn_unless_memory
+from .rootdir import check_root, default_path, filesystem_type, root_dir, warn_unless_memory
 from ..errors import TierUnavailableError
 from ..format import MARKER, parse_step_dirname, step_dirname, validate_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
@@ -76,6 +76,9 @@ class MemoryTier(Tier):
         self._spares = True  # prepare() builds spare buffers (not once the process exits)
         self._pool.job = JobLock(self.path, self._pool.dir)  # held from the first write (or open) until close
         self._exports = Exports()  # the mappings zero-copy views are made of, and their steps' leases
+        # manifests and markers are written durably (fsync) unless the directory is on tmpfs, where an
+        # fsync does nothing but cost its system calls (a power loss takes every file there anyway)
+        self._fsync = True
 
     # -- capabilities -------------------------------------------------------------------------------
     @property
@@ -111,6 +114,7 @@ class MemoryTier(Tier):
         except OSError as e:
             raise TierUnavailableError(f"RAM tier {self.path}: cannot create directory ({e.strerror})") from None
         warn_unless_memory(self.path, "RAM tier")
+        self._fsync = filesystem_type(self.path) != "tmpfs"
         self._job.create()
         if self.lock_on_open:
             self._job.claim()
@@ -293,7 +297,7 @@ class MemoryTier(Tier):
         self._forget(path, unlink=False)
         try:
             make_private_dir(path.parent)
-            atomic_write(path, data)
+            atomic_write(path, data, fsync=self._fsync)
         except OSError as e:
             if no_space(e):
                 raise _room.full(self.path, f"writing {name} of step {step}") from None

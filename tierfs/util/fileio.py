@@ -8,8 +8,10 @@ object tier on ``file://``, the fsspec drain's uploads to a local target and the
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
+import stat
 from typing import IO, Any, Callable, Union
 
 from . import hooks as _hooks
@@ -90,15 +92,25 @@ def atomic_write(path: str | os.PathLike[str], data: Source, *, fsync: bool = Tr
 
 
 def make_private_dir(path: "os.PathLike[str] | str") -> None:
-    """Create ``path`` (and parents) with mode 0700; refuse a directory other users can enter."""
-    from pathlib import Path
-
-    from ..errors import TierUnavailableError
-
-    p = Path(path)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = p.stat()
+    """Create ``path`` (and parents) with mode 0700; refuse a directory other users can enter. (With the
+    ``os`` calls themselves: a save makes sure of its step's directory before each file it writes.)"""
+    p = os.fspath(path)
+    try:
+        os.mkdir(p, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # parents first, with the default mode (as ``Path.mkdir(parents=True)``)
+        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
+    st = os.stat(p)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a directory", p)
     if st.st_uid != os.getuid():
+        from ..errors import TierUnavailableError
+
         raise TierUnavailableError(f"{p} belongs to another user; use a directory of your own")
     if st.st_mode & 0o077:
         os.chmod(p, 0o700)
