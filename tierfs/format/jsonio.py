@@ -49,7 +49,7 @@ _PLAIN = frozenset({str, int, float, bool, type(None), dict, list, tuple})
 def dumps(obj: Any, values: Iterable[Any] | None = None) -> bytes:
     """Compact JSON of ``obj`` (see the module docstring). ``values``: the parts of ``obj`` that may hold
     other values than text, integers, lists and dicts of them (None: all of it); a caller that knows where
-    its users' values are spares the walk over the rest."""
+    its users' values are (the rest being of those plain types) spares the walk over the rest."""
     if orjson is not None and _plain(obj if values is None else values, whole=values is None):
         try:
             return orjson.dumps(obj, option=_OPTIONS)

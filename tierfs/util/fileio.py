@@ -94,7 +94,7 @@ def atomic_write(path: str | os.PathLike[str], data: Source, *, fsync: bool = Tr
 def make_private_dir(path: "os.PathLike[str] | str") -> None:
     """Create ``path`` (and parents) with mode 0700; refuse a directory other users can enter. (With the
     ``os`` calls themselves: a save makes sure of its step's directory before each file it writes.)"""
-    p = os.fspath(path)
+    p = os.fspath(path) or "."
     try:
         os.mkdir(p, 0o700)
     except FileExistsError:
