@@ -130,3 +130,17 @@ def test_without_orjson_the_standard_library_does_it_all():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_orjson_writes_what_it_can_and_json_the_rest():
+    """Which encoder wrote a manifest shows in its bytes: orjson writes non-ASCII text as UTF-8, json escapes it."""
+    pytest.importorskip("orjson")
+    plain = Manifest(1, 0, 1, [], {}, metadata={"k": "ü"})
+    assert "ü".encode() in plain.to_bytes()  # orjson
+    for odd in (2**70, np.float64(0.5), math.nan):
+        m = Manifest(1, 0, 1, [], {}, metadata={"k": "ü", "v": odd})
+        if isinstance(odd, float) and math.isnan(odd):
+            with pytest.raises(ValueError):
+                m.to_bytes()
+        else:
+            assert b"\\u00fc" in m.to_bytes()  # json, for the value orjson would write otherwise or not at all
