@@ -53,7 +53,8 @@ def gpt(vocab: int, d_model: int, layers: int, seq: int, seed: int) -> Any:
 
 class Trainer:
     """One rank's model, AdamW and batches; :meth:`step` is a training step, kept in lockstep with the
-    other ranks by an all-reduce of the loss (as data-parallel and sharded jobs are)."""
+    other ranks by an all-reduce of the loss (as data-parallel and sharded jobs are; ``dist`` None: a
+    process of its own, no all-reduce)."""
 
     def __init__(self, dist: Any, vocab: int, d_model: int, layers: int, seq: int, seed: int) -> None:
         import torch
@@ -76,7 +77,8 @@ class Trainer:
         loss.backward()
         self.opt.step()
         self.loss.copy_(loss.detach())
-        self.dist.all_reduce(self.loss)
+        if self.dist is not None:
+            self.dist.all_reduce(self.loss)
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}

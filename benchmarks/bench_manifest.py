@@ -7,7 +7,8 @@ it into a RAM tier with and without an fsync.
 The manifest is that of ``bench_every_step.py``'s GPT (``model.state_dict()`` and AdamW's, 212 tensors),
 saved once into a RAM tier on ``/dev/shm``. Each figure is the median over ``--rounds`` rounds of the mean
 of ``--calls`` calls; the cases take turns within each round, the garbage collector off while they run (a
-save pauses it too, and a collection would land on whichever call it falls in). Writes ``benchmarks/results/bench_manifest-<day>-<k>.md``.
+save pauses it too, and a collection would land on whichever call it falls in). Writes
+``benchmarks/results/bench_manifest-<day>-<k>.md``.
 """
 
 from __future__ import annotations
@@ -56,17 +57,15 @@ def main() -> int:
 
     import torch
 
-    from _training import gpt
+    from _training import Trainer
     from tierfs import TieredStore
     from tierfs.format import Manifest, jsonio, manifest_filename
     from tierfs.tiers import MemoryTier
 
     torch.set_num_threads(1)
-    model = gpt(2048, 192, 4, 128, 0)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, 2048, (2, 128))).sum().backward()
-    opt.step()
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    trainer = Trainer(None, 2048, 192, 4, 128, seed=0)  # bench_every_step.py's GPT at its defaults
+    trainer.step()  # (AdamW's moments exist after a step)
+    state = trainer.state()
     root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="bench-manifest-")
     try:
         with TieredStore([MemoryTier(os.path.join(root, "ram"))]) as store:
