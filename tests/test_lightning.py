@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
+from _ports import free_port  # noqa: E402
 from _steps import committed  # noqa: E402
 from tierfs import TieredStore  # noqa: E402
 from tierfs.adapters.lightning import TieredCheckpointIO, codec  # noqa: E402
@@ -50,13 +51,6 @@ def _finish(p, cfg, timeout=120):
 
 def _run(cfg, timeout=120):
     return _finish(_start(cfg), cfg, timeout)
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _same(a, b):
@@ -210,7 +204,7 @@ def test_ddp_two_processes_rank0_saves_and_all_resume(dirs):
     ref_cfg = _cfg(dirs, ckpt_dir=str(dirs["tmp"] / "ref" / "ckpts"), ram=dirs["ram"] + "-ref",
                    obj=dirs["obj"] + "-ref", max_steps=6, out=str(dirs["tmp"] / "ref.pt"), **common)
     first_cfg = _cfg(dirs, max_steps=3, out=str(dirs["tmp"] / "a.pt"), **common)
-    pr, pf = _start(ref_cfg, _free_port()), _start(first_cfg, _free_port())  # two jobs at once
+    pr, pf = _start(ref_cfg, free_port()), _start(first_cfg, free_port())  # two jobs at once
     ref, first = _finish(pr, ref_cfg), _finish(pf, first_cfg)
     assert first["global_step"] == 3
     got = _run(_cfg(dirs, max_steps=6, resume=first["last_model_path"], out=str(dirs["tmp"] / "b.pt"),

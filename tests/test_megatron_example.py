@@ -15,13 +15,14 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from _ports import free_port
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
@@ -37,9 +38,7 @@ TIMEOUT = 240  # seconds a phase may take on a loaded machine (a guard against a
 
 def start(script: Path, args: list[str], logs: Path) -> list[subprocess.Popen]:
     """The job's 2 ranks, as torchrun starts them on one node (each rank's stderr to a file in ``logs``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(2):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.request
 
 import pytest
 
+from _ports import free_ports
 import gloo_job
 from _faultproxy import FaultProxy
 
@@ -19,28 +19,6 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children", "metrics_child.py")
-
-
-def free_ports(n: int) -> int:
-    """A base port whose next ``n - 1`` ports are free too (bound and released)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            held = []
-            for p in range(base, base + n):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
 
 
 def scrape(port: int) -> list:
@@ -59,7 +37,7 @@ def test_a_2_rank_job_s_metrics_move_with_saves_faults_and_the_lag(s3_url, shm_d
     fifos.mkdir()
     for r in range(2):
         os.mkfifo(fifos / f"go{r}")
-    base = free_ports(2)
+    base = free_ports(2, consecutive=True)[0]  # rank r serves on base + r
     with FaultProxy(opts["endpoint_url"]) as proxy:
         env = {"TIERFS_METRICS_PORT": str(base), "TIERFS_TEST_STORAGE_OPTIONS": json.dumps(
             {**opts, "endpoint_url": proxy.url, "skip_instance_cache": True,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
+from _ports import free_port  # noqa: E402
 import gloo_job  # noqa: E402
 from tierfs import CheckpointManager  # noqa: E402
 from tierfs.tiers import MemoryTier, ObjectTier  # noqa: E402
@@ -39,9 +39,7 @@ END = 10 ** 9  # the loop's natural end (the child's END)
 def start_train(shm_dir: str, url: str, logdir: Path, opts: dict, *extra: str) -> list[subprocess.Popen]:
     """The two ranks of a ``train`` job, as tests/gloo_job.py starts them, with stdin a pipe (rank 1 reads a
     line at step 21)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

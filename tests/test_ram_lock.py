@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from tierfs.policies import LatestN
 from tierfs.testing import hooks
 from tierfs.tiers import MemoryTier
 
+from _ports import free_port
 from ram_lock_child import state_for, write
 
 HERE = Path(__file__).parent
@@ -107,9 +107,7 @@ def test_a_killed_job_leaves_the_directory_free(shm_dir):
 
 def test_the_processes_of_one_job_share_the_directory(shm_dir, monkeypatch):
     """Ranks of one torch.distributed job (one rendezvous address) share it; another job's do not."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     job = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     ram = Path(shm_dir) / "ram"
     proc, pid = hold(ram, job)

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from _ports import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -171,14 +172,8 @@ def test_resume_path_repairs_and_fetches(tmp_path: Path) -> None:
     assert got == {**files, "trainer_state.json": b"4"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run2(cfg: dict[str, Any]) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(CHILD), json.dumps(cfg)],
                               env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
