@@ -27,10 +27,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The suite is most of all processes that start, import torch and exit. Bytecode compiled here is loaded by
+# each of them, also where PYTHONDONTWRITEBYTECODE is set; pytest-xdist runs the tests on a worker per core
+# (at most 4), each with its own servers, directories and ports.
 test: $(STAMP)
+	$(BIN)/python -m compileall -q tierfs tests examples benchmarks > /dev/null
 	$(BIN)/python -m mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d $(VENV)/site
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 -n auto --maxprocesses=4 --dist worksteal
 
 # the docs site (mkdocs, material theme, API reference from the docstrings) in site/
 docs: $(STAMP)
