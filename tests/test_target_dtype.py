@@ -5,6 +5,7 @@ torch)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -60,7 +61,8 @@ def test_a_process_that_imports_torch_after_reading_the_checkpoint_converts_noth
                     out.append([type(e).__name__, str(e)])
         print(json.dumps(out))
     """)
-    proc = subprocess.run([sys.executable, "-c", code, shm_dir], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, shm_dir], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TIERFS_TEST_SPAWN": "exec"})  # a fresh interpreter: no torch yet
     assert proc.returncode == 0, proc.stderr
     numpy_first, other, same = json.loads(proc.stdout.splitlines()[-1])
     assert numpy_first == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
