@@ -409,8 +409,8 @@ def report(runs: list[list[dict]], targets: list[str]) -> str:
             roles = {k: statistics.median(f["tierfs"].get("gil_roles", {}).get(k, 0.0) for f in figs)
                      for k in f0["tierfs"].get("gil_roles", {})} if "tierfs" in sampled else {}
             shown = [f"{k} {x * 1e3:.2f}" for k, x in sorted(roles.items(), key=lambda kx: -kx[1]) if x * 1e3 >= 0.05]
-            if shown:
-                lines.append("- GIL held by tierfs's threads, ms per step: " + ", ".join(shown))
+            if "tierfs" in sampled:  # a short run's samples may catch none of them above 0.05 ms
+                lines.append("- GIL held by tierfs's threads, ms per step: " + (", ".join(shown) or "each below 0.05"))
         else:
             why = runs[0][0]["targets"][target].get("gil_sampling", "not measured")
             lines.append(f"- GIL held (py-spy): not sampled ({why})")
