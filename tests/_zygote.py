@@ -9,7 +9,8 @@ that imported torch, torch.distributed and numpy once) forks each such process i
   group change is handed to a zygote, with the pipes ``Popen`` made, the environment and the directory.
   Every other command is started as ``subprocess.Popen`` starts it.
 - The zygote forks, the fork forks the process and exits, so the process is re-parented to the test
-  process (a child subreaper, ``PR_SET_CHILD_SUBREAPER``): it is the test process's child, and
+  process (a child subreaper, ``PR_SET_CHILD_SUBREAPER``) before it runs anything: it is the test
+  process's child, and
   ``wait``, ``poll``, ``communicate``, ``kill`` and return codes are ``subprocess``'s own.
 - The process is a real, separate OS process: it sets its own environment, ``sys.argv``, ``sys.path``
   (its ``PYTHONPATH``) and standard streams, runs the script as ``__main__``, and at its end waits for
@@ -60,23 +61,29 @@ def serve(fd: int, path: list[str]) -> None:
         if not data:
             return
         req = json.loads(data)
-        r, w = os.pipe()
+        r, w = os.pipe()  # the process's pid, from the fork between
+        go_r, go_w = os.pipe()  # the process waits on it until it is the test process's child
         first = os.fork()
         if first == 0:
             try:
                 pid = os.fork()
                 if pid == 0:
-                    os.close(r)
-                    os.close(w)
+                    for f in (r, w, go_w):
+                        os.close(f)
                     sock.close()
+                    os.read(go_r, 1)
+                    os.close(go_r)
                     _run(req, fds, base_path)  # never returns
                 os.write(w, str(pid).encode())
             finally:
                 os._exit(0)
-        os.close(w)
+        for f in (w, go_r):
+            os.close(f)
         pid = int(os.read(r, 64) or b"0")
         os.close(r)
-        os.waitpid(first, 0)  # the process is now the test process's child
+        os.waitpid(first, 0)  # its parent has exited: the process is now the test process's child
+        os.write(go_w, b"g")
+        os.close(go_w)
         for f in fds:
             os.close(f)
         sock.sendall(json.dumps({"pid": pid}).encode())
