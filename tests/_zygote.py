@@ -91,7 +91,6 @@ def serve(fd: int, path: list[str]) -> None:
 
 def _run(req: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     """In the forked process: become the requested ``python ...`` and exit as an interpreter exits."""
-    code = 1
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -134,7 +133,7 @@ def _streams(env: dict[str, str]) -> None:
     for fd, name, errors in ((1, "stdout", "strict"), (2, "stderr", "backslashreplace")):
         raw = io.FileIO(fd, "w", closefd=False)
         buf = raw if unbuffered else io.BufferedWriter(raw)
-        stream = io.TextIOWrapper(buf, encoding="utf-8", errors=errors, write_through=unbuffered,  # type: ignore[arg-type]
+        stream = io.TextIOWrapper(buf, encoding="utf-8", errors=errors, write_through=unbuffered,
                                   line_buffering=name == "stderr" and not unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
