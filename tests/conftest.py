@@ -73,6 +73,7 @@ def pytest_unconfigure(config):
 
     _zygote.uninstall()
 
+
 S3_BUCKET = "tierfs-test"
 GCS_BUCKET = "tierfs-test"
 _HOST = "127.0.0.1"
