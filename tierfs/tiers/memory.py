@@ -272,8 +272,10 @@ class MemoryTier(Tier):
             # a whole spare set: this rank's files and, where it keeps peers' shards, a replica's too
             want = self._pool.wanted() or list(sizes.values())
             missing = self._pool.missing(want)
+            if not missing:  # the spare set is there (a steady save): nothing to count or make
+                return
             avail = self.capacity().available
-            if not missing or (avail is not None and sum(missing) > avail):
+            if avail is not None and sum(missing) > avail:
                 return
         self._pool.fill(want, self._lock)
 
