@@ -77,6 +77,65 @@ def test_block_buffers_are_kept_between_exchanges_and_never_shared_while_lent():
     assert pool.nbytes == 0
 
 
+def _manifest_of(payload: np.ndarray, layout: dict[str, list[tuple[str, int, int]]], block: int):
+    """A manifest of files cut from ``payload`` in name order (``{file: [(entry, offset, length)]}``)."""
+    from tierfs.format import Entry, Manifest, crc32c
+
+    files, entries, at = {}, [], 0
+    for f in sorted(layout):
+        size = max(o + n for _, o, n in layout[f])
+        for name, o, n in layout[f]:
+            data = payload[at + o:at + o + n]
+            entries.append(Entry(name, "array", "numpy", "uint8", [n], f, o, n,
+                                 [crc32c(data[k:k + block]) for k in range(0, max(n, 1), block)]))
+        files[f], at = size, at + size
+    return Manifest(2, 0, 1, entries, files, block)
+
+
+def test_a_rebuilt_payload_lands_in_the_arrays_and_files_it_belongs_to_and_is_verified_where_it_landed():
+    """A lost member's payload received in blocks of any size, as a rebuild receives it (the padding after
+    it included): each block inside a landed entry or inside a file with nothing landing goes straight
+    there, each one across them through a block buffer; every entry is then checked where it is."""
+    from tierfs.errors import ChecksumError
+    from tierfs.tiers._stripes import Rebuilt
+
+    rng = np.random.default_rng(7)
+    # file a: a landed entry, one that is not, a gap; file b: a landed entry over all of it; file c: small ones
+    layout = {"a": [("x", 16, 300), ("y", 316, 100), ("g", 500, 12)], "b": [("z", 0, 256)],
+              "c": [("u", 0, 40), ("v", 40, 9)]}
+    payload = rng.integers(0, 256, 512 + 256 + 49, dtype=np.uint8)
+    m = _manifest_of(payload, layout, 64)
+    for step in (7, 64, 128, 1000):
+        padded = np.concatenate([payload, rng.integers(0, 256, 23, dtype=np.uint8)])
+        arrays = {"x": np.zeros(300, np.uint8), "z": np.zeros(256, np.uint8)}
+        dest = Rebuilt(m, arrays)
+        spare = np.empty(step, np.uint8)
+        kinds = set()
+        for a in range(0, padded.size, step):
+            b = min(a + step, padded.size)
+            where, direct = dest.into(a, b, spare)
+            where[:] = padded[a:b]
+            if direct:
+                kinds.add("landed" if any(np.shares_memory(where, v) for v in arrays.values()) else "file")
+            else:
+                kinds.add("apart")
+                dest.settle(a, b, where)
+        dest.verify()
+        assert arrays["x"].tobytes() == payload[16:316].tobytes()
+        assert arrays["z"].tobytes() == payload[512:768].tobytes()
+        files = {"a": payload[:512], "c": payload[768:]}
+        assert {f: dest.files[f].tobytes() for f in files} == {f: v.tobytes() for f, v in files.items()} | {
+            "a": payload[:16].tobytes() + dest.files["a"][16:316].tobytes() + payload[316:512].tobytes()}
+        assert set(dest.files) == {"a", "b", "c"} and dest.landed.keys() == {"x", "z"}
+        if step == 64:
+            assert kinds == {"landed", "file", "apart"}, kinds
+    arrays["z"][100] ^= 1  # damaged where it landed: the check names it
+    with pytest.raises(ChecksumError, match="'z'"):
+        dest.verify()
+    with pytest.raises(ValueError, match="cannot land in an array of 10 bytes"):
+        Rebuilt(m, {"x": np.zeros(10, np.uint8)})
+
+
 # -- real jobs ------------------------------------------------------------------------------------
 def job(world: int, shm: Path, obj: Path | str, mode: str, code: str, *extra: str) -> list[dict]:
     return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, code, *extra)

@@ -22,14 +22,16 @@ from _child import finish  # tests/children/ is the script's directory, first on
 
 
 def state_for(rank: int, step: int) -> dict:
-    """Shards of different sizes (the group pads to the longest), several files and an empty array; rank 0's
-    also 120 small arrays, so its manifest (in the head every member sends the others) is longer than one
-    first message and takes the second round."""
+    """Shards of different sizes (the group pads to the longest), several files and an empty array, and one
+    array large enough that a restore lands it in the target's own array; rank 0's also 120 small arrays,
+    so its manifest (in the head every member sends the others) is longer than one first message and takes
+    the second round."""
     rng = np.random.default_rng(1000 * rank + step)
     many = {f"small{k:02d}": rng.integers(0, 255, 3 + k, dtype=np.uint8) for k in range(120 if rank == 0 else 0)}
     return {"b": rng.integers(0, 255, 5000 + 37 * rank, dtype=np.uint8),
             "w": rng.standard_normal(150_000 + 1000 * rank).astype(np.float32),
-            "h": rng.standard_normal((300, 7)).astype(np.float16), "empty": np.zeros(0), "step": step, **many}
+            "h": rng.standard_normal((300, 7)).astype(np.float16), "empty": np.zeros(0), "step": step,
+            "large": rng.standard_normal(300_000 + 8 * rank).astype(np.float32), **many}
 
 
 def main() -> None:

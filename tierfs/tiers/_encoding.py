@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 
-from ..format import blockio as _blocks
 from ..ranks import framed
 from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
 from ..format import MARKER, Manifest, crc32c, manifest_filename
 from . import _erasure
-from ._stripes import (PARITY, STRIPES, TAIL, Payload, Stripes, WorkBuffers, check_block, pack, seal, split,
+from ._stripes import (PARITY, STRIPES, TAIL, Payload, Rebuilt, Stripes, WorkBuffers, check_block, pack, seal,
                        unpack)
-from .base import Fetched, Pace
+from .base import Fetched, Pace, ReceiveInto
 
 if TYPE_CHECKING:
     from .memory import MemoryTier
@@ -189,9 +188,11 @@ def encode_group(tier: ErasureCodedTier, g: Any, step: int, marker: bytes, manif
     return errors, True
 
 
-def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int, int]) -> Fetched | str | None:
+def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int, int],
+                  landing: ReceiveInto | None = None) -> Fetched | str | None:
     """This rank's part of rebuilding its group's members in ``assign``: the rebuilt shard on such a
-    member (or why it failed), None on the others."""
+    member (or why it failed), None on the others. On a rebuilt member, ``landing(manifest)`` names arrays
+    that entries land in straight (as for :meth:`~tierfs.tiers.base.Replicator.fetch`)."""
     members = tier.members()
     lost = sorted(q for q in assign if q in members)
     if not lost:
@@ -217,9 +218,12 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
     stripes = Stripes.from_json(rec["stripes"])
     c, blocks, d = stripes.chunk, stripes.blocks(), stripes.d
     li = [members.index(q) for q in lost]
+    dest: Rebuilt | str | None = None
+    if me in lost:  # where its bytes go: its files, and the arrays the restore lands entries in
+        dest = _destination(stripes, blobs, lost.index(me), members.index(me), landing)
     if p == 1:
-        got_back = _rebuild_xor(tier, g, step, stripes, members.index(me), li[0])
-        return _shard(got_back, stripes, blobs, lost, members.index(me))
+        got_back = _rebuild_xor(tier, g, step, stripes, members.index(me), li[0], dest)
+        return _shard(got_back, blobs, lost.index(me)) if me in lost else None
     moves = []  # (sender index, receiver index, stripe, position among the stripe's pieces)
     for lx in li:
         for j in stripes.stripes_of(lx):
@@ -241,9 +245,8 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
             kept = {jt: (q, record["crcs"][q]) for q, jt in enumerate(stripes.kept(i))}
     except (TierfsError, OSError, ValueError, KeyError) as e:
         why = f"rank {me}: {type(e).__name__}: {e}"
-    if i in li:
-        payload = np.zeros(d * c, np.uint8)
-    failed: str | None = None
+    payload, failed = (dest, None) if isinstance(dest, Rebuilt) else (None, dest)
+    spare = np.empty(width if payload is not None else 0, np.uint8)  # a block across its files or entries
     with stage("fetch", step, tier.name):
         for bi, (a, b) in enumerate(blocks):
             n = b - a
@@ -271,43 +274,56 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
                                         f"rank {members[x]}")
                             pieces[pos] = buf[:n]
                     k, want = stripes.stripes_of(i).index(j), stripes.data_members(j).index(i)
-                    _erasure.decode(pieces, d, p, [want], out={want: payload[k * c + a:k * c + b]})
+                    into, direct = payload.into(k * c + a, k * c + b, spare)
+                    _erasure.decode(pieces, d, p, [want], out={want: into})
+                    if not direct:
+                        payload.settle(k * c + a, k * c + b, into)
             except (TierfsError, ValueError) as e:
                 failed = f"{type(e).__name__}: {e}"
-    return _shard(failed if failed else payload, stripes, blobs, lost, i)
+    if i not in li:
+        return None
+    return _shard(failed if failed else payload, blobs, lost.index(me))
 
 
-def _shard(got: np.ndarray | str | None, stripes: Stripes, blobs: list[bytes], lost: list[int], i: int
-           ) -> Fetched | str | None:
-    """A rebuilt payload as the shard it was (verified against its manifest), or why not; None: not rebuilt here."""
-    if got is None or isinstance(got, str):
-        return got
-    payload, me = got, stripes.members[i]
+def _destination(stripes: Stripes, blobs: list[bytes], k: int, i: int, landing: ReceiveInto | None
+                 ) -> Rebuilt | str:
+    """Where the ``k``-th lost member (index ``i``) takes its rebuilt payload in: its files, and the arrays
+    ``landing`` names for its manifest's entries; or why not."""
     try:
-        marker, mbytes = blobs[0], blobs[1 + lost.index(me)]
-        manifest = Manifest.from_bytes(mbytes)
+        manifest = Manifest.from_bytes(blobs[1 + k])
         sizes = manifest.replica_files
         if sum(sizes.values()) != stripes.lengths[i]:
             raise FormatError(f"the stripes record says {stripes.lengths[i]} bytes, the manifest {sum(sizes.values())}")
-        files = split(payload, sizes)
-        _blocks.verify(manifest, files)  # the rebuilt shard, against the checksums it was saved with
+        return Rebuilt(manifest, landing(manifest) if landing is not None else {})
     except (TierfsError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
-    return manifest, mbytes, marker, files
 
 
-def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i: int, lost: int
-                 ) -> np.ndarray | str | None:
+def _shard(got: Rebuilt | str | None, blobs: list[bytes], k: int) -> Fetched | str | None:
+    """The ``k``-th lost member's rebuilt shard, every entry verified where it landed against the checksums it
+    was saved with (its manifest is the one the landing saw: the restore knows its arrays by it); or why not."""
+    if got is None or isinstance(got, str):
+        return got
+    try:
+        got.verify()
+    except (TierfsError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return got.manifest, blobs[1 + k], blobs[0], got.files
+
+
+def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i: int, lost: int,
+                 dest: Rebuilt | str | None) -> Rebuilt | str | None:
     """``parity=1``: each stripe's parity holder XORs the survivors' chunks into its parity block and sends
     the lost member only the result, so that member takes in its shard's bytes once (not ``data`` times).
 
-    The bytes move as they are: survivors send views of their mapped files, the results land in the
-    lost member's payload, and one exchange per block carries that block's chunks and the previous block's
-    results. A holder checks its parity block against the crc32c it kept; every other byte is checked once,
-    end to end, when the rebuilt shard is verified against its manifest (:func:`_shard`). Whether a
+    The bytes move as they are: survivors send views of their mapped files, the results land where the
+    lost member's ``dest`` puts them (its files, or the arrays its restore lands entries in), and one
+    exchange per block carries that block's chunks and the previous block's results. A holder checks its
+    parity block against the crc32c it kept; every other byte is checked once, end to end, when the
+    rebuilt shard is verified against its manifest (:func:`_shard`). Whether a
     survivor could read its pieces travels beside them (one flag per pair and block), so a rebuild from
-    unreadable or damaged pieces says where. Returns the lost member's payload (or why not) on it, None
-    elsewhere."""
+    unreadable or damaged pieces says where. Returns the lost member's ``dest`` filled (or why not) on it,
+    None elsewhere."""
     members, c, blocks = stripes.members, stripes.chunk, stripes.blocks()
     mine = stripes.stripes_of(lost)  # the stripes the lost member gave a chunk to, in chunk order
     combiner = {j: stripes.holders(j)[0] for j in mine}
@@ -331,20 +347,24 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
             sums = {jt[0]: (q, record["crcs"][q]) for q, jt in enumerate(stripes.kept(i))}
     except (TierfsError, OSError, ValueError, KeyError) as e:
         why = f"rank {members[i]}: {type(e).__name__}: {e}"
-    payload = np.zeros(stripes.d * c, np.uint8) if i == lost else None
+    land = dest if isinstance(dest, Rebuilt) else None
+    # on the lost member: a block across its files or entries (or of a shard it cannot take) lands here first
+    scratch = {j: np.empty(width, np.uint8) for j in mine} if i == lost else {}
     bad: list[str] = []  # on the lost member: what its combiners could not read
     with stage("fetch", step, tier.name):
         done: tuple[int, int] | None = None  # the block whose results go with the next exchange
         for bi, ab in enumerate([*blocks, None]):
-            sends, recvs = [], []
+            sends, recvs, apart = [], [], []
             if done is not None:  # the previous block's results, combiner -> lost member, with their flags
                 pa, pb = done
                 for j, buf in comb.items():
                     sends += [(members[lost], buf[:pb - pa]), (members[lost], flags_out[j])]
-                if payload is not None:
-                    recvs += [r for k, j in enumerate(mine)
-                              for r in ((members[combiner[j]], payload[k * c + pa:k * c + pb]),
-                                        (members[combiner[j]], back[j]))]
+                for k, j in enumerate(mine) if i == lost else ():
+                    where, direct = land.into(k * c + pa, k * c + pb, scratch[j]) if land is not None else \
+                        (scratch[j][:pb - pa], True)
+                    if not direct:
+                        apart.append((k * c + pa, k * c + pb, where))
+                    recvs += [(members[combiner[j]], where), (members[combiner[j]], back[j])]
             if ab is not None:  # this block's chunks, survivor -> combiner
                 a, b = ab
                 for x, j in outs:
@@ -355,6 +375,9 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
                 recvs += [r for (x, j), buf in ins.items()
                           for r in ((members[x], flags_in[x, j]), (members[x], buf[:b - a]))]
             g.exchange(sends, recvs, bulk=True)
+            for lo, hi, where in apart:
+                assert land is not None
+                land.settle(lo, hi, where)
             if i == lost and done is not None:
                 bad += [f"bytes {done[0]}-{done[1]} of stripe {j} (rank {members[combiner[j]]} could not read "
                         "its pieces or was sent unreadable ones)" for j in mine if back[j][0] != 1]
@@ -382,4 +405,4 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
                 flags_out[j][0] = ok
     if bad:
         return f"ChecksumError: step {step}: {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
-    return payload
+    return dest

@@ -19,6 +19,7 @@ step in :data:`PARITY`, and beside them the stripes record in :data:`STRIPES`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import threading
@@ -28,7 +29,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import ChecksumError, FormatError, TierfsError
-from ..format import crc32c
+from ..format import Manifest, crc32c
+from ..format import blockio as _blocks
 
 #: bytes of a piece moved (and checksummed) at a time: the working buffers are a few of these per stripe
 BLOCK = 4 << 20
@@ -155,13 +157,66 @@ class Payload:
         return self.read(start, spare[:n])
 
 
-def split(payload: np.ndarray, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """A rebuilt payload as its files (``sizes``: the manifest's, cut in name order)."""
-    out, at = {}, 0
-    for name in sorted(sizes):
-        out[name] = payload[at:at + sizes[name]]
-        at += sizes[name]
-    return out
+class Rebuilt:
+    """Where a lost member's payload lands as it is rebuilt: ``files``, one fresh buffer per file of the
+    payload (``manifest``'s replica files, in name order), and the arrays ``views`` names (``{entry name:
+    uint8 array of its length}``, a restore's landing places) for whole entries of those files. A range of
+    the payload inside one landed entry or one file is received straight where it belongs; a range across
+    them goes through a block buffer and is copied apart (:meth:`settle`). The files' bytes of a landed
+    entry are undefined, and their pages are never touched."""
+
+    def __init__(self, manifest: Manifest, views: Mapping[str, np.ndarray]) -> None:
+        self.manifest = manifest
+        sizes = manifest.replica_files
+        self.files = {n: np.empty(sizes[n], np.uint8) for n in sorted(sizes)}
+        starts, at = {}, 0
+        for n in self.files:
+            starts[n], at = at, at + sizes[n]
+        self.length = at
+        #: ``{entry name: array}`` of the entries that land in the arrays
+        self.landed = {e.name: views[e.name] for e in manifest.entries if e.kind == "array" and e.name in views
+                       and e.file in sizes}
+        for e in manifest.entries:
+            if e.name in self.landed and self.landed[e.name].nbytes != e.length:
+                raise ValueError(f"entry {manifest.key(e.name)} cannot land in an array of "
+                                 f"{self.landed[e.name].nbytes} bytes")
+        # (start, end, array) in the payload: the landed entries, and the files (where nothing lands)
+        self._spans = sorted(((starts[e.file] + e.offset, starts[e.file] + e.offset + e.length, self.landed[e.name])
+                              for e in manifest.entries if e.name in self.landed and e.length), key=lambda x: x[0])
+        self._files = [(starts[n], starts[n] + b.size, b) for n, b in self.files.items() if b.size]
+
+    @staticmethod
+    def _inside(spans: list[tuple[int, int, np.ndarray]], a: int, b: int) -> np.ndarray | None:
+        k = bisect.bisect_right([s for s, _, _ in spans], a) - 1
+        if k >= 0 and spans[k][1] >= b:
+            s0, _, arr = spans[k]
+            return arr[a - s0:b - s0]
+        return None
+
+    def into(self, a: int, b: int, spare: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Where payload bytes ``a:b`` are received, and whether that is where they belong (else in
+        ``spare``, for :meth:`settle`)."""
+        got = self._inside(self._spans, a, b)
+        if got is None and not any(s < b and a < e for s, e, _ in self._spans):
+            got = self._inside(self._files, a, b)
+        return (got, True) if got is not None else (spare[:b - a], False)
+
+    def settle(self, a: int, b: int, data: np.ndarray) -> None:
+        """Copy payload bytes ``a:b``, received in ``data`` (a block buffer), where they belong: into the
+        files (bytes past the payload's end are padding: dropped), and into the landed entries."""
+        for spans in (self._files, self._spans):
+            for s, e, arr in spans:
+                lo, hi = max(a, s), min(b, e)
+                if lo < hi:
+                    arr[lo - s:hi - s] = data[lo - a:hi - a]
+
+    def verify(self) -> None:
+        """Check every array entry of the files where its bytes are (ChecksumError naming the first bad one)."""
+        m = self.manifest
+        _blocks.run([_blocks.Job(e.name, self.landed[e.name] if e.name in self.landed
+                                 else self.files[e.file][e.offset:e.offset + e.length],
+                                 None, m.block_size, e.crc32c, m.key(e.name))
+                     for e in m.entries if e.kind == "array" and e.file in self.files])
 
 
 def pack(record: Mapping[str, Any], *blobs: bytes) -> bytes:

@@ -13,8 +13,9 @@ A member keeps beside its parity the stripes record (payload lengths, each parit
 manifests of its group, so a member that lost its RAM gets its shard back, each chunk block by block: with
 ``parity=1`` the stripe's parity holder XORs the survivors' chunks into its parity block (checked against
 its crc first) and sends the result, so the lost member takes in its shard's bytes once; with more,
-``data`` of the surviving pieces come to it and it decodes its chunk. The rebuilt shard is verified
-against its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
+``data`` of the surviving pieces come to it and it decodes its chunk. The chunks land where the restore
+wants them (the large entries straight in the target's arrays, the rest in the shard's files), and the
+rebuilt shard is verified there against its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
 plan finds the step not gettable from this tier (:meth:`ErasureCodedTier.rebuildable`) and falls back to a
 slower tier, or raises CheckpointLostError.
 """
@@ -188,7 +189,7 @@ class ErasureCodedTier(KeptInRam):
 
         g = self._group(role)
         with operation(describe("fetch", step, self.name)), g.bounded():
-            got = rebuild_group(self, g, step, assign)
+            got = rebuild_group(self, g, step, assign, landing)
             g.barrier()  # a rank lost on the way fails the fetch here, on every rank, naming it
         return got
 
