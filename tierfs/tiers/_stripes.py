@@ -180,35 +180,33 @@ class Rebuilt:
             if e.name in self.landed and self.landed[e.name].nbytes != e.length:
                 raise ValueError(f"entry {manifest.key(e.name)} cannot land in an array of "
                                  f"{self.landed[e.name].nbytes} bytes")
-        # (start, end, array) in the payload: the landed entries, and the files (where nothing lands)
+        # (start, end, array) in the payload, sorted and apart: the landed entries, and the files
         self._spans = sorted(((starts[e.file] + e.offset, starts[e.file] + e.offset + e.length, self.landed[e.name])
                               for e in manifest.entries if e.name in self.landed and e.length), key=lambda x: x[0])
         self._files = [(starts[n], starts[n] + b.size, b) for n, b in self.files.items() if b.size]
+        self._at = ([x[0] for x in self._spans], [x[0] for x in self._files])  # their starts, to bisect
 
-    @staticmethod
-    def _inside(spans: list[tuple[int, int, np.ndarray]], a: int, b: int) -> np.ndarray | None:
-        k = bisect.bisect_right([s for s, _, _ in spans], a) - 1
-        if k >= 0 and spans[k][1] >= b:
-            s0, _, arr = spans[k]
-            return arr[a - s0:b - s0]
-        return None
+    def _over(self, files: bool, a: int, b: int) -> list[tuple[int, int, np.ndarray]]:
+        """The landed entries (or ``files``) that overlap payload bytes ``a:b``, in order."""
+        spans, starts = (self._files, self._at[1]) if files else (self._spans, self._at[0])
+        k = max(0, bisect.bisect_right(starts, a) - 1)
+        return [x for x in spans[k:bisect.bisect_left(starts, b)] if x[1] > a]
 
     def into(self, a: int, b: int, spare: np.ndarray) -> tuple[np.ndarray, bool]:
         """Where payload bytes ``a:b`` are received, and whether that is where they belong (else in
         ``spare``, for :meth:`settle`)."""
-        got = self._inside(self._spans, a, b)
-        if got is None and not any(s < b and a < e for s, e, _ in self._spans):
-            got = self._inside(self._files, a, b)
-        return (got, True) if got is not None else (spare[:b - a], False)
+        inside = self._over(False, a, b) or self._over(True, a, b)
+        if len(inside) == 1 and inside[0][0] <= a and b <= inside[0][1]:
+            s0, _, arr = inside[0]
+            return arr[a - s0:b - s0], True
+        return spare[:b - a], False
 
     def settle(self, a: int, b: int, data: np.ndarray) -> None:
         """Copy payload bytes ``a:b``, received in ``data`` (a block buffer), where they belong: into the
         files (bytes past the payload's end are padding: dropped), and into the landed entries."""
-        for spans in (self._files, self._spans):
-            for s, e, arr in spans:
-                lo, hi = max(a, s), min(b, e)
-                if lo < hi:
-                    arr[lo - s:hi - s] = data[lo - a:hi - a]
+        for s, e, arr in self._over(True, a, b) + self._over(False, a, b):
+            lo, hi = max(a, s), min(b, e)
+            arr[lo - s:hi - s] = data[lo - a:hi - a]
 
     def verify(self) -> None:
         """Check every array entry of the files where its bytes are (ChecksumError naming the first bad one)."""
