@@ -185,6 +185,41 @@ def test_over_budget_fails_before_writing_and_keeps_earlier_steps(shm_dir):
         assert sorted(store.steps()) == [8, 9]
 
 
+def test_a_spare_made_while_a_save_stages_neither_takes_its_room_nor_leaves_the_tier_over_budget(shm_dir):
+    """The background makes a spare buffer for the next save while that save stages (released as the save
+    starts staging, so either may get there first): the save finds room all the same (the spare's bytes
+    count as free), and the spare is kept only if it still fits, so at rest the tier holds no more than its
+    budget (two kept steps and a spare would be 3 steps' bytes in a budget of 2.5) and the next step that
+    does not fit fails before writing."""
+    from tierfs.testing import hooks
+
+    one = 3 * 50_000 * 4 + 8000  # bytes of one step's arrays
+    reached, go = threading.Event(), threading.Event()
+
+    def spare(nbytes):  # the background, about to make the spare: held until save 2 stages
+        reached.set()
+        assert go.wait(30)
+
+    def staging(stage, step, tier):
+        if stage == "staging" and step == 2:
+            go.set()
+
+    with hooks.on("spare", spare), hooks.on("stage", staging):
+        with TieredStore([MemoryTier(shm_dir, keep=LatestN(2), budget=int(2.5 * one))]) as store:
+            ram = store.tiers[0]
+            store.save(1, state_for(1))
+            assert reached.wait(30)
+            store.save(2, state_for(2))
+            store.wait_until_finished()
+            stats = ram.stats()
+            assert stats["made_ahead"] == 1 and stats["reused"] + stats["created"] == 3, stats
+            assert ram.capacity().used <= int(2.5 * one)
+            with pytest.raises(CapacityError, match="step 3 needs"):
+                store.save(3, state_for(3))
+            assert store.steps() == {1: ["ram"], 2: ["ram"]}
+            assert_states_equal(store.restore()[0], state_for(2))
+
+
 def test_pooled_buffers_are_reused_across_steps(shm_dir):
     tier = MemoryTier(shm_dir, keep=LatestN(1))
     with TieredStore([tier]) as store:

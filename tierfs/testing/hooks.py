@@ -23,6 +23,10 @@ Points (keyword arguments passed):
 ``pin`` (``nbytes``)
     Before a RAM tier buffer is page-locked for copies from a GPU. A hook that raises makes the
     registration fail, as a low locked-memory limit would: tierfs warns once and copies unpinned.
+``spare`` (``nbytes``)
+    In the background, before a RAM tier makes a spare buffer of ``nbytes`` for the next save (a save
+    staging meanwhile counts them as free; the buffer is kept only if the tier is still within its budget
+    once it is made). A hook that waits holds it back.
 ``rename`` (``path``)
     A local file (a manifest, a marker, a file on a ``file://`` tier) is written whole under its temporary
     name and is about to be renamed to ``path``.
@@ -41,7 +45,7 @@ from typing import Any, Callable, Iterator
 
 from ..util.hooks import _registry
 
-POINTS = ("block", "copy", "pin", "rename", "stage", "transfer")
+POINTS = ("block", "copy", "pin", "rename", "spare", "stage", "transfer")
 
 
 @contextlib.contextmanager

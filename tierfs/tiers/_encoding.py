@@ -320,10 +320,9 @@ def _rebuild_xor(tier: ErasureCodedTier, g: Any, step: int, stripes: Stripes, i:
     lost member's ``dest`` puts them (its files, or the arrays its restore lands entries in), and one
     exchange per block carries that block's chunks and the previous block's results. A holder checks its
     parity block against the crc32c it kept; every other byte is checked once, end to end, when the
-    rebuilt shard is verified against its manifest (:func:`_shard`). Whether a
-    survivor could read its pieces travels beside them (one flag per pair and block), so a rebuild from
-    unreadable or damaged pieces says where. Returns the lost member's ``dest`` filled (or why not) on it,
-    None elsewhere."""
+    rebuilt shard is verified against its manifest (:func:`_shard`). Whether a survivor could read its
+    pieces travels beside them (one flag per pair and block), so a rebuild from unreadable or damaged
+    pieces says where. Returns the lost member's ``dest`` filled (or why not) on it, None elsewhere."""
     members, c, blocks = stripes.members, stripes.chunk, stripes.blocks()
     mine = stripes.stripes_of(lost)  # the stripes the lost member gave a chunk to, in chunk order
     combiner = {j: stripes.holders(j)[0] for j in mine}

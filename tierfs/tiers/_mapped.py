@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from ..util import hooks as _hooks
+
 log = logging.getLogger("tierfs")
 
 MADV_POPULATE_READ = 22
@@ -183,6 +185,7 @@ class Pool:
         self.made_ahead = 0
         self.reused = 0
         self.stagings = 0  # stagings so far (a save's, a received copy's): a fill under way ends when it changes
+        self.making = 0  # bytes of the buffer a fill is making now, outside the lock (not pooled yet)
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
@@ -269,12 +272,15 @@ class Pool:
         b.path = dst
         self.files.append(b)
 
-    def fill(self, want: list[int], lock: Any) -> None:
+    def fill(self, want: list[int], lock: Any, room: Callable[[], int | None]) -> None:
         """Make buffers ahead until the pool holds files of ``want``'s sizes or its limit: one at a time, the
         slow part outside ``lock`` (which guards the pool), so that buffers of deleted steps may come back
-        meanwhile; the pool never holds more than its limit. A staging that starts meanwhile ends it (after
-        the file being made, which the pool keeps if it still lacks one of its size). Spare buffers are an
-        optimisation: a file system that refuses one ends it."""
+        meanwhile; the pool never holds more than its limit. A buffer is begun only while ``room()`` (the
+        bytes the tier may still take; None: no limit) has room for it, and kept only if the tier is still
+        within it once the buffer is made: while it is made (``making``: its size), a staging counts its
+        bytes as free. A staging that starts meanwhile ends the fill (after the file being made, which the
+        pool keeps if it still lacks one of its size). Spare buffers are an optimisation: a file system
+        that refuses one ends it."""
         with lock:
             start = self.stagings
         while True:
@@ -282,21 +288,32 @@ class Pool:
                 missing = self.missing(want)
                 if not missing or self.nbytes + missing[-1] > self.limit or self.stagings != start:
                     return
+                left = room()
+                if left is not None and missing[-1] > left:
+                    return
                 try:
                     path = self.path()
                 except OSError:  # no inode for the pool's directory
                     return
+                self.making = missing[-1]
+            b = None
             try:
+                _hooks.at("spare", nbytes=missing[-1])
                 b = self.new(path, missing[-1], ahead=True)
             except OSError:
                 path.unlink(missing_ok=True)
+            finally:
+                with lock:
+                    left = room() if b is not None else None  # (counts b: it is on disk)
+                    kept = b is not None and b.size in self.missing(want) and self.nbytes + b.size <= self.limit \
+                        and (left is None or left >= 0)
+                    if kept and b is not None:
+                        self.files.append(b)
+                    elif b is not None:  # a deleted step's buffer came back, or a staging took the room meanwhile
+                        self.discard(b)
+                    self.making = 0
+            if not kept:
                 return
-            with lock:
-                if b.size in self.missing(want) and self.nbytes + b.size <= self.limit:
-                    self.files.append(b)
-                    continue
-            self.discard(b)  # a deleted step's buffer came back meanwhile
-            return
 
     def drop(self, b: MappedFile) -> None:
         self.files.remove(b)

@@ -172,7 +172,6 @@ class Rebuilt:
         starts, at = {}, 0
         for n in self.files:
             starts[n], at = at, at + sizes[n]
-        self.length = at
         #: ``{entry name: array}`` of the entries that land in the arrays
         self.landed = {e.name: views[e.name] for e in manifest.entries if e.kind == "array" and e.name in views
                        and e.file in sizes}

@@ -15,9 +15,9 @@ manifests of its group, so a member that lost its RAM gets its shard back, each 
 its crc first) and sends the result, so the lost member takes in its shard's bytes once; with more,
 ``data`` of the surviving pieces come to it and it decodes its chunk. The chunks land where the restore
 wants them (the large entries straight in the target's arrays, the rest in the shard's files), and the
-rebuilt shard is verified there against its manifest's checksums. Up to ``parity`` lost members per group are rebuilt; with more, the restore's
-plan finds the step not gettable from this tier (:meth:`ErasureCodedTier.rebuildable`) and falls back to a
-slower tier, or raises CheckpointLostError.
+rebuilt shard is verified there against its manifest's checksums. Up to ``parity`` lost members per group
+are rebuilt; with more, the restore's plan finds the step not gettable from this tier
+(:meth:`ErasureCodedTier.rebuildable`) and falls back to a slower tier, or raises CheckpointLostError.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from .base import Bytes, Capacity, Tier
 __all__ = ["MemoryTier", "default_path"]
 
 
+
 class MemoryTier(Tier):
     """Steps in a private directory on tmpfs, written by memory copies into reused mappings.
 
@@ -192,7 +193,8 @@ class MemoryTier(Tier):
     def buffers(self, step: int, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Map one buffer per file into the step directory, reusing pooled mappings where possible. Never
         waits for spare buffers being made in the background (:meth:`prepare`): what the pool lacks is made
-        here, and the background stops after the file it is making."""
+        here, and the background stops after the file it is making (which it keeps only if the tier is still
+        within its budget: this save counts that file's room as its own)."""
         with self._lock:
             return self._stage(step, sizes)
 
@@ -277,7 +279,7 @@ class MemoryTier(Tier):
             avail = self.capacity().available
             if avail is not None and sum(missing) > avail:
                 return
-        self._pool.fill(want, self._lock)
+        self._pool.fill(want, self._lock, lambda: self.capacity().available)
 
     def _recycle_own(self, step: int, sizes: Mapping[str, int]) -> None:
         """An uncommitted leftover of this step: move this process's files to the pool."""
