@@ -20,7 +20,7 @@ import numpy as np
 from ..ranks import framed
 from ..util.stages import stage
 from ..errors import ChecksumError, FormatError, TierfsError
-from ..format import MARKER, Manifest, crc32c, manifest_filename
+from ..format import MARKER, crc32c, manifest_filename
 from . import _erasure
 from ._stripes import (PARITY, STRIPES, TAIL, Payload, Rebuilt, Stripes, WorkBuffers, check_block, pack, seal,
                        unpack)
@@ -218,9 +218,8 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
     stripes = Stripes.from_json(rec["stripes"])
     c, blocks, d = stripes.chunk, stripes.blocks(), stripes.d
     li = [members.index(q) for q in lost]
-    dest: Rebuilt | str | None = None
-    if me in lost:  # where its bytes go: its files, and the arrays the restore lands entries in
-        dest = _destination(stripes, blobs, lost.index(me), members.index(me), landing)
+    # where a lost member's bytes go: its files, and the arrays the restore lands entries in
+    dest = _destination(stripes, blobs, lost.index(me), members.index(me), landing) if me in lost else None
     if p == 1:
         got_back = _rebuild_xor(tier, g, step, stripes, members.index(me), li[0], dest)
         return _shard(got_back, blobs, lost.index(me)) if me in lost else None
@@ -280,21 +279,14 @@ def rebuild_group(tier: ErasureCodedTier, g: Any, step: int, assign: Mapping[int
                         payload.settle(k * c + a, k * c + b, into)
             except (TierfsError, ValueError) as e:
                 failed = f"{type(e).__name__}: {e}"
-    if i not in li:
-        return None
-    return _shard(failed if failed else payload, blobs, lost.index(me))
+    return _shard(failed if failed else payload, blobs, lost.index(me)) if i in li else None
 
 
 def _destination(stripes: Stripes, blobs: list[bytes], k: int, i: int, landing: ReceiveInto | None
                  ) -> Rebuilt | str:
-    """Where the ``k``-th lost member (index ``i``) takes its rebuilt payload in: its files, and the arrays
-    ``landing`` names for its manifest's entries; or why not."""
+    """Where the ``k``-th lost member (index ``i``) takes its rebuilt payload in, or why not."""
     try:
-        manifest = Manifest.from_bytes(blobs[1 + k])
-        sizes = manifest.replica_files
-        if sum(sizes.values()) != stripes.lengths[i]:
-            raise FormatError(f"the stripes record says {stripes.lengths[i]} bytes, the manifest {sum(sizes.values())}")
-        return Rebuilt(manifest, landing(manifest) if landing is not None else {})
+        return Rebuilt.of(blobs[1 + k], stripes.lengths[i], landing)
     except (TierfsError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
 

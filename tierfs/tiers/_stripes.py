@@ -24,7 +24,7 @@ import contextlib
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -184,6 +184,17 @@ class Rebuilt:
                               for e in manifest.entries if e.name in self.landed and e.length), key=lambda x: x[0])
         self._files = [(starts[n], starts[n] + b.size, b) for n, b in self.files.items() if b.size]
         self._at = ([x[0] for x in self._spans], [x[0] for x in self._files])  # their starts, to bisect
+
+    @classmethod
+    def of(cls, mbytes: bytes, length: int, landing: Callable[[Manifest], Mapping[str, np.ndarray]] | None
+           ) -> "Rebuilt":
+        """Where a payload of ``length`` bytes whose manifest is ``mbytes`` lands: its files, and the arrays
+        ``landing(manifest)`` names (FormatError when the manifest is damaged or not of that payload)."""
+        manifest = Manifest.from_bytes(mbytes)
+        if sum(manifest.replica_files.values()) != length:
+            raise FormatError(f"the stripes record says {length} bytes, the manifest "
+                              f"{sum(manifest.replica_files.values())}")
+        return cls(manifest, landing(manifest) if landing is not None else {})
 
     def _over(self, files: bool, a: int, b: int) -> list[tuple[int, int, np.ndarray]]:
         """The landed entries (or ``files``) that overlap payload bytes ``a:b``, in order."""
