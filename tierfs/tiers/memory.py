@@ -36,7 +36,6 @@ from .base import Bytes, Capacity, Tier
 __all__ = ["MemoryTier", "default_path"]
 
 
-
 class MemoryTier(Tier):
     """Steps in a private directory on tmpfs, written by memory copies into reused mappings.
 
