@@ -303,9 +303,12 @@ def lost_node(dist, scratch: Scratch, state: dict, nbytes: int, makers, rounds: 
             with TieredStore([MemoryTier(path, keep=LatestN(1)), rep], background_bandwidth=None) as store:
                 count_exchanges(rep, counts)
                 dist.barrier()
+                reset_peak()
+                rss0 = proc_status()["VmRSS"]
                 t0 = time.perf_counter()
                 info = store.restore_into(target)
                 restored = time.perf_counter() - t0
+                peak = proc_status()["VmHWM"] - rss0
                 store.wait_until_finished()
                 reseeded = time.perf_counter() - t0
             assert all(torch.equal(target[k], state[k]) for k in state), f"{label}: restore is not bit-exact"
@@ -320,8 +323,10 @@ def lost_node(dist, scratch: Scratch, state: dict, nbytes: int, makers, rounds: 
             one_way = time.perf_counter() - t0
             floor = replay(dist, {int(k.split()[-1]): v for k, v in counts.items() if k.startswith("main to ")})
             row = out.setdefault(label, {"restore s": [], "until re-seeded s": [], "one-way s": [], "replay s": [],
+                                         "peak growth": [],
                                          "received in restore": [], "sent in restore": [], "sent in re-seed": []})
             row["restore s"].append(restored)
+            row["peak growth"].append(peak)
             row["until re-seeded s"].append(reseeded)
             row["one-way s"].append(one_way)
             row["replay s"].append(floor)
@@ -512,6 +517,7 @@ def summarize(job: list[dict], nbytes: int, lost: int) -> dict:
             "others restore s": med(x for o in others for x in o["restore s"]),
             "until re-seeded s": med(mine["until re-seeded s"]),
             "received x shard": med(mine["received in restore"]) / nbytes,
+            "peak x shard": med(mine["peak growth"]) / nbytes,
             "others sent x shard": med(x for o in others for x in o["sent in restore"]) / nbytes,
             "re-seed sent x shard": med(x for o in job for x in o["lost"][label]["sent in re-seed"]) / nbytes,
         }
@@ -591,6 +597,8 @@ def report(args, codec_res: dict, jobs: dict[str, dict], seconds: dict[str, floa
     row("  ratio restore / that replay", lambda s, label: f"{s['lost'][label]['replay ratio']:.2f}x")
     row("  bytes into the lost rank during restore, x shard",
         lambda s, label: f"{s['lost'][label]['received x shard']:.2f}")
+    row("  the lost rank's peak RSS growth in restore_into, x shard",
+        lambda s, label: f"{s['lost'][label]['peak x shard']:.2f}")
     row("training: slowdown of mean step vs no checkpoints",
         lambda s, label: f"{s['train'][label]['slowdown mean'] * 100:+.1f}% (RAM only "
                          f"{s['train']['RAM only']['slowdown mean'] * 100:+.1f}%)")
@@ -636,14 +644,15 @@ def report(args, codec_res: dict, jobs: dict[str, dict], seconds: dict[str, floa
                   "| job | variant | lost rank restore s | one-way gloo s | ratio (each round) | replay s | "
                   "ratio to replay | other ranks restore s | until re-seeded s | into lost rank x shard | "
                   "sent per other rank x shard | "
-                  "re-seed: sent per rank x shard |", "|---|" + "---|" * 11]
+                  "re-seed: sent per rank x shard | lost rank's peak RSS growth x shard |", "|---|" + "---|" * 12]
         for code, s in jobs.items():
             for label, r in s["lost"].items():
                 lines.append(f"| {code} | {label} | {r['restore s']:.2f} | {r['one-way s']:.2f} | {r['ratio']:.2f}x "
                              f"({', '.join(f'{x:.2f}' for x in r['ratios'])}) | {r['replay s']:.2f} | "
                              f"{r['replay ratio']:.2f}x | {r['others restore s']:.2f} | "
                              f"{r['until re-seeded s']:.2f} | {r['received x shard']:.2f} | "
-                             f"{r['others sent x shard']:.2f} | {r['re-seed sent x shard']:.2f} |")
+                             f"{r['others sent x shard']:.2f} | {r['re-seed sent x shard']:.2f} | "
+                             f"{r['peak x shard']:.2f} |")
         lines += ["", "- medians over rounds (other ranks: over ranks and rounds); the last rank is lost; one-way: a "
                   "plain gloo send/recv of the shard's bytes, rank 0 -> the lost rank, in the same round; replay: the "
                   "bytes "
@@ -653,7 +662,9 @@ def report(args, codec_res: dict, jobs: dict[str, dict], seconds: dict[str, floa
                   "CPUs and the memory bus, where separate nodes would each use their own); re-seeded: "
                   "until the lost rank's parity pieces (or replicas) for the others are computed again and the store "
                   "is idle; bytes: the tier's exchanges on its restore group (the restore's) and on its background "
-                  "group (re-seeding), medians over ranks.", ""]
+                  "group (re-seeding), medians over ranks; peak RSS growth: the lost rank's VmHWM at the end of "
+                  "restore_into over its VmRSS at the start (its target state allocated before; tmpfs pages it "
+                  "maps count too).", ""]
 
     for code, s in jobs.items():
         if not s["train"]:
