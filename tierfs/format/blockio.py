@@ -10,7 +10,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -173,8 +173,10 @@ def shard_views(manifest: Manifest, files) -> dict[str, np.ndarray]:
 
 
 def verify(manifest: Manifest, files, threads: int | None = None,
-           pace: Callable[[int], None] | None = None) -> None:
-    """Check every block of the array entries that live in ``files`` (a subset of the shard's files)."""
-    raw = shard_views(manifest, files)
-    run([Job(e.name, raw[e.file][e.offset:e.offset + e.length], None, manifest.block_size, e.crc32c,
-             manifest.key(e.name)) for e in manifest.entries if e.kind == "array" and e.file in raw], threads, pace)
+           pace: Callable[[int], None] | None = None, landed: Mapping[str, np.ndarray] | None = None) -> None:
+    """Check every block of the array entries that live in ``files`` (a subset of the shard's files); those
+    ``landed`` names (``{entry name: uint8 array}``) where they landed instead."""
+    raw, landed = shard_views(manifest, files), landed or {}
+    run([Job(e.name, landed[e.name] if e.name in landed else raw[e.file][e.offset:e.offset + e.length], None,
+             manifest.block_size, e.crc32c, manifest.key(e.name))
+         for e in manifest.entries if e.kind == "array" and e.file in raw], threads, pace)

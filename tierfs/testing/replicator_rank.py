@@ -21,6 +21,7 @@ import numpy as np
 
 from ..format import MARKER, Manifest, Marker, manifest_filename
 from ..tiers import MemoryTier, Tier
+from ..tiers._wire import LAND_MIN, lands
 from ..tiers.base import Replicator
 from .launch import rank_main
 from .states import assert_states_equal
@@ -64,9 +65,11 @@ def corrupt_local_copy(replicator: Any, step: int, source: int) -> None:
 
 
 def state_for(rank: int, step: int) -> dict[str, Any]:
-    """A rank's state: a few hundred KB over several shard files, an empty array and a scalar."""
+    """A rank's state: a few hundred KB over several shard files, one array large enough that a restore
+    lands it in its own array (``big``), an empty array and a scalar."""
     rng = np.random.default_rng(100 * rank + step)
     return {"w": rng.standard_normal(60_000 + 1000 * rank).astype(np.float32),
+            "big": rng.integers(0, 255, LAND_MIN + 4096 + rank, dtype=np.uint8),
             "b": rng.integers(0, 255, 5000 + rank, dtype=np.uint8), "empty": np.zeros(0, np.float64),
             "h": rng.standard_normal((300, 7)).astype(np.float16), "step": step}
 
@@ -112,6 +115,22 @@ def fetched(got: Any, want: Shard | None = None) -> dict[str, Any]:
     return out
 
 
+def landed_into(got: Any, arrays: dict[str, np.ndarray], want: Shard) -> dict[str, Any]:
+    """What a ``fetch`` given a landing returned: as :func:`fetched`, with ``landed``, the entries the landing
+    named, and ``exact``, whether each holds its bytes and every other entry is bit-exact in the files."""
+    out = fetched(got)
+    if out["kind"] != "shard":
+        return out
+    m, files = got[0], got[3]
+    out.update(landed=sorted(arrays), exact=True)
+    for e in m.entries:
+        if e.kind == "array":
+            where = arrays[e.name] if e.name in arrays else np.asarray(files[e.file])[e.offset:e.offset + e.length]
+            if where.tobytes() != want[2][e.file][e.offset:e.offset + e.length].tobytes():
+                out.update(exact=False, why=f"entry {e.name!r} differs")
+    return out
+
+
 def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -144,6 +163,13 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     if rank == LOST:  # the node lost its shard
         ram.delete_step(STEP)
     out["fetch"] = fetched(rep.fetch(STEP, {LOST: holder}), shards[STEP] if rank == LOST else None)
+    arrays: dict[str, np.ndarray] = {}
+
+    def landing(m: Manifest) -> dict[str, np.ndarray]:  # as a restore's: an array for each entry moved apart
+        arrays.update({e.name: np.zeros(e.length, np.uint8) for e in m.entries if lands(e)})
+        return arrays
+    got = rep.fetch(STEP, {LOST: holder}, landing=landing if rank == LOST else None)
+    out["fetch_landed"] = landed_into(got, arrays, shards[STEP]) if rank == LOST else fetched(got)
     others = [r for r in range(world) if r != LOST and r not in targets[LOST]]
     if others:  # a rank that keeps no copy of the lost shard is asked for it
         out["fetch_missing"] = fetched(rep.fetch(STEP, {LOST: others[0]}))

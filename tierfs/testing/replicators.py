@@ -127,11 +127,15 @@ class ReplicatorTests:
         got = report[LOST]["fetch"]
         assert got["kind"] == "shard" and got["exact"], got
 
+    def test_fetch_lands_the_entries_the_landing_names_in_their_arrays(self, report: Report) -> None:
+        got = report[LOST]["fetch_landed"]
+        assert got["kind"] == "shard" and got["landed"] == ["big"] and got["exact"], got
+
     def test_fetch_gives_other_ranks_none(self, report: Report) -> None:
         for r in report:
             if r["rank"] != LOST:
                 assert r["fetch"] == {"kind": "none"}, r["rank"]
-                assert r["fetch_corrupt"] == {"kind": "none"}, r["rank"]
+                assert r["fetch_corrupt"] == r["fetch_landed"] == {"kind": "none"}, r["rank"]
 
     def test_fetch_from_a_rank_without_a_copy_gives_a_reason(self, report: Report) -> None:
         if "fetch_missing" not in report[LOST]:

@@ -220,11 +220,7 @@ class Rebuilt:
 
     def verify(self) -> None:
         """Check every array entry of the files where its bytes are (ChecksumError naming the first bad one)."""
-        m = self.manifest
-        _blocks.run([_blocks.Job(e.name, self.landed[e.name] if e.name in self.landed
-                                 else self.files[e.file][e.offset:e.offset + e.length],
-                                 None, m.block_size, e.crc32c, m.key(e.name))
-                     for e in m.entries if e.kind == "array" and e.file in self.files])
+        _blocks.verify(self.manifest, self.files, landed=self.landed)
 
 
 def pack(record: Mapping[str, Any], *blobs: bytes) -> bytes:
