@@ -220,6 +220,37 @@ def test_a_spare_made_while_a_save_stages_neither_takes_its_room_nor_leaves_the_
             assert_states_equal(store.restore()[0], state_for(2))
 
 
+def test_a_spare_being_made_counts_as_free_only_for_the_bytes_it_already_holds(shm_dir):
+    """A spare buffer the background has begun but not yet made holds no bytes: a save that needs more room
+    than the budget has left fails before writing, whether or not a spare is under way (counting the spare's
+    whole size as free would let the save in, and the tier would end over its budget)."""
+    from tierfs.testing import hooks
+
+    small, big = 250_000, 375_000  # step 1's array, then step 2's: more than the budget leaves after step 1
+    budget = 2 * small + 20_000  # room for step 1 and a spare of its size, not for step 2 beside step 1
+    reached, go = threading.Event(), threading.Event()
+
+    def spare(nbytes):  # the background, about to make the spare of step 1's size: held until save 2 ended
+        reached.set()
+        assert go.wait(30)
+
+    with hooks.on("spare", spare):
+        with TieredStore([MemoryTier(shm_dir, keep=LatestN(2), budget=budget)]) as store:
+            ram = store.tiers[0]
+            store.save(1, {"w": np.full(small, 1, np.uint8)})
+            assert reached.wait(30)
+            try:
+                with pytest.raises(CapacityError, match="step 2 needs"):
+                    store.save(2, {"w": np.full(big, 2, np.uint8)})
+            finally:
+                go.set()
+            store.wait_until_finished()
+            assert ram.capacity().used <= budget
+            assert ram.stats()["made_ahead"] == 1  # the spare fits beside step 1: kept
+            assert store.steps() == {1: ["ram"]}
+            assert (store.restore()[0]["w"] == 1).all()
+
+
 def test_pooled_buffers_are_reused_across_steps(shm_dir):
     tier = MemoryTier(shm_dir, keep=LatestN(1))
     with TieredStore([tier]) as store:
@@ -273,6 +304,27 @@ def test_a_step_staged_again_after_a_failed_save_counts_once_in_the_spare_set(sh
         ram.discard(5)  # its buffers go to the pool: one set of them
         ram.prepare(5, sizes)  # made once the step is saved: nothing is missing
         assert ram.stats()["made_ahead"] == 0 and ram.stats()["pooled_bytes"] == sum(sizes.values())
+
+
+def test_a_spare_whose_room_cannot_be_counted_is_given_back_and_no_longer_counts_as_free(shm_dir):
+    """The background made a spare but counting the tier's room then failed (raised): the spare is removed,
+    not left on disk outside the pool, and no staging counts it as free any more."""
+    from tierfs.tiers._mapped import Pool
+
+    pool = Pool(Path(shm_dir) / "pool")
+    pool.limit = 1 << 20
+    counted = []
+
+    def room():  # room to begin the spare; then the count fails, as an unreadable directory's would
+        counted.append(1)
+        if len(counted) > 1:
+            raise PermissionError("the RAM directory cannot be read")
+        return None
+
+    with pytest.raises(PermissionError):
+        pool.fill([64 * 1024], threading.Lock(), room)
+    assert pool.making is None and pool.made() == 0 and pool.files == []
+    assert list((Path(shm_dir) / "pool").iterdir()) == []
 
 
 def test_a_save_does_not_wait_for_spare_buffers_being_made_in_the_background(shm_dir, monkeypatch):

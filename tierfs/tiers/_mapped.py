@@ -185,7 +185,7 @@ class Pool:
         self.made_ahead = 0
         self.reused = 0
         self.stagings = 0  # stagings so far (a save's, a received copy's): a fill under way ends when it changes
-        self.making = 0  # bytes of the buffer a fill is making now, outside the lock (not pooled yet)
+        self.making: Path | None = None  # the file a fill is making now, outside the lock (not pooled yet)
         self._ids = itertools.count()
         self.job: Any = None  # this process's part of the directory's job lock (its file is in this directory)
 
@@ -272,13 +272,26 @@ class Pool:
         b.path = dst
         self.files.append(b)
 
+    def made(self) -> int:
+        """Bytes of the file a fill is making now that the tier's space already counts (0 without one). Read
+        before the space is measured, it is never more than the measure counts: the file only grows while it
+        is made, and its length (what a budget counts) shows only once its pages are reserved (what the file
+        system counts)."""
+        path = self.making
+        if path is None:
+            return 0
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return 0
+
     def fill(self, want: list[int], lock: Any, room: Callable[[], int | None]) -> None:
         """Make buffers ahead until the pool holds files of ``want``'s sizes or its limit: one at a time, the
         slow part outside ``lock`` (which guards the pool), so that buffers of deleted steps may come back
         meanwhile; the pool never holds more than its limit. A buffer is begun only while ``room()`` (the
         bytes the tier may still take; None: no limit) has room for it, and kept only if the tier is still
-        within it once the buffer is made: while it is made (``making``: its size), a staging counts its
-        bytes as free. A staging that starts meanwhile ends the fill (after the file being made, which the
+        within it once the buffer is made: while it is made (``making``), a staging counts the bytes it holds
+        so far as free (:meth:`made`). A staging that starts meanwhile ends the fill (after the file being made, which the
         pool keeps if it still lacks one of its size). Spare buffers are an optimisation: a file system
         that refuses one ends it."""
         with lock:
@@ -295,8 +308,8 @@ class Pool:
                     path = self.path()
                 except OSError:  # no inode for the pool's directory
                     return
-                self.making = missing[-1]
-            b = None
+                self.making = path
+            b, kept = None, False
             try:
                 _hooks.at("spare", nbytes=missing[-1])
                 b = self.new(path, missing[-1], ahead=True)
@@ -304,14 +317,16 @@ class Pool:
                 path.unlink(missing_ok=True)
             finally:
                 with lock:
-                    left = room() if b is not None else None  # (counts b: it is on disk)
-                    kept = b is not None and b.size in self.missing(want) and self.nbytes + b.size <= self.limit \
-                        and (left is None or left >= 0)
-                    if kept and b is not None:
-                        self.files.append(b)
-                    elif b is not None:  # a deleted step's buffer came back, or a staging took the room meanwhile
-                        self.discard(b)
-                    self.making = 0
+                    try:
+                        left = room() if b is not None else None  # (counts b: it is on disk)
+                        kept = b is not None and b.size in self.missing(want) and \
+                            self.nbytes + b.size <= self.limit and (left is None or left >= 0)
+                    finally:
+                        if kept and b is not None:
+                            self.files.append(b)
+                        elif b is not None:  # a deleted step's buffer came back, a staging took the room
+                            self.discard(b)  # meanwhile, or the room could not be counted
+                        self.making = None
             if not kept:
                 return
 

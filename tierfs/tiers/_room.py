@@ -56,15 +56,17 @@ def no_room(root: Path, step: int, new_bytes: int, cap: Capacity) -> CapacityErr
 def make_room(root: Path, space: Callable[[], Capacity], pool: Pool, step: int, new_bytes: int,
               keep: set[int]) -> None:
     """Raise CapacityError unless ``new_bytes`` more fit in the tier at ``root`` (``space()``: its
-    capacity now); the ``pool``'s buffers not in ``keep`` (ids) are reclaimable space and go first, and a
-    spare buffer being made meanwhile counts as free (``Pool.fill`` keeps it only if it still fits)."""
+    capacity now); the ``pool``'s buffers not in ``keep`` (ids) are reclaimable space and go first, and what
+    a spare buffer being made meanwhile holds counts as free (``Pool.fill`` keeps it only if it still fits)."""
     if new_bytes <= 0:  # every buffer comes from the pool (a steady save): nothing to count
         return
+    spare = pool.made()  # (before the space: never more than it counts)
     cap = space()
-    if cap.available is None or new_bytes <= cap.available + pool.making:
+    if cap.available is None or new_bytes <= cap.available + spare:
         return
     for b in [b for b in pool.files if id(b) not in keep]:
         pool.drop(b)
+    spare = pool.made()
     cap = space()
-    if cap.available is not None and new_bytes > cap.available + pool.making:
+    if cap.available is not None and new_bytes > cap.available + spare:
         raise no_room(root, step, new_bytes, cap)
