@@ -229,6 +229,24 @@ def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path)
     assert [p.name for p in (tmp_path / "shm" / "node1" / "peers" / "rank_00001").iterdir()] == [step_dirname(1)]
 
 
+def test_while_later_steps_fail_to_replicate_ram_keeps_the_replicated_one_and_a_lost_node_restores_it(tmp_path):
+    """RAM keeps one step, and from step 2 on no step replicates (a sender cannot read its shard). The peers
+    still hold step 1, which a lost node can come back to only if every other rank still has its own copy:
+    RAM keeps step 1 beside the newest while it is the peers' newest, so after node 1 is lost the job
+    restores step 1 (rank 1's shard from its peer), not nothing."""
+    outs = job(2, tmp_path / "shm", "-", "lagging", 1, "3")
+    for o in outs:
+        assert o["steps"] == {"1": ["ram", "peer"], "3": ["ram"]}, o["steps"]
+        assert o["held"] == {"1": [1 - o["rank"]]}
+        assert any("step 3 is not replicated" in w and "injected" in w for w in o["warnings"]), o["warnings"]
+    wipe(tmp_path / "shm", 1)
+    outs = job(2, tmp_path / "shm", "-", "restore", 1)
+    assert all(o["exact"] and o["step"] == 1 for o in outs), outs
+    assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("ram", None), ("peer", 0)]
+    # the newer step, passed over, is named with the rank that cannot get it
+    assert [(x[1], x[2]) for x in outs[0]["skipped"]] == [(3, "held by only some ranks: rank(s) [1] cannot get it")]
+
+
 @pytest.mark.parametrize("world,first", [(2, ""), (3, ""), (3, ":1024")])
 def test_a_header_a_receiver_refuses_fails_the_copy_without_a_hang(tmp_path, world, first):
     """A receiver that cannot take a peer's header (a rank whose header limit differs) says so from its

@@ -117,3 +117,63 @@ def test_time_policies_through_the_store_with_an_injected_clock(tmp_path):
         assert saved == [0, 3, 5, 6, 8, 9, 11]  # t = 0, 60, 200, 299, 400, 650, 900: 60 s apart at least
         # kept after each save: the newest, plus one per 300 s greedily from the oldest (t = 0, 400, 900)
         assert sorted(store.steps()) == [0, 8, 11]
+
+
+def test_which_keep_policies_use_the_steps_times_or_metrics():
+    assert not any(p.uses_info for p in (LatestN(2), EveryNSteps(10), CustomSteps([1]), PreserveAll()))
+    assert EveryNSeconds(60).uses_info and BestN(lambda m: m["loss"], 1).uses_info
+    assert not AnyPreservationPolicy([LatestN(1), EveryNSteps(5)]).uses_info
+    assert AnyPreservationPolicy([LatestN(1), BestN(lambda m: m["loss"], 1)]).uses_info
+
+
+def test_a_restarted_job_keeps_the_best_step_of_the_run_before(tmp_path):
+    """The object tier keeps the newest step and the one of least loss. A job started again (a new store:
+    it did not save the earlier steps) reads their metrics from their manifests before its retention
+    judges them, so the best step of the first run stays when the second saves."""
+    import numpy as np
+
+    from tierfs import TieredStore
+    from tierfs.tiers import MemoryTier, ObjectTier
+
+    def tiers():
+        return [MemoryTier(str(tmp_path / "ram"), keep=LatestN(1)),
+                ObjectTier(f"file://{tmp_path}/obj", keep=AnyPreservationPolicy([LatestN(1), BestN(lambda m: m["loss"], 1)]))]
+
+    with TieredStore(tiers()) as store:
+        for step, loss in ((1, 0.1), (2, 0.5), (3, 0.9)):
+            store.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss})
+            store.wait_until_finished()
+        assert {s: t for s, t in store.steps().items() if "file" in t} == {1: ["file"], 3: ["ram", "file"]}
+    with TieredStore(tiers()) as store:
+        assert store.restore()[1].step == 3
+        store.save(4, {"w": np.full(4, 4, np.float32)}, metrics={"loss": 0.8})
+        store.wait_until_finished()
+        assert {s: t for s, t in store.steps().items() if "file" in t} == {1: ["file"], 4: ["ram", "file"]}
+        out, info = store.restore(step=1)
+        assert info.step == 1 and (out["w"] == 1).all()
+
+
+def test_a_step_of_the_run_before_whose_metrics_cannot_be_read_is_kept_and_named(tmp_path, caplog):
+    """The manifest of the first run's best step is damaged on the object tier: a restarted job cannot read
+    its loss, so its retention keeps that step (saying why) instead of judging it as if it had none (which
+    would delete it)."""
+    import numpy as np
+
+    from tierfs import TieredStore
+    from tierfs.format import manifest_filename, step_dirname
+    from tierfs.tiers import ObjectTier
+
+    def tiers():
+        return [ObjectTier(f"file://{tmp_path}/obj", keep=AnyPreservationPolicy([LatestN(1), BestN(lambda m: m["loss"], 1)]))]
+
+    with TieredStore(tiers()) as store:
+        for step, loss in ((1, 0.1), (2, 0.5)):
+            store.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss})
+    damaged = next(p for p in (tmp_path / "obj").rglob(manifest_filename(0)) if step_dirname(1) in str(p))
+    damaged.write_bytes(damaged.read_bytes().replace(b'"loss"', b'"lass"'))
+    with TieredStore(tiers()) as store:
+        store.save(3, {"w": np.full(4, 3, np.float32)}, metrics={"loss": 0.9})
+        # step 1 kept, unjudged; of the steps it could judge the policy keeps the newest and the best (2)
+        assert sorted(store.steps()) == [1, 2, 3]
+    assert any("step 1: no readable marker or manifest" in r.getMessage() and "keeps it" in r.getMessage()
+               for r in caplog.records)

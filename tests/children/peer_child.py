@@ -97,7 +97,8 @@ def main() -> None:
         wire["max_header"] = 64  # headers of rank 0 (and its own) are out of range
 
     def open_store() -> tuple[TieredStore, PeerTier]:
-        ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
+        keep = LatestN(1) if mode == "lagging" else LatestN(2)
+        ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=keep, budget=budget)
         peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
         tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
         return TieredStore(tiers, file_size=1 << 20, block_size=256 << 10), peer
@@ -119,9 +120,17 @@ def main() -> None:
             out["failed"].extend(failed)
             return failed
         peer.replicate = spy
-    if mode in ("save", "tight", "die-replicating", "mismatch"):
+    if mode == "lagging":  # from step 2 on, rank 0 cannot read its shard to send: no later step replicates
+        replicate_as_is = peer.replicate
+
+        def unreadable(step, *args, **kw):
+            if step >= 2 and rank == 0:
+                kw["error"] = "OSError: injected: the shard could not be read"
+            return replicate_as_is(step, *args, **kw)
+        peer.replicate = unreadable
+    if mode in ("save", "tight", "die-replicating", "mismatch", "lagging"):
         for step in range(1, steps + 1):
-            if mode == "die-replicating":
+            if mode in ("die-replicating", "lagging"):
                 store.wait_until_finished()
             small = mode == "tight" and step == 1
             store.save(step, state_for(rank, step, 100_000 if small else 300_000), blocking=False)

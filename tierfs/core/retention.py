@@ -1,8 +1,9 @@
 """Retention: which committed steps each tier deletes, and deleting them.
 
 A step is kept when its tier's keep policy keeps it, when it is being read or copied (pinned), when it
-is transient (staged in the first tier only to be copied on), or when it is the only copy of the newest
-step any tier holds. The rules are :func:`doomed`, a pure function of a ledger snapshot; the store runs
+is transient (staged in the first tier only to be copied on), when it is the only copy of the newest
+step any tier holds, or, on the first tier, when it is the newest step the replicator holds (whose restore
+after a lost node needs the other ranks' own copies). The rules are :func:`doomed`, a pure function of a ledger snapshot; the store runs
 them after every save on the tiers it touched, and ``tierfs gc`` on every tier at once.
 
 After a save, a step of a shared tier that takes deletions file by file (the object tier,
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 from ..util.stages import stage
 from ..errors import TierfsError
@@ -35,17 +36,18 @@ from .reads import Reader
 log = logging.getLogger("tierfs")
 
 
-def doomed(tier: AnyTier, snap: Snapshot, held: Mapping[str, set[int]] | None = None) -> list[int]:
+def doomed(tier: AnyTier, snap: Snapshot, held: Mapping[str, set[int]] | None = None,
+           relied: Collection[int] = ()) -> list[int]:
     """The steps of ``tier`` that retention deletes, given what every tier holds (default: the snapshot's
-    holdings): not kept by the tier's policy, not pinned, not transient, and not the only copy of the
-    newest step."""
+    holdings): not kept by the tier's policy, not pinned, not transient, not ``relied`` on by another
+    tier's copies (:meth:`Retention.relied`), and not the only copy of the newest step."""
     held = snap.held if held is None else held
     committed = sorted(held[tier.name] - snap.transient)
     if not committed:
         return []
     keep = tier.keep_policy.keep([snap.info.get(s, StepInfo(s)) for s in committed])
     newest = max(max(h) for h in held.values() if h)
-    return [s for s in committed if s not in keep and s not in snap.pinned[tier.name]
+    return [s for s in committed if s not in keep and s not in snap.pinned[tier.name] and s not in relied
             and not (s == newest and not any(s in h for n, h in held.items() if n != tier.name))]
 
 
@@ -56,10 +58,45 @@ class Retention:
         self.ctx, self.reader = ctx, reader
         self.spread = Spread(ctx)
 
+    def learn(self, steps: Iterable[int]) -> set[int]:
+        """The time and metrics of ``steps`` this process did not save (an earlier run's), read from each
+        step's marker and this rank's manifest, for the keep policies that use them; returns the steps whose
+        could not be read, which those policies keep (and learn at a later try) rather than judge unknown."""
+        p, unreadable = self.ctx, set()
+        for s in steps:
+            try:
+                when = float(self.reader.read_marker(s).committed or 0.0)
+                metrics = dict(self.reader.read_manifest(s, p.group.rank)[0].metrics)
+            except (TierfsError, OSError, ValueError, KeyError) as e:
+                log.warning("step %d: no readable marker or manifest (%s); its time and metrics are unknown, so "
+                            "retention keeps it for now", s, e)
+                unreadable.add(s)
+                continue
+            p.ledger.learn(s, StepInfo(s, when, metrics))
+        return unreadable
+
+    def relied(self, tier: AnyTier, held: Mapping[str, set[int]]) -> set[int]:
+        """The steps of ``tier`` that another tier's copies need it to keep: on the first tier, the newest step
+        the replicator holds. A lost node's shard comes back from its peers' copies (or is rebuilt from its
+        group's), while every other rank's comes from its own RAM: without those, the replicator's step
+        cannot be restored, so the first tier keeps it until the replicator holds a newer one (whatever its
+        keep policy, and while later steps fail to replicate)."""
+        rep = self.ctx.replicator
+        if rep is None or tier is not self.ctx.first or not held.get(rep.name):
+            return set()
+        return {max(held[rep.name])}
+
     def apply(self, tier: AnyTier, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Delete what ``tier``'s keep policy lets go now; a failure is raised, or handed to ``on_error``."""
         try:
-            for s in doomed(tier, self.ctx.ledger.snapshot()):
+            snap = self.ctx.ledger.snapshot()
+            spared = self.relied(tier, snap.held)
+            if tier.keep_policy.uses_info:  # an earlier run's steps: their time and metrics first
+                unknown = sorted(snap.held[tier.name] - set(snap.info))
+                if unknown:
+                    spared |= self.learn(unknown)
+                    snap = self.ctx.ledger.snapshot()
+            for s in doomed(tier, snap, relied=spared):
                 log.debug("tier %s: retention deletes step %d", tier.name, s)
                 self.delete(tier, s, spread=True)
             self.spread.sweep(tier)
@@ -90,19 +127,13 @@ class Retention:
         from their marker and manifest first."""
         p = self.ctx
         p.refresh()
-        for s in p.ledger.unknown_info():
-            when, metrics = 0.0, {}
-            try:
-                when = float(self.reader.read_marker(s).committed or 0.0)
-                metrics = dict(self.reader.read_manifest(s, p.group.rank)[0].metrics)
-            except (TierfsError, OSError, ValueError, KeyError) as e:
-                log.warning("step %d: no readable marker or manifest (%s); its time and metrics are unknown", s, e)
-            p.ledger.learn(s, StepInfo(s, when, metrics))
+        unreadable = self.learn(p.ledger.unknown_info())
         snap = p.ledger.snapshot()
         held = {n: set(h) for n, h in snap.held.items()}
         out: dict[str, list[int]] = {}
         for tier in p.tiers:
-            out[tier.name] = doomed(tier, snap, held)
+            spared = self.relied(tier, held) | (unreadable if tier.keep_policy.uses_info else set())
+            out[tier.name] = doomed(tier, snap, held, spared)
             held[tier.name] -= set(out[tier.name])
         return out
 

@@ -42,3 +42,10 @@ class PreservationPolicy(ABC):
 
     @abstractmethod
     def keep(self, steps: Sequence[StepInfo]) -> set[int]: ...
+
+    @property
+    def uses_info(self) -> bool:
+        """Whether :meth:`keep` reads the steps' times or metrics, not their numbers alone. The store then
+        reads those of steps it did not save itself (an earlier run's) from their markers and manifests
+        before it applies the policy. True unless a policy says otherwise."""
+        return True

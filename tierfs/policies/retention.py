@@ -24,6 +24,8 @@ class LatestN(PreservationPolicy):
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ArgumentError(f"LatestN needs n >= 1 (an int), got {shown(self.n)}")
 
+    uses_info = False  # the steps' numbers alone
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(sorted(s.step for s in steps)[-self.n:])
 
@@ -37,6 +39,8 @@ class EveryNSteps(PreservationPolicy):
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ArgumentError(f"EveryNSteps needs n >= 1 (an int), got {shown(self.n)}")
+
+    uses_info = False  # the steps' numbers alone
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.n == 0}
@@ -104,6 +108,8 @@ class CustomSteps(PreservationPolicy):
     def __init__(self, steps: Iterable[int]) -> None:
         object.__setattr__(self, "steps", frozenset(step_numbers(steps, "CustomSteps steps")))
 
+    uses_info = False  # the steps' numbers alone
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step in self.steps}
 
@@ -111,6 +117,8 @@ class CustomSteps(PreservationPolicy):
 @dataclass(frozen=True)
 class PreserveAll(PreservationPolicy):
     """Keep every step."""
+
+    uses_info = False  # the steps' numbers alone
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps}
@@ -131,3 +139,7 @@ class AnyPreservationPolicy(PreservationPolicy):
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set().union(*(p.keep(steps) for p in self.policies))
+
+    @property
+    def uses_info(self) -> bool:
+        return any(p.uses_info for p in self.policies)
