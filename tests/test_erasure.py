@@ -136,6 +136,18 @@ def test_a_rebuilt_payload_lands_in_the_arrays_and_files_it_belongs_to_and_is_ve
         Rebuilt(m, {"x": np.zeros(10, np.uint8)})
 
 
+def test_a_step_passed_over_because_a_group_lost_too_many_says_so():
+    """A restore that goes back to an older step names the newer one it passed over, the ranks that cannot
+    get it and, where the erasure-coded tier said why, that reason (its group lost more than its parity)."""
+    from tierfs.core.restore.plan import RestorePlan
+
+    why = "erasure group [0, 1, 2] lost 2 members [1, 2], more than parity=1"
+    plan = RestorePlan([{1, 2}, {1, 2}, {1}], {}, {}, notes={2: why})
+    assert plan.steps(None, ["ram", "erasure", "file"]) == [1]
+    assert plan.passed_over(1) == [(2, f"held by only some ranks: rank(s) [2] cannot get it ({why})")]
+    assert plan.passed_over(2) == []
+
+
 # -- real jobs ------------------------------------------------------------------------------------
 def job(world: int, shm: Path, obj: Path | str, mode: str, code: str, *extra: str) -> list[dict]:
     return gloo_job.run_job(world, CHILD, str(shm), str(obj), mode, code, *extra)

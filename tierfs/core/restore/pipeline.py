@@ -172,12 +172,8 @@ class Restore:
         timeline rule); when it was to be the newest, the newer steps held by only some ranks, passed over,
         are in ``skipped``, naming the ranks that lack them."""
         self.ctx.ledger.restore_of(a.step)
-        passed = a.plan.passed_over(a.step) if newest else []
-        for x, lacking in passed:
-            self.skipped.append((",".join(names), x, f"held by only some ranks: rank(s) {lacking[:8]} cannot get it"))
-        if passed:
-            log.warning("steps %s could not be restored for every rank and were passed over; the next save "
-                        "removes them", [x for x, _ in passed])
+        if newest:
+            self.skipped += [(",".join(names), x, why) for x, why in a.plan.passed_over(a.step)]
 
     def _settle(self, a: Attempt, sending: Detached) -> None:
         """The rest of a restore this rank returned from (on the store's restore worker): its sends, the

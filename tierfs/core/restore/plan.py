@@ -9,6 +9,7 @@ rank's view gathered.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,8 @@ from ...ranks import Group, agreement
 from ...ranks.agree import views as rank_views
 from ...tiers.base import AnyTier
 from ..context import Context
+
+log = logging.getLogger("tierfs")
 
 
 @dataclass
@@ -95,11 +98,18 @@ class RestorePlan:
         if here:
             self.local.setdefault(tier, set()).add(step)
 
-    def passed_over(self, step: int) -> list[tuple[int, list[int]]]:
-        """The steps above ``step`` some ranks can get, with the ranks that cannot, newest first."""
+    def passed_over(self, step: int) -> list[tuple[int, str]]:
+        """The steps above ``step`` some ranks can get, newest first, each with why it was passed over: the
+        ranks that cannot get it (and what a tier noted, e.g. an erasure-coded group that lost too many). A
+        restore of ``step`` as the newest logs them once."""
         gettable = [self.gettable(r) for r in range(len(self.own))]
         newer = sorted({x for g in gettable for x in g if x > step} - common_steps(gettable), reverse=True)
-        return [(x, [r for r, g in enumerate(gettable) if x not in g]) for x in newer]
+        out = [(x, f"held by only some ranks: rank(s) {[r for r, g in enumerate(gettable) if x not in g][:8]} "
+                   "cannot get it" + (f" ({self.notes[x]})" if x in self.notes else "")) for x in newer]
+        if out:
+            log.warning("steps %s could not be restored for every rank and were passed over; the next save "
+                        "removes them", [x for x, _ in out])
+        return out
 
     def lost_replicas(self, step: int, targets: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         """``(rank, target)`` pairs whose replica of ``step`` is gone (a replaced node lost them)."""

@@ -120,12 +120,7 @@ class AsSaved:
                 skipped.append((",".join(names), s, str(e)))
                 continue
             if step is None:  # the newer steps only some ranks can get, passed over, as the store's restore says
-                passed = plan.passed_over(s)
-                skipped += [(",".join(names), x, f"held by only some ranks: rank(s) {lacking[:8]} cannot get it")
-                            for x, lacking in passed]
-                if passed:
-                    log.warning("steps %s could not be restored for every rank and were passed over; the next save "
-                                "removes them", [x for x, _ in passed])
+                skipped += [(",".join(names), x, why) for x, why in plan.passed_over(s)]
             info.skipped = skipped + [x for x in info.skipped if x not in skipped]
             return out, info
         reasons = "; ".join(f"{t} step {s}: {w}" for t, s, w in skipped)
