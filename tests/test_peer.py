@@ -230,10 +230,10 @@ def test_a_replica_over_the_ram_budget_is_refused_and_training_goes_on(tmp_path)
 
 
 def test_while_later_steps_fail_to_replicate_ram_keeps_the_replicated_one_and_a_lost_node_restores_it(tmp_path):
-    """RAM keeps one step, and from step 2 on no step replicates (a sender cannot read its shard). The peers
-    still hold step 1, which a lost node can come back to only if every other rank still has its own copy:
-    RAM keeps step 1 beside the newest while it is the peers' newest, so after node 1 is lost the job
-    restores step 1 (rank 1's shard from its peer), not nothing."""
+    """RAM keeps two steps, and from step 2 on no step replicates (a sender cannot read its shard). The
+    peers still hold step 1, which a lost node can come back to only if every other rank still has its own
+    copy: RAM keeps step 1 in place of step 2 (which no peer holds), so after node 1 is lost the job
+    restores step 1 (rank 1's shard from its peer), not nothing, and RAM holds no more steps than before."""
     outs = job(2, tmp_path / "shm", "-", "lagging", 1, "3")
     for o in outs:
         assert o["steps"] == {"1": ["ram", "peer"], "3": ["ram"]}, o["steps"]

@@ -177,3 +177,26 @@ def test_a_step_of_the_run_before_whose_metrics_cannot_be_read_is_kept_and_named
         assert sorted(store.steps()) == [1, 2, 3]
     assert any("step 1: no readable marker or manifest" in r.getMessage() and "keeps it" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("keep,held,relied,gone", [
+    (LatestN(2), {1, 2, 3}, 1, [2]),  # the peers' step 1 in place of step 2, which no peer holds
+    (LatestN(2), {1, 2, 3}, 2, [1]),  # the peers hold a step the policy keeps: as the policy says
+    (LatestN(3), {1, 2, 3, 4}, 1, [2]),
+    (LatestN(1), {1, 2}, 1, [1]),  # one step kept: the newest, never the peers' beside it
+    (LatestN(2), {1, 2, 3}, None, [1]),
+    (EveryNSteps(10), {10, 17, 20, 23}, 17, [17]),  # never in place of a step kept for the long run
+    (AnyPreservationPolicy([LatestN(2), EveryNSteps(10)]), {9, 10, 11, 12}, 9, [11]),  # 11: kept until 13 comes
+])
+def test_ram_keeps_the_step_the_peers_hold_in_place_of_a_newer_one_they_lack(keep, held, relied, gone):
+    """The first tier keeps the replicator's newest step (a lost node comes back to it beside every other
+    rank's own copy) instead of the oldest newer step its policy keeps, never beside them, and never
+    instead of its own newest step."""
+    from tierfs.core.ledger import Snapshot
+    from tierfs.core.retention import doomed
+    from tierfs.tiers import MemoryTier
+
+    tier = MemoryTier("/dev/shm/unused", keep=keep)
+    snap = Snapshot({"ram": set(held), "peer": {relied} if relied else set()}, frozenset(), {},
+                    {"ram": frozenset(), "peer": frozenset()})
+    assert doomed(tier, snap, relied=relied) == gone

@@ -97,8 +97,7 @@ def main() -> None:
         wire["max_header"] = 64  # headers of rank 0 (and its own) are out of range
 
     def open_store() -> tuple[TieredStore, PeerTier]:
-        keep = LatestN(1) if mode == "lagging" else LatestN(2)
-        ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=keep, budget=budget)
+        ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
         peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
         tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
         return TieredStore(tiers, file_size=1 << 20, block_size=256 << 10), peer

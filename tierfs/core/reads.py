@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import RestoreError, StepNotFoundError
 from ..format import Entry, Manifest, Marker
+from ..policies import StepInfo
 from ..protocol import checked_manifest, verify_shard
 from ..tiers.base import Tier
 from .context import Context
@@ -36,6 +37,25 @@ class Reader:
         found = first_verified(self.holding(step, tiers), step, lambda t: t.read_marker(step), skipped)
         if found is None:
             raise RestoreError(f"step {step}: no readable commit marker ({_reasons(skipped)})")
+        return found[1]
+
+    def step_info(self, step: int, tiers: Sequence[Tier]) -> StepInfo:
+        """``step``'s commit time (its marker) and this rank's metrics (its manifest; a rank the step's job
+        did not have reads the one it would have been, ``rank % world_size``) from the first of ``tiers``
+        (fastest first: those known to hold the step, not listed again) whose copies verify, for the keep
+        policies that judge by them. RestoreError when none does."""
+        rank = self.ctx.group.rank
+
+        def read(t: Tier) -> StepInfo:
+            with self.ctx.ledger.pinned(t.name, step):
+                marker = t.read_marker(step)
+                manifest = checked_manifest(t, step, rank % marker.world_size, marker)[0]
+            return StepInfo(step, float(marker.committed or 0.0), dict(manifest.metrics))
+        skipped: Skipped = []
+        found = first_verified(tiers, step, read, skipped)
+        if found is None:
+            raise RestoreError(f"step {step}: no verified marker and manifest "
+                               f"({_reasons(skipped) if skipped else 'no tier holds it'})")
         return found[1]
 
     def read_manifest(self, step: int, rank: int, tiers: Sequence[str] | None = None) -> tuple[Manifest, str]:

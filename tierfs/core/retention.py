@@ -1,10 +1,11 @@
 """Retention: which committed steps each tier deletes, and deleting them.
 
 A step is kept when its tier's keep policy keeps it, when it is being read or copied (pinned), when it
-is transient (staged in the first tier only to be copied on), when it is the only copy of the newest
-step any tier holds, or, on the first tier, when it is the newest step the replicator holds (whose restore
-after a lost node needs the other ranks' own copies). The rules are :func:`doomed`, a pure function of a ledger snapshot; the store runs
-them after every save on the tiers it touched, and ``tierfs gc`` on every tier at once.
+is transient (staged in the first tier only to be copied on), or when it is the only copy of the newest
+step any tier holds. On the first tier, the newest step the replicator holds (whose restore after a lost
+node needs the other ranks' own copies) takes the place of a newer one the policy keeps that the
+replicator lacks. The rules are :func:`doomed`, a pure function of a ledger snapshot; the store runs them
+after every save on the tiers it touched, and ``tierfs gc`` on every tier at once.
 
 After a save, a step of a shared tier that takes deletions file by file (the object tier,
 :class:`~tierfs.tiers.capabilities.FileDeletes`) is deleted by every rank, not by the owner alone: the
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Collection, Iterable, Mapping
+from typing import Callable, Collection, Mapping
 
 from ..util.stages import stage
 from ..errors import TierfsError
@@ -37,17 +38,30 @@ log = logging.getLogger("tierfs")
 
 
 def doomed(tier: AnyTier, snap: Snapshot, held: Mapping[str, set[int]] | None = None,
-           relied: Collection[int] = ()) -> list[int]:
+           relied: int | None = None, unjudged: Collection[int] = ()) -> list[int]:
     """The steps of ``tier`` that retention deletes, given what every tier holds (default: the snapshot's
-    holdings): not kept by the tier's policy, not pinned, not transient, not ``relied`` on by another
-    tier's copies (:meth:`Retention.relied`), and not the only copy of the newest step."""
+    holdings): not kept by the tier's policy, not pinned, not transient, and not the only copy of the
+    newest step.
+
+    ``relied``: a step another tier's copies need this one to keep (:meth:`Retention.relied`). It is kept
+    in place of a newer step the policy keeps only until the next save (the oldest such, never the tier's
+    newest; one the replicator lacks), never beside them: the tier holds no more steps than its policy
+    keeps, and none it keeps for longer (``EveryNSteps``'s, ``BestN``'s) goes. ``unjudged``: steps the
+    policy does not see (their times and metrics could not be read) and that are kept."""
     held = snap.held if held is None else held
     committed = sorted(held[tier.name] - snap.transient)
     if not committed:
         return []
-    keep = tier.keep_policy.keep([snap.info.get(s, StepInfo(s)) for s in committed])
+    infos = [snap.info.get(s, StepInfo(s)) for s in committed if s not in unjudged]
+    keep = tier.keep_policy.keep(infos) | set(unjudged)
+    if relied is not None and relied in committed and relied not in keep:
+        # what the policy would keep once one more step came: the steps it keeps now only until then
+        ahead = tier.keep_policy.keep(infos + [StepInfo(committed[-1] + 1, max((i.time for i in infos), default=0.0))])
+        newer = sorted(s for s in keep if relied < s < committed[-1] and s not in ahead)
+        if newer:
+            keep = keep - {newer[0]} | {relied}
     newest = max(max(h) for h in held.values() if h)
-    return [s for s in committed if s not in keep and s not in snap.pinned[tier.name] and s not in relied
+    return [s for s in committed if s not in keep and s not in snap.pinned[tier.name]
             and not (s == newest and not any(s in h for n, h in held.items() if n != tier.name))]
 
 
@@ -57,46 +71,43 @@ class Retention:
     def __init__(self, ctx: Context, reader: Reader) -> None:
         self.ctx, self.reader = ctx, reader
         self.spread = Spread(ctx)
+        self.unreadable: set[int] = set()  # steps whose time and metrics could not be read: kept, not retried
 
-    def learn(self, steps: Iterable[int]) -> set[int]:
-        """The time and metrics of ``steps`` this process did not save (an earlier run's), read from each
-        step's marker and this rank's manifest, for the keep policies that use them; returns the steps whose
-        could not be read, which those policies keep (and learn at a later try) rather than judge unknown."""
-        p, unreadable = self.ctx, set()
-        for s in steps:
+    def judged(self, tier: AnyTier, snap: Snapshot) -> tuple[Snapshot, set[int]]:
+        """The snapshot to judge ``tier``'s steps by, and the steps its policy cannot judge. A policy that uses
+        times or metrics first gets those of the steps this process did not save (an earlier run's) from
+        their markers and manifests, once per step, on the file tiers the snapshot says hold them (no
+        listing); a step whose cannot be read is kept, with a warning. (The replicator's steps are judged by
+        their numbers: its copies are not read that way.)"""
+        if not tier.keep_policy.uses_info or tier is self.ctx.replicator:
+            return snap, set()
+        unknown = sorted(snap.held[tier.name] - set(snap.info) - self.unreadable)
+        for s in unknown:
             try:
-                when = float(self.reader.read_marker(s).committed or 0.0)
-                metrics = dict(self.reader.read_manifest(s, p.group.rank)[0].metrics)
+                holding = [t for t in self.ctx.files if s in snap.held[t.name]]
+                self.ctx.ledger.learn(s, self.reader.step_info(s, holding))
             except (TierfsError, OSError, ValueError, KeyError) as e:
                 log.warning("step %d: no readable marker or manifest (%s); its time and metrics are unknown, so "
-                            "retention keeps it for now", s, e)
-                unreadable.add(s)
-                continue
-            p.ledger.learn(s, StepInfo(s, when, metrics))
-        return unreadable
+                            "retention keeps it", s, e)
+                self.unreadable.add(s)
+        return (self.ctx.ledger.snapshot() if unknown else snap), self.unreadable & snap.held[tier.name]
 
-    def relied(self, tier: AnyTier, held: Mapping[str, set[int]]) -> set[int]:
-        """The steps of ``tier`` that another tier's copies need it to keep: on the first tier, the newest step
-        the replicator holds. A lost node's shard comes back from its peers' copies (or is rebuilt from its
-        group's), while every other rank's comes from its own RAM: without those, the replicator's step
-        cannot be restored, so the first tier keeps it until the replicator holds a newer one (whatever its
-        keep policy, and while later steps fail to replicate)."""
+    def relied(self, tier: AnyTier, held: Mapping[str, set[int]]) -> int | None:
+        """The step of ``tier`` another tier's copies need it to keep: on the first tier, the newest step the
+        replicator holds. A lost node's shard comes back from its peers' copies (or is rebuilt from its
+        group's) while every other rank's comes from its own RAM, so the replicator's step is restorable
+        only beside those. Kept in place of a newer step the replicator lacks (:func:`doomed`): with
+        ``LatestN(2)``, while later steps fail to replicate; a policy that keeps one step cannot keep it."""
         rep = self.ctx.replicator
         if rep is None or tier is not self.ctx.first or not held.get(rep.name):
-            return set()
-        return {max(held[rep.name])}
+            return None
+        return max(held[rep.name])
 
     def apply(self, tier: AnyTier, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Delete what ``tier``'s keep policy lets go now; a failure is raised, or handed to ``on_error``."""
         try:
-            snap = self.ctx.ledger.snapshot()
-            spared = self.relied(tier, snap.held)
-            if tier.keep_policy.uses_info:  # an earlier run's steps: their time and metrics first
-                unknown = sorted(snap.held[tier.name] - set(snap.info))
-                if unknown:
-                    spared |= self.learn(unknown)
-                    snap = self.ctx.ledger.snapshot()
-            for s in doomed(tier, snap, relied=spared):
+            snap, unjudged = self.judged(tier, self.ctx.ledger.snapshot())
+            for s in doomed(tier, snap, relied=self.relied(tier, snap.held), unjudged=unjudged):
                 log.debug("tier %s: retention deletes step %d", tier.name, s)
                 self.delete(tier, s, spread=True)
             self.spread.sweep(tier)
@@ -127,13 +138,12 @@ class Retention:
         from their marker and manifest first."""
         p = self.ctx
         p.refresh()
-        unreadable = self.learn(p.ledger.unknown_info())
+        out: dict[str, list[int]] = {}
         snap = p.ledger.snapshot()
         held = {n: set(h) for n, h in snap.held.items()}
-        out: dict[str, list[int]] = {}
         for tier in p.tiers:
-            spared = self.relied(tier, held) | (unreadable if tier.keep_policy.uses_info else set())
-            out[tier.name] = doomed(tier, snap, held, spared)
+            snap, unjudged = self.judged(tier, snap)
+            out[tier.name] = doomed(tier, snap, held, self.relied(tier, held), unjudged)
             held[tier.name] -= set(out[tier.name])
         return out
 
