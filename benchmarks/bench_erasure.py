@@ -36,7 +36,11 @@ In one run (each process of a job is its own node, gloo on 127.0.0.1, its RAM di
    rounds in an order that rotates, each store opened and warmed up (3 saves) before its run and closed
    after it (an open store's idle gloo groups would cost every variant's runs).
    Slowdown: median over ranks and rounds of a run's mean step time (save calls included) over the same
-   round's run without checkpoints. Other jobs on a shared machine move step times by tens of percent, so
+   round's run without checkpoints. ``--loop device`` replaces the MLP's training step (after the five
+   that make AdamW's state) by the host side of an accelerator's step, as ``bench_every_step.py --loop
+   device`` does: ``--launch`` of ``--step-time`` in Python holding the GIL, the rest a sleep (the GIL
+   free, no core used), then the all-reduce; the ranks then leave cores spare, and what a store costs is
+   its time on the training thread and in the GIL, not the cores (a GPU job's shape). Other jobs on a shared machine move step times by tens of percent, so
    the CPU the store's threads spend per save (beside the run without checkpoints) is reported too.
 
 The table goes to stdout (and ``benchmarks/results/bench_erasure-YYYYMMDD-<n>.md``, the per-rank figures
@@ -355,7 +359,7 @@ def training(dist, scratch: Scratch, makers, args, say) -> dict:
 
     loss_sum = torch.zeros(1)
 
-    def train_step() -> None:
+    def cpu_step() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -363,12 +367,26 @@ def training(dist, scratch: Scratch, makers, args, say) -> dict:
         loss_sum.copy_(loss.detach().reshape(1))
         dist.all_reduce(loss_sum)  # the ranks in step, as a data-parallel job's gradient all-reduce keeps them
 
+    busy, idle = args.launch * args.step_time, (1 - args.launch) * args.step_time
+
+    def device_step() -> None:  # a GPU job's host side: Python holding the GIL, then a wait for the device
+        end, n = time.perf_counter() + busy, 0
+        while time.perf_counter() < end:
+            for i in range(100):
+                n += i
+        time.sleep(idle)
+        dist.all_reduce(loss_sum)
+
+    train_step = cpu_step
+
     def ckpt() -> dict:
         return {"model": model.state_dict(),
                 "optim": {str(i): dict(s) for i, s in enumerate(opt.state.values())}}
 
     for _ in range(5):
         train_step()  # AdamW's state exists
+    if args.loop == "device":
+        train_step = device_step
     state_bytes = sum(t.nbytes for t in model.state_dict().values()) + sum(
         t.nbytes for s in opt.state.values() for t in s.values())
     makes: dict = {"no checkpoints": None, "RAM only": None, **dict(makers)}
@@ -670,7 +688,8 @@ def report(args, codec_res: dict, jobs: dict[str, dict], seconds: dict[str, floa
         if not s["train"]:
             continue
         t = s["train"]
-        lines += [f"## 5. Training slowdown ({code} job, {s['world']} ranks on this machine's CPUs)", "",
+        shape = "on this machine's CPUs" if args.loop == "cpu" else "device-shaped steps, on spare cores"
+        lines += [f"## 5. Training slowdown ({code} job, {s['world']} ranks, {shape})", "",
                   "| variant | median step ms | mean step ms | save call ms (median) | slowdown, mean step | "
                   "slowdown, median step | background CPU per save ms |", "|---|---|---|---|---|---|---|"]
         for label, r in t.items():
@@ -679,8 +698,12 @@ def report(args, codec_res: dict, jobs: dict[str, dict], seconds: dict[str, floa
                              f"{r['save call ms']:.2f} | {r['slowdown mean'] * 100:+.1f}% | "
                              f"{r['slowdown median'] * 100:+.1f}% | "
                              + (f"{r['background cpu per save ms']:.0f} |" if label != "no checkpoints" else "- |"))
-        lines += ["", f"- an MLP of 4 Linear({args.width}, {args.width}) + GELU, batch {args.batch}, AdamW, one thread "
-                  f"per rank; state {t['state MiB']:.1f} MiB per rank (model + AdamW); {args.train_steps} steps per "
+        step = (f"each step trains the MLP, batch {args.batch}" if args.loop == "cpu" else
+                f"each step is a device-shaped one ({args.launch * args.step_time * 1e3:.0f} ms of Python holding "
+                f"the GIL, then {(1 - args.launch) * args.step_time * 1e3:.0f} ms waiting as for a device: the GIL "
+                "free, no core used), the state saved the MLP's")
+        lines += ["", f"- an MLP of 4 Linear({args.width}, {args.width}) + GELU, AdamW, one thread per rank; {step}; "
+                  f"state {t['state MiB']:.1f} MiB per rank (model + AdamW); {args.train_steps} steps per "
                   "run, "
                   f"a save (blocking=False, default throttle) in the middle of every {args.save_every} (so the "
                   f"background work of each falls within the run); {args.rounds} rounds; "
@@ -729,6 +752,10 @@ def main() -> int:
     ap.add_argument("--save-every", type=int, default=30)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--loop", choices=("cpu", "device"), default="cpu",
+                    help="training phase: the MLP trained on the CPUs, or a device-shaped step (see phase 5)")
+    ap.add_argument("--step-time", type=float, default=0.2, help="seconds per device-shaped step")
+    ap.add_argument("--launch", type=float, default=0.15, help="share of a device-shaped step in Python")
     ap.add_argument("--code", default="4:1", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tierfs-rev", default=None,
