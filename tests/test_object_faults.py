@@ -246,6 +246,25 @@ def test_permanent_errors_are_not_retried(seaweed_url, proxy):
         TieredStore([ObjectTier(url, opts | {"secret": "wrong"})])
 
 
+def test_a_marker_is_deleted_by_a_request_of_its_own_whose_failure_raises(seaweed_url, proxy):
+    """Retention deletes a step's marker first, and the ranks then delete their files: a marker the store
+    failed to delete must raise, never pass as deleted (a batch delete answers OK whatever befell each key,
+    so a marker would stay over deleted files and look like a durable step). Files still go in one batch."""
+    url, opts = seaweed_url
+    for name in ("rank_00000.0000.bin", "rank_00000.0001.bin", MARKER):
+        ObjectTier(url, opts).write_file(3, name, b"x" * 100)
+    tier = ObjectTier(url, via(proxy, opts), retries=4)
+    proxy.fail_next(1, "denied", match=named(MARKER))
+    with pytest.raises(PermissionError):
+        tier.delete_files(3, [MARKER])
+    assert tier.committed_steps() == [3]  # the marker is there, and said so
+    tier.delete_files(3, [MARKER])
+    assert tier.committed_steps() == []
+    tier.delete_files(3, ["rank_00000.0000.bin", "rank_00000.0001.bin"])
+    deletes = proxy.requests(fault=None, match=lambda r: r.method in ("DELETE", "POST"))
+    assert [(r.method, r.path.endswith(MARKER)) for r in deletes] == [("DELETE", True), ("POST", False)]
+
+
 def test_parts_smaller_than_s3_allows_still_upload(seaweed_url):
     """part_size below S3's 5 MiB minimum: reads use it, multipart uploads use 5 MiB parts."""
     url, opts = seaweed_url

@@ -370,13 +370,15 @@ class ObjectTier(Tier):
             return
         folders = {p.rsplit("/", 1)[0] for p in paths}
         self._emptied.setdefault(step, set()).update(folders)  # what remove_if_empty tries
-        if self.protocol in (*_LOCAL, "memory"):
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    self._retry(functools.partial(self.fs.rm_file, path), self._what(step, "delete"))
-        else:  # one batch request (S3 DeleteObjects, GCS batch); gcsfs raises when none of them was there
+        # files in one batch request (S3 DeleteObjects, GCS batch; gcsfs raises when none was there), but a marker
+        # alone, by a request that raises if it fails: a batch answers OK whatever befell each of its keys
+        alone = [p for p in paths if self.protocol in (*_LOCAL, "memory") or p.endswith("/" + MARKER)]
+        for path in alone:
             with contextlib.suppress(FileNotFoundError):
-                self._retry(lambda: self.fs.rm(paths), self._what(step, "delete the files"))
+                self._retry(functools.partial(self.fs.rm_file, path), self._what(step, "delete"))
+        if batch := [p for p in paths if p not in alone]:
+            with contextlib.suppress(FileNotFoundError):
+                self._retry(lambda: self.fs.rm(batch), self._what(step, "delete the files"))
         for d in folders:
             self.fs.invalidate_cache(d)
 
