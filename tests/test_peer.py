@@ -242,6 +242,7 @@ def test_while_later_steps_fail_to_replicate_ram_keeps_the_replicated_one_and_a_
     wipe(tmp_path / "shm", 1)
     outs = job(2, tmp_path / "shm", "-", "restore", 1)
     assert all(o["exact"] and o["step"] == 1 for o in outs), outs
+    assert [o["common"] for o in outs] == [[1], [1]]  # as the adapters choose their step: not none
     assert [(r["tier"], r["peer"]) for r in outs[0]["ranks"]] == [("ram", None), ("peer", 0)]
     # the newer step, passed over, is named with the rank that cannot get it
     assert [(x[1], x[2]) for x in outs[0]["skipped"]] == [(3, "held by only some ranks: rank(s) [1] cannot get it")]

@@ -28,11 +28,10 @@ from .core.restore.session import AsSaved, ReadDcp
 from .core.upkeep import Upkeep
 from .core.reads import Reader
 from .core.restore.pipeline import RestoreInfo
-from .core.restore.plan import lost_steps
+from .core.restore.plan import gather_plan, lost_steps
 from .core.retention import Retention
 from .core.saving import SavePath
 from .ranks import Group, SingleProcess, TorchGroup, default_group, seconds
-from .ranks.agree import views as rank_views
 from .errors import ArgumentError, TierfsError
 from .format import DEFAULT_BLOCK_SIZE, DEFAULT_FILE_SIZE
 from .protocol import common_steps
@@ -195,23 +194,23 @@ class TieredStore(ShardReads, Restores, Upkeep):
     @serial
     def common_steps(self, tiers: Sequence[str] | None = None, *,
                      timeout: float | datetime.timedelta | None = None, raise_lost: bool = False) -> list[int]:
-        """The committed steps every rank of the job holds on ``tiers`` (default: any tier), oldest first.
+        """The committed steps every rank of the job can restore from ``tiers`` (default: any tier), oldest
+        first, as :meth:`restore` counts them: from its own tiers or, where its node was replaced, from the
+        copies its peers keep (rebuilt from its group's, with erasure coding).
 
-        Collective (``timeout``: how long to wait for the others, default the store's). A peer tier lists the
-        steps of the copies it keeps for others. ``raise_lost``: when ranks hold steps but none is held by
-        every rank, raise :class:`~tierfs.errors.CheckpointLostError` naming them, not an empty list."""
-        names = set(_args.names(tiers, "tiers", self._ctx.names) or ()) if tiers is not None else None
+        Collective (``timeout``: how long to wait for the others, default the store's). ``raise_lost``: when
+        ranks hold steps but none every rank can get, raise :class:`~tierfs.errors.CheckpointLostError`
+        naming them, not an empty list."""
+        names = _args.names(tiers, "tiers", self._ctx.names) if tiers is not None else None
         _args.flag(raise_lost, "raise_lost")
         self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         g = self.group if timeout is None else self.group.with_timeout(timeout)
-        self._ctx.refresh(shared=g)  # a shared tier listed by rank 0 alone
-        mine = sorted(s for s, ts in self._holdings().items() if names is None or names & set(ts))
-        views = rank_views(g, mine)
-        common = sorted(common_steps(views))
-        lost = lost_steps([set(v) for v in views], sorted(names or self._ctx.names)) if raise_lost else None
+        plan = gather_plan(self._ctx, self._ctx.usable(names), group=g)
+        gettable = [plan.gettable(r) for r in range(len(plan.own))]
+        lost = lost_steps(gettable, list(names or self._ctx.names), plan.notes) if raise_lost else None
         if lost is not None:
             raise lost
-        return common
+        return sorted(common_steps(gettable))
 
     def latest_common_step(self, tiers: Sequence[str] | None = None, *,
                            timeout: float | datetime.timedelta | None = None) -> int | None:

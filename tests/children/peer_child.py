@@ -163,6 +163,7 @@ def main() -> None:
             out["later"] = f"{type(e).__name__}: {e}"
         out["held"] = {str(k): v for k, v in peer.holdings().items()}
     else:
+        out["common"] = store.common_steps()  # what every rank can restore (a lost node's shard from a peer)
         target = target_for(rank)
         opened = made[0]
         info = store.restore_into(target)

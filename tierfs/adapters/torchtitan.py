@@ -23,7 +23,7 @@ What changes against torchtitan's ``CheckpointManager``
   tensors are copied into the RAM tier's buffers (the model may change right away, unlike DCP's thread
   async, torchtitan #930); the future torchtitan waits on completes when the step is committed on the
   first tier. ``"async_with_pinned_mem"`` is rejected (it needs DCP's process stager).
-* ``_load`` finds the newest step every rank holds (``store.latest_common_step()``) or ``load_step``,
+* ``_load`` finds the newest step every rank can get (``store.common_steps()``) or ``load_step``,
   and reads it with :class:`~tierfs.adapters.dcp.TieredReader` (fastest verified copy). When the store
   holds no step, torchtitan's own initial load runs unchanged (``initial_load_path``, HF assets).
 * Retention is the tiers' ``keep`` policies; ``keep_latest_k`` is not used (no purge of ``folder``).
@@ -179,8 +179,8 @@ class TieredCheckpointManager(CheckpointManager):
     def _find_load_step(self, folder: str = "") -> int:
         if folder or self.store is None:
             return super()._find_load_step(folder)
-        step = self.store.latest_common_step()
-        return -1 if step is None else step
+        common = self.store.common_steps(raise_lost=True)  # steps only some ranks can get: CheckpointLostError
+        return common[-1] if common else -1
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:

@@ -170,9 +170,11 @@ def materialize(store: TieredStore, output_dir: str | os.PathLike[str], step: in
     verified copy and written whole (temporary name, then rename), so ranks sharing ``output_dir`` may
     all call it."""
     if step is None:
-        step = store.latest_common_step()
-        if step is None:
+        common = store.common_steps(raise_lost=True)  # steps only some ranks can get: CheckpointLostError
+        if not common:
             return None
+        # a replaced node's shard from a peer, into its RAM, where this reads it
+        step = store.localize().step if store.replicator is not None else common[-1]
     target = Path(output_dir) / checkpoint_dirname(step)
     world = store.read_marker(step).world_size
     fetched: dict[str, str] = {}

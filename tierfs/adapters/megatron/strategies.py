@@ -204,7 +204,7 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
         when the store holds no step.
         """
         step = _args.optional_step(step)
-        if step is None and self.store.latest_common_step(self.tiers, timeout=self.timeout) is None:
+        if step is None and not self.store.common_steps(self.tiers, timeout=self.timeout, raise_lost=True):
             return None
         reader = self._reader(step)
         md = reader.read_metadata()
