@@ -549,3 +549,34 @@ def test_bad_credentials_are_one_clear_error(s3_storage_options, monkeypatch):
     opts = s3_storage_options | {"key": "AKIAWRONGWRONGWRONG0", "secret": "wrong"}
     with pytest.raises(TierUnavailableError, match="access denied .* check credentials"):
         TieredStore([ObjectTier("s3://tierfs-test/run", storage_options=opts)])
+
+
+def test_a_target_that_would_silently_miss_saved_values_is_a_mismatch_naming_them(shm_dir):
+    """Restoring in place into a fresh optimizer's state (empty until its first step) would load none of
+    its moments, and a tensor where the step holds a plain value would be swapped out of the mapping while
+    the tensor (a module's buffer, say) kept its value: both are StateMismatchErrors naming the key, and the
+    right target restores bit-exact."""
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(1, {"model": net.state_dict(), "optim": opt.state_dict(), "seen": 5})
+        fresh = torch.optim.Adam(torch.nn.Linear(4, 2).parameters())
+        with pytest.raises(StateMismatchError, match=r"'optim/state' is empty but step 1 holds 6 entries under it "
+                                                     r"\(e.g. 'optim/state/0/"):
+            store.restore_into({"optim": fresh.state_dict()})
+        with pytest.raises(StateMismatchError, match=r"'seen': step 1 holds a plain value \(int 5\) where the "
+                                                     r"target has a Tensor"):
+            store.restore_into({"seen": torch.zeros(())})
+        fresh_net = torch.nn.Linear(4, 2)
+        fresh_opt = torch.optim.Adam(fresh_net.parameters())
+        fresh_net(torch.ones(1, 4)).sum().backward()
+        fresh_opt.step()  # its state exists now: the step's values go into it
+        target = {"model": fresh_net.state_dict(), "optim": fresh_opt.state_dict(), "seen": 0}
+        assert store.restore_into(target).step == 1 and target["seen"] == 5
+        assert all(torch.equal(a, b) for a, b in zip(fresh_net.state_dict().values(), net.state_dict().values()))
+        want = opt.state_dict()["state"][0]
+        got = target["optim"]["state"][0]
+        assert all(torch.equal(got[k], want[k]) for k in ("exp_avg", "exp_avg_sq", "step"))

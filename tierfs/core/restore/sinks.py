@@ -24,7 +24,7 @@ from ...errors import DeviceError, StateMismatchError
 from ...format import Entry, Manifest
 from ...tiers.base import Tier
 from ...tiers.capabilities import ZeroCopy
-from ..layout import DIRECT_MAX, ReadViews, describe
+from ..layout import DIRECT_MAX, ReadViews, describe, key_name
 from ..dataparallel import by_bundle
 
 
@@ -176,6 +176,7 @@ class InPlace(Sink):
         self._after: list[Callable[[], Any]] = []
         self._fits = False
         self._direct: tuple[list[Any], list[Any]] = ([], [])
+        self._empty = _empty_mappings(state)  # (a fresh optimizer's state: {})
 
     @property
     def slots(self) -> dict[str, tuple[Any, Any]]:
@@ -198,6 +199,7 @@ class InPlace(Sink):
 
     def check(self, manifest: Manifest) -> None:
         super().check(manifest)
+        _check_kinds(manifest, self.index, self.targets, self._empty)
         views = ReadViews.of(manifest)
         self._fits = _expects_all(views) and views.fits(self.names, self.structure)
         if self._fits:
@@ -318,3 +320,34 @@ def check_wanted(manifest: Manifest, wanted: set[str] | None) -> None:
         keys = ", ".join(manifest.key(n) for n in sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
         raise StateMismatchError(f"target state has entries the checkpoint lacks (step {manifest.step} rank "
                                  f"{manifest.rank}): {keys}; remove them from the target or restore another step")
+
+
+def _empty_mappings(state: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The names of the empty mappings in a target (which :func:`describe` sees no leaves of)."""
+    out: list[str] = []
+    for k, v in state.items():
+        if isinstance(v, Mapping):
+            name = prefix + key_name(k, prefix)
+            out += _empty_mappings(v, name + st.SEP) if v else [name]
+    return out
+
+
+def _check_kinds(manifest: Manifest, index: Mapping[str, int], targets: Sequence[Any], empty: list[str]) -> None:
+    """A target that would silently miss what the checkpoint holds is the caller's mistake: an empty mapping
+    where the checkpoint has entries (a fresh optimizer's state), or a tensor or array where it holds a
+    plain value (replaced in the mapping, the tensor itself, a module's buffer say, would keep its value)."""
+    for e in manifest.entries:
+        if e.kind == "json" and e.name in index and (st.is_tensor(t := targets[index[e.name]])
+                                                     or isinstance(t, np.ndarray)):
+            raise StateMismatchError(
+                f"{manifest.key(e.name)}: step {manifest.step} holds a plain value ({type(e.value).__name__} "
+                f"{str(e.value)[:40]}) where the target has a {type(t).__name__}; put a plain value (or none) "
+                "there, or restore() the step into new values")
+    for p in empty:
+        under = [e.name for e in manifest.entries if e.name.startswith(p + st.SEP)]
+        if under:
+            raise StateMismatchError(
+                f"target state {manifest.key(p)} is empty but step {manifest.step} holds {len(under)} entries under "
+                f"it (e.g. {manifest.key(under[0])}): an optimizer's state is empty until its first step; make it "
+                "first (one optimizer step, or torch.distributed.checkpoint.state_dict.get_state_dict), leave "
+                "it out of the target to restore without it, or restore() the step into new values")
