@@ -87,6 +87,20 @@ def test_model_and_adam_round_trip_through_dcp_bit_exact(shm_dir, tmp_path):
         assert_states_equal(full_state(7), got, key_order=True)
 
 
+def test_a_fresh_optimizers_empty_state_as_the_target_names_what_it_would_miss(shm_dir, tmp_path):
+    """A new optimizer's state is empty until its first step: restoring into it through DCP says so, naming
+    the key and what the step holds under it (not that the checkpoint lacks the key), before any read."""
+    with CheckpointManager(tiers(shm_dir, tmp_path)) as mgr:
+        mgr.save(2, full_state(7))
+        mgr.wait_until_finished()
+        got = fresh()
+        got["optim"]["state"] = {}
+        with pytest.raises(StateMismatchError, match=r"target state 'optim.state' is empty but step 2 holds \d+ "
+                                                     r"entries under it \(e.g. 'optim.state.\d"):
+            mgr.restore(got)
+        assert all(not t.any() for t in _tensors(got["model"]))  # nothing read into the target
+
+
 def test_async_save_through_dcp_holds_the_values_at_the_call(shm_dir, tmp_path):
     with CheckpointManager(tiers(shm_dir, tmp_path, obj_every=1)) as mgr:
         state = full_state(3)
