@@ -143,6 +143,28 @@ def test_paths_aliases_and_removal(tmp_path, shm_dir):
     io2.teardown()
 
 
+def test_a_path_saved_again_in_a_step_no_tier_can_read_is_an_error_not_the_older_save(tmp_path):
+    """model.ckpt was saved at steps 10 and 20, and step 20's manifest is damaged on its only tier: loading
+    model.ckpt raises, naming step 20, rather than quietly resuming from step 10; a path no readable step
+    was saved as names the unreadable step too."""
+    from tierfs.errors import RestoreError
+
+    io = TieredCheckpointIO([ObjectTier(f"file://{tmp_path}/obj")], blocking=True)
+    for s in (10, 20):
+        ck = {"global_step": s, "epoch": s // 10, "state_dict": {"w": torch.full((2,), float(s))}}
+        io.save_checkpoint(ck, tmp_path / "model.ckpt")
+    io.teardown()
+    manifest = next(p for p in (tmp_path / "obj").rglob("*manifest*") if "step_000000000020" in str(p))
+    manifest.write_bytes(manifest.read_bytes().replace(b'"global_step"', b'"global_stop"'))
+    io2 = TieredCheckpointIO([ObjectTier(f"file://{tmp_path}/obj")])
+    with pytest.raises(RestoreError, match=r"'.*model.ckpt': step 20 cannot be read .* step 10 was saved as it"):
+        io2.load_checkpoint(tmp_path / "model.ckpt")
+    with pytest.raises(StepNotFoundError, match=r"saved as '.*other.ckpt'; committed steps: \[10, 20\]; step 20 "
+                                                 r"cannot be read"):
+        io2.load_checkpoint(tmp_path / "other.ckpt")
+    io2.teardown()
+
+
 # -- real training, killed and resumed -----------------------------------------------------------------------
 def test_kill_and_resume_bit_exact_then_from_object_tier(dirs):
     total = 12

@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ...ranks.groups import SingleProcess
-from ...errors import ArgumentError, StepNotFoundError
+from ...errors import ArgumentError, RestoreError, StepNotFoundError, TierfsError
 from ...store import TieredStore
 from ...tiers.base import AnyTier
 from . import codec
@@ -184,29 +184,40 @@ class TieredCheckpointIO(CheckpointIO):
 
     def resolve(self, path: Any) -> int:
         """The step saved as ``path``: this process's record, else the newest step whose metadata names it
-        (by full path, then by file name), else for a ``last*`` name the newest committed step."""
+        (by full path, then by file name), else for a ``last*`` name the newest committed step. A newer step
+        no tier can read (it may be the one saved as ``path`` last) is a RestoreError naming it, never a
+        silent resume from an older one."""
         key = norm(path)
         if key in self._paths:
             return self._paths[key]
         store = self.store
         steps = sorted(store.steps(), reverse=True)
         base = os.path.basename(key)
-        by_name = None
+        by_name = unreadable = None
         for s in steps:
             try:
                 paths = self._step_paths(store, s)
-            except Exception as e:  # a step no tier can read now
-                log.debug("step %d: no readable manifest (%s)", s, e)
+            except StepNotFoundError as e:  # deleted meanwhile (retention)
+                log.debug("step %d: gone (%s)", s, e)
                 continue
-            if key in paths:
-                return s
-            if by_name is None and any(os.path.basename(p) == base for p in paths):
+            except TierfsError as e:
+                unreadable = unreadable or (s, e)
+                continue
+            if key in paths or (by_name is None and any(os.path.basename(p) == base for p in paths)):
+                if unreadable is not None:
+                    raise RestoreError(f"checkpoint {key!r}: step {unreadable[0]} cannot be read ({unreadable[1]}) "
+                                       f"and may be the one saved as it last; step {s} was saved as it before. "
+                                       f"Load step {s} by its own path, or repair step {unreadable[0]}")
+                if key in paths:
+                    return s
                 by_name = s
         if by_name is not None:
             return by_name
         if base.startswith("last") and steps:
             return steps[0]
-        raise StepNotFoundError(f"no tier holds a checkpoint saved as {key!r}; committed steps: {sorted(steps)[-10:]}")
+        raise StepNotFoundError(f"no tier holds a checkpoint saved as {key!r}; committed steps: {sorted(steps)[-10:]}"
+                                + (f"; step {unreadable[0]} cannot be read ({unreadable[1]}) and may be it"
+                                   if unreadable is not None else ""))
 
     def _step_paths(self, store: TieredStore, step: int) -> list[str]:
         """The checkpoint paths recorded in ``step``'s metadata (raises when no tier can read it)."""
