@@ -132,3 +132,17 @@ def test_block_checksums_are_each_blocks_crc32c_on_any_path(threads):
     dst = [np.zeros_like(a) for a in arrays]  # a copy beside them takes the general path
     assert blockio.run([blockio.Job(f"e{i}", a, d, 4096) for i, (a, d) in enumerate(zip(arrays, dst))], 1) == want
     assert all(np.array_equal(a, d) for a, d in zip(arrays, dst))
+
+
+@pytest.mark.parametrize("name", ["step_000000000001\n", "step_" + "\u0660" * 11 + "\u0661", " step_000000000001"])
+def test_a_step_directory_name_is_exactly_twelve_ascii_digits(name):
+    assert parse_step_dirname(name) is None
+
+
+@pytest.mark.parametrize("name", ["rank_00000.0000.bin\n", "rank\n", "r\u0661.bin", "a/b", "..x", ""])
+def test_a_file_name_from_a_manifest_or_a_peer_with_a_newline_or_other_scripts_is_refused(name):
+    from tierfs.format import validate_filename
+
+    with pytest.raises(FormatError):
+        validate_filename(name)
+    assert validate_filename("rank_00000.0000.bin") == "rank_00000.0000.bin"

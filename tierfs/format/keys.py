@@ -25,8 +25,8 @@ SPREAD_DIR = "ranks"
 #: buckets in all: ranks beyond share them evenly
 SPREAD_BUCKETS = 256
 
-_RANK_RE = re.compile(r"^rank_(\d{5})\.")
-_BUCKET_RE = re.compile(r"^[0-9a-f]{2}$")
+_RANK_RE = re.compile(r"rank_([0-9]{5})\.", re.ASCII)
+_BUCKET_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
 
 
 def spread_bucket(rank: int) -> str:
@@ -55,4 +55,4 @@ def key(step: int, name: str) -> str:
 
 def is_bucket(name: str) -> bool:
     """Whether ``name`` (one listing entry's last component) names a bucket."""
-    return bool(_BUCKET_RE.match(name))
+    return bool(_BUCKET_RE.fullmatch(name))

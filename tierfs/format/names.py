@@ -21,8 +21,9 @@ DEFAULT_BLOCK_SIZE = 4 << 20  # crc32c granularity: blocks verify independently 
 DEFAULT_FILE_SIZE = 16 << 20  # entries are packed into shard files of about this size (object stores
 # upload many 16 MiB objects faster than fewer large ones)
 
-_STEP_RE = re.compile(r"^step_(\d{12})$")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# (fullmatch and ASCII: "$" would take a name ending in a newline, "\d" other scripts' digits)
+_STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
+_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", re.ASCII)
 #: a control character, which no entry name holds
 CONTROL = re.compile("[\x00-\x1f]")
 
@@ -59,7 +60,7 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     """The step of a directory name, or None when the name is not a step directory."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -73,7 +74,7 @@ def manifest_filename(rank: int) -> str:
 
 def validate_filename(name: object) -> str:
     """A file name read from a manifest or a peer: one plain component, no traversal."""
-    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _FILE_RE.fullmatch(name) or ".." in name:
         raise FormatError(f"unsafe file name {name!r} in checkpoint (expected one plain path component)")
     return name
 

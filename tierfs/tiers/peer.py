@@ -38,7 +38,7 @@ from .placement import Strategy, plan_fetch, replica_targets
 
 log = logging.getLogger("tierfs")
 
-_MANIFEST_RE = re.compile(r"^rank_(\d{5})\.manifest\.json$")
+_MANIFEST_RE = re.compile(r"rank_([0-9]{5})\.manifest\.json", re.ASCII)
 
 __all__ = ["PeerTier", "Wire", "plan_fetch", "replica_targets"]
 
@@ -137,7 +137,7 @@ class PeerTier(KeptInRam):
                 names = self.local.file_sizes(s)
             except FileNotFoundError:
                 continue
-            out[s] = sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, names) if m)
+            out[s] = sorted(int(m.group(1)) for m in map(_MANIFEST_RE.fullmatch, names) if m)
         return out
 
     # -- moving shards ------------------------------------------------------------------------------
