@@ -12,7 +12,7 @@ import pytest
 
 import gloo_job
 from tierfs.util.worker import BACKGROUND_NICE
-from tierfs.errors import TierfsError
+from tierfs.errors import ChecksumError, TierfsError
 from tierfs.format import step_dirname
 from tierfs.tiers import PeerTier
 from tierfs.tiers.peer import plan_fetch, replica_targets
@@ -59,6 +59,25 @@ def test_fetch_plan_spreads_the_load_over_holders():
     assert plan_fetch({1: [3], 2: [3, 0]}) == {1: 3, 2: 0}
     assert plan_fetch({0: [2, 3], 1: [2, 3]}) == {0: 2, 1: 3}
     assert plan_fetch({5: []}) == {}
+
+
+@pytest.mark.parametrize("error,bad", [(ChecksumError("block 3 of rank_00001.0000.bin"), True),
+                                       (FileNotFoundError(2, "No such file", "rank_00001.0000.bin"), True),
+                                       (OSError(24, "Too many open files"), False),
+                                       (OSError(12, "Cannot allocate memory"), False)])
+def test_only_a_copy_its_holder_finds_damaged_or_missing_counts_as_bad(error, bad):
+    """A holder that cannot send its copy says why in the header; its receiver counts the copy as bad (and
+    it is dropped: no later restore picks it) only when the bytes are damaged or gone, never for a failure
+    of the moment, which would delete the only copy of a lost node's shard for a file descriptor."""
+    from tierfs.core.restore.sources import BAD_COPY
+    from tierfs.tiers import _wire
+
+    h = _wire.parse_header(_wire.header(3, 1, b"", b"", {}, error=_wire.unsendable(error)))
+    with pytest.raises(TierfsError) as got:
+        _wire.check_header(h, 3, 1)
+    said = f"{type(got.value).__name__}: {got.value}"
+    assert said.startswith(BAD_COPY) is bad, said
+    assert type(error).__name__ in said
 
 
 # -- real jobs ----------------------------------------------------------------------------------

@@ -98,10 +98,24 @@ def parse_header(raw: bytes) -> dict[str, Any]:
     return h
 
 
+#: what a holder that finds its own copy bad says first (its receiver then counts the copy as bad, and it is
+#: dropped): damaged or missing bytes, not a failure of the moment (no memory, no file descriptor left)
+BAD = "bad copy: "
+
+
+def unsendable(e: BaseException) -> str:
+    """What a holder that cannot send its copy says in its header's ``error`` (see :data:`BAD`)."""
+    bad = isinstance(e, (ChecksumError, FormatError, FileNotFoundError))
+    return f"{BAD if bad else ''}{type(e).__name__}: {e}"
+
+
 def check_header(h: dict[str, Any], step: int, rank: int) -> tuple[Manifest, bytes, bytes]:
     """The manifest a peer announced for ``rank``'s shard of ``step``, checked against its marker."""
     if h.get("error"):
-        raise TierfsError(f"the holder cannot send it ({h['error']})")
+        error = str(h["error"])
+        if error.startswith(BAD):
+            raise TierfsError(f"the holder's copy is bad ({error[len(BAD):]})")
+        raise TierfsError(f"the holder cannot send it now ({error})")
     mbytes, marker_bytes = h["manifest"], h["marker"]
     if h["step"] != step or h["rank"] != rank:
         raise FormatError(f"a peer offered step {h['step']} rank {h['rank']} for step {step} rank {rank}")

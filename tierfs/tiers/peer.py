@@ -239,8 +239,8 @@ class PeerTier(KeptInRam):
                     m = Manifest.from_bytes(mbytes)
                     files = self.local.read_files(step, list(m.replica_files))
                 sends.append((q, _wire.header(step, q, mbytes, marker, files, limit=self.wire.max_header), files, m))
-            except (TierfsError, OSError, ValueError) as e:
-                why = f"{type(e).__name__}: {e}"
+            except (TierfsError, OSError, ValueError) as e:  # its copy bad, or no memory or descriptor left now
+                why = _wire.unsendable(e)
                 sends.append((q, _wire.header(step, q, b"", b"", {}, error=why, limit=self.wire.max_header), {},
                               None))
         got: dict[str, Any] = {}

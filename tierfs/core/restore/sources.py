@@ -50,9 +50,10 @@ UNUSABLE = (TierfsError, OSError, ValueError, KeyError)
 #: other source does better, so they are raised, not tried past
 THE_CALLERS = (StateMismatchError, ArgumentError, DeviceError)
 Skipped = list[tuple[str, int, str]]  # (tier, step, reason)
-#: how a peer's copy that is itself bad fails at its receiver (not the receiver's own trouble): checksums,
-#: a manifest that does not match its marker, files the holder can no longer read
-BAD_COPY = ("ChecksumError", "FormatError", "TierfsError: the holder cannot send it")
+#: how a peer's copy that is itself bad fails at its receiver (not the receiver's own trouble, nor the
+#: holder's of the moment: no memory left): checksums, a manifest that does not match its marker, files the
+#: holder found damaged or missing
+BAD_COPY = ("ChecksumError", "FormatError", "TierfsError: the holder's copy is bad")
 
 
 @dataclass
