@@ -127,6 +127,26 @@ def test_cp_never_commits_a_damaged_copy(shm_dir, s3_url, tmp_path, capsys):
     assert ObjectTier(url, opts).list_steps().get(1) is not True  # nothing committed on S3
 
 
+def test_cp_overwrite_keeps_the_destination_s_copy_unless_the_source_verifies_and_never_copies_over_itself(
+        shm_dir, tmp_path, capsys):
+    """``cp --overwrite`` deletes the step already at the destination only once every byte of the source
+    verified, and refuses a destination that is the source (which it would have deleted first)."""
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(3, state(3))
+    out = tmp_path / "out"
+    assert run(capsys, "cp", shm_dir, out, "--step", 3)[0] == 0
+    code, _, err = run(capsys, "cp", f"file://{out}", out, "--step", 3, "--overwrite")
+    assert code == 2 and "are the same place" in err and err.count("\n") == 1
+    assert same(restored(f"file://{out}"), state(3))  # still there, whole
+    shard = Path(shm_dir) / step_dirname(3) / "rank_00000.0000.bin"
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0x10
+    shard.write_bytes(bytes(data))
+    code, _, err = run(capsys, "cp", shm_dir, out, "--step", 3, "--overwrite")
+    assert code == 1 and "checksum" in err and "rank_00000.0000.bin" in err
+    assert same(restored(f"file://{out}"), state(3))  # the good copy the damaged source would have replaced
+
+
 def test_cp_command_line_errors(shm_dir, tmp_path, capsys):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         store.save(5, state(5))

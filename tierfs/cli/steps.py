@@ -11,15 +11,17 @@ running job is writing (see also ``Tier.live_users``).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..format import blockio as _blocks
-from ..errors import ChecksumError, FormatError, StepExistsError, TierfsError
+from ..errors import ArgumentError, ChecksumError, FormatError, StepExistsError, TierfsError
 from ..format import Manifest, blocks, crc32c
 from ..protocol import batches, commit, copy_shard, step_manifests
 from ..tiers.base import Tier
+from ..tiers.capabilities import LocalFiles
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,11 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
         if not overwrite:
             what = "committed" if there else "partially written (an interrupted or running copy)"
             raise StepExistsError(f"step {step} is already {what} on {dst.name!r}; pass --overwrite to replace it")
+        if _place(src) == _place(dst):
+            raise ArgumentError(f"{src.name!r} and {dst.name!r} are the same place: copying step {step} over "
+                                "itself would delete it first")
+        for _, _, m in manifests:  # every byte of the source before the copy there goes
+            verify_shard_naming_damage(src, step, m, threads=threads)
         dst.delete_step(step)
     if dst.is_local and not src.is_local and any(m.local_files for _, _, m in manifests):
         raise TierfsError(f"step {step} on {src.name!r} stores the entries data-parallel ranks share once, in "
@@ -159,6 +166,12 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
         expected[name] = len(raw)
     commit(dst, step, marker_bytes, expected)
     return total
+
+
+def _place(tier: Tier) -> str:
+    """Where a tier keeps its steps: its directory, resolved, or its URL."""
+    dirs = tier.local_dirs() if isinstance(tier, LocalFiles) else []
+    return os.path.realpath(dirs[0]) if dirs else str(getattr(tier, "url", tier.name))
 
 
 def partial_steps(tier: Tier, now: float | None = None) -> list[tuple[int, float | None]]:
