@@ -193,6 +193,19 @@ def test_gc_never_deletes_the_only_copy_of_the_newest_step(shm_dir, capsys):
     assert code == 2 and "unknown keep keys" in err
 
 
+def test_gc_counts_a_step_whose_marker_cannot_be_read_for_nothing_and_keeps_the_good_ones(shm_dir, capsys):
+    """Step 3's commit marker is garbage: gc must not take it for the newest step (whose only copy it keeps)
+    and delete every good step under LatestN(1); it keeps step 3 as it is and the newest good step, 2."""
+    with TieredStore([MemoryTier(shm_dir, keep=PreserveAll())]) as store:
+        for s in (1, 2, 3):
+            store.save(s, state(s))
+    (Path(shm_dir) / step_dirname(3) / MARKER).write_bytes(b"not a marker")
+    code, out, err = run(capsys, "gc", shm_dir, "--keep", '{"latest": 1}')
+    assert code == 0, err
+    assert sorted(MemoryTier(shm_dir).list_steps()) == [2, 3]
+    assert same(restored(shm_dir, step=2), state(2))
+
+
 def test_gc_keeps_a_fresh_partial_step_and_removes_a_stale_one(shm_dir, capsys):
     with TieredStore([MemoryTier(shm_dir, keep=PreserveAll())]) as store:
         for s in (1, 2, 3):

@@ -135,12 +135,21 @@ class Retention:
     def plan(self) -> dict[str, list[int]]:
         """``{tier: [steps its keep policy would delete now]}``, deleting nothing, for every tier, as the
         deletions would go tier by tier. Steps this process did not save get their commit time and metrics
-        from their marker and manifest first."""
+        from their marker and manifest first; a step whose marker cannot be read is kept and counts for
+        nothing (it would otherwise be the newest step, and the good ones would go)."""
         p = self.ctx
         p.refresh()
         out: dict[str, list[int]] = {}
         snap = p.ledger.snapshot()
         held = {n: set(h) for n, h in snap.held.items()}
+        for t in p.files:  # a step whose marker does not parse is no step: kept, and never the newest
+            for s in sorted(held[t.name]):
+                try:
+                    t.read_marker(s)
+                except (TierfsError, OSError, ValueError) as e:
+                    log.warning("tier %s step %d: its commit marker cannot be read (%s); kept, not counted", t.name,
+                                s, e)
+                    held[t.name].discard(s)
         for tier in p.tiers:
             snap, unjudged = self.judged(tier, snap)
             out[tier.name] = doomed(tier, snap, held, self.relied(tier, held), unjudged)
