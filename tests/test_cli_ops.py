@@ -206,6 +206,24 @@ def test_gc_counts_a_step_whose_marker_cannot_be_read_for_nothing_and_keeps_the_
     assert same(restored(shm_dir, step=2), state(2))
 
 
+def test_a_step_directory_that_is_a_link_is_never_followed(shm_dir, tmp_path, capsys):
+    """A link named as a step (planted while the RAM directory was open to others, say) is no step of the
+    tier's: gc neither counts it nor deletes what it points to."""
+    with TieredStore([MemoryTier(shm_dir, keep=PreserveAll())]) as store:
+        for s in (1, 2):
+            store.save(s, state(s))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("mine")
+    (victim / MARKER).write_text("{}")
+    os.symlink(victim, Path(shm_dir) / step_dirname(9))
+    assert sorted(MemoryTier(shm_dir).list_steps()) == [1, 2]
+    code, out, err = run(capsys, "gc", shm_dir, "--keep", '{"latest": 1}')
+    assert code == 0, err
+    assert sorted(MemoryTier(shm_dir).list_steps()) == [2]
+    assert sorted(p.name for p in victim.iterdir()) == [MARKER, "notes.txt"]
+
+
 def test_gc_keeps_a_fresh_partial_step_and_removes_a_stale_one(shm_dir, capsys):
     with TieredStore([MemoryTier(shm_dir, keep=PreserveAll())]) as store:
         for s in (1, 2, 3):

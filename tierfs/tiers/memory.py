@@ -165,8 +165,8 @@ class MemoryTier(Tier):
             return {}
         for n in names:
             s = parse_step_dirname(n)
-            if s is not None:
-                out[s] = os.path.exists(os.path.join(self.path, n, MARKER))
+            if s is not None and not os.path.islink(os.path.join(self.path, n)):  # (no step is a link: never
+                out[s] = os.path.exists(os.path.join(self.path, n, MARKER))  # followed, to read or delete)
         return out
 
     def file_sizes(self, step: int) -> dict[str, int]:
@@ -351,6 +351,9 @@ class MemoryTier(Tier):
 
     def _delete_step(self, step: int, prefix: str = "", marker: bool = True) -> None:
         d = self._dir(step)
+        if d.is_symlink():  # not a step of the tier's: the link goes, what it points to stays
+            d.unlink()
+            return
         if marker:
             (d / MARKER).unlink(missing_ok=True)
         if not d.exists():
