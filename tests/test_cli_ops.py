@@ -147,6 +147,30 @@ def test_cp_overwrite_keeps_the_destination_s_copy_unless_the_source_verifies_an
     assert same(restored(f"file://{out}"), state(3))  # the good copy the damaged source would have replaced
 
 
+def test_cp_refuses_a_directory_a_running_process_uses(shm_dir, tmp_path, capsys):
+    """A plain directory as cp's destination that a running job uses (its RAM tier) is refused: cp would
+    delete and write steps under the job."""
+    with TieredStore([MemoryTier(shm_dir)]) as store:
+        store.save(3, state(3))
+    ram = tmp_path / "ram"
+    with TieredStore([MemoryTier(str(ram))]) as store:
+        store.save(3, state(4))
+    shard = ram / step_dirname(3) / "rank_00000.0000.bin"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys\n"
+        f"f = open({str(shard)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "print('mapped', flush=True); sys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        code, _, err = run(capsys, "cp", shm_dir, ram, "--step", 3, "--overwrite")
+        assert code == 1 and f"in use by running process(es) [{child.pid}]" in err and err.count("\n") == 1
+        assert same(restored(str(ram)), state(4))  # the job's step, untouched
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
 def test_cp_command_line_errors(shm_dir, tmp_path, capsys):
     with TieredStore([MemoryTier(shm_dir)]) as store:
         store.save(5, state(5))

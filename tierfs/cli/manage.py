@@ -40,7 +40,7 @@ def _dst_options(args: argparse.Namespace, src_opts: dict[str, Any]) -> dict[str
 
 def _destination(args: argparse.Namespace, src_all: list[Tier], src_opts: dict[str, Any]) -> Tier:
     """cp's DEST: a URL, a config's tier, the ``--to`` tier of the source config, or a plain directory."""
-    from ..tiers import ObjectTier
+    from ..tiers import MemoryTier, ObjectTier
 
     if args.dest is None:
         if args.to is None:
@@ -62,6 +62,9 @@ def _destination(args: argparse.Namespace, src_all: list[Tier], src_opts: dict[s
     # a plain directory: the step in tierfs's format, as a file:// object tier writes it
     dest = Path(args.dest).expanduser().resolve()
     check_local_url(str(dest), "DEST")
+    pids = MemoryTier(str(dest)).live_users() if dest.is_dir() else []  # a running job's RAM tier: not under it
+    if pids:
+        raise TierfsError(f"{dest} is in use by running process(es) {pids}: stop the job first, or copy elsewhere")
     return ObjectTier(f"file://{dest}", name="dir")
 
 
