@@ -160,6 +160,8 @@ class PeerTier(KeptInRam):
         sends: list[_wire.Send] = [(t, header, files, None) for s, t in pairs if s == me]
         incoming = [s for s, t in pairs if t == me]
         received: dict[int, bytes] = {}
+        # (a re-seed may bring one copy into a step this rank holds committed with others': they stay)
+        had = bool(incoming) and self.local.list_steps().get(step) is True
 
         def accept(src: int, h: dict[str, Any]) -> tuple[Manifest, dict[str, np.ndarray], _wire.Direct]:
             m, mbytes, _ = _wire.check_header(h, step, src)
@@ -193,7 +195,7 @@ class PeerTier(KeptInRam):
                 agreed = True
             finally:  # not replicated, or a rank lost on the way (raised): nothing received here is kept
                 if incoming and (failed or not agreed):
-                    self._drop_received(step, incoming, wrote_marker)
+                    self._drop_received(step, incoming, wrote_marker and not had)
         return failed
 
     def _drop_received(self, step: int, incoming: Sequence[int], marker: bool) -> None:
