@@ -102,9 +102,11 @@ def root_dir(path: Any, what: str) -> Path:
 
 def check_local_url(url: str, what: str) -> None:
     """For a URL (or path) an object tier would keep its steps under: refuse a system directory when it is
-    local (``file://``, ``local://`` or a plain path), as :func:`root_dir` does; other URLs pass."""
+    local (``file://``, ``local://`` or a plain path), as :func:`root_dir` does; other URLs pass. A chained
+    URL (fsspec's ``a::b``) keeps its files where its last part says."""
     if not isinstance(url, str):
         return
+    url = url.rsplit("::", 1)[-1]
     for prefix in ("file://", "local://"):
         if url.startswith(prefix):
             url = url[len(prefix):]
