@@ -284,6 +284,11 @@ def test_a_header_a_receiver_refuses_fails_the_copy_without_a_hang(tmp_path, wor
         assert "cannot send it" in reasons[1, 2 % world] and "over 64" in reasons[1, 2 % world]  # said why
 
 
+def test_node_rank_given_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    outs = job(2, tmp_path / "shm", "-", "half-node-rank", 1)
+    assert all("ranks disagree on PeerTier node_rank given: [1, 0]" in o.get("error", "") for o in outs), outs
+
+
 def test_a_peer_tier_needs_several_nodes(tmp_path):
     from tierfs import TieredStore
     from tierfs.tiers import MemoryTier, PeerTier

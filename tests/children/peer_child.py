@@ -98,11 +98,19 @@ def main() -> None:
 
     def open_store() -> tuple[TieredStore, PeerTier]:
         ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2), budget=budget)
-        peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire))
+        node_rank = int(os.environ["TIERFS_NODE_RANK"]) if mode == "half-node-rank" and rank == 0 else None
+        peer = PeerTier(replicas=int(replicas), connections=int(connections or 2), wire=Wire(**wire),
+                        node_rank=node_rank)
         tiers = [ram, peer] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
         return TieredStore(tiers, file_size=1 << 20, block_size=256 << 10), peer
 
     before = set(os.listdir("/proc/self/task"))
+    if mode == "half-node-rank":  # node_rank given on rank 0 alone: every rank hears of it, none hangs
+        try:
+            open_store()
+        except TierfsError as e:
+            finish({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+            return
     store, peer = open_store()
     out = {"rank": rank, "targets": peer.targets[rank], "warnings": []}
     handler = logging.Handler()

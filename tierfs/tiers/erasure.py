@@ -34,7 +34,7 @@ from ..util.stages import describe, operation
 from ..errors import ArgumentError, TierfsError
 from ..format import Manifest, manifest_filename
 from ..policies import LatestN, PreservationPolicy, SavePolicy
-from ..ranks.agree import any_rank
+from ..ranks.agree import any_rank, views as rank_views
 from . import _erasure
 from ._stripes import BLOCK, PARITY, STRIPES, Payload, Stripes, WorkBuffers, ec_groups
 from ._kept import KeptInRam
@@ -96,6 +96,10 @@ class ErasureCodedTier(KeptInRam):
         if group.world_size < 2:
             raise TierfsError("ErasureCodedTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
+        given = [v[0] for v in rank_views(group, [int(self._node_rank is not None)])]
+        if len(set(given)) > 1:  # (else the ranks would take part in different collectives next)
+            raise TierfsError(f"ranks disagree on whether ErasureCodedTier node_rank is given: {given}; give it "
+                              "on every rank or on none")
         nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
         self.nodes = [int(n) for n in nodes]
         self.groups = ec_groups(self.nodes, self.data, self.parity)

@@ -106,13 +106,14 @@ class PeerTier(KeptInRam):
         if group.world_size < 2:
             raise TierfsError("PeerTier needs a job of several processes on several nodes (torchrun with "
                               "torch.distributed initialised); this process is alone")
-        nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
-        # each connection is a group every rank must create; the first message's size must match
-        views = rank_views(group, [self.connections, self.wire.first])
-        for k, what in enumerate(("connections", "wire first message size")):
+        # each connection is a group every rank must create; the first message's size must match; node_rank
+        # given on every rank or on none (else the ranks would take part in different collectives next)
+        views = rank_views(group, [self.connections, self.wire.first, int(self._node_rank is not None)])
+        for k, what in enumerate(("connections", "wire first message size", "node_rank given")):
             if len({v[k] for v in views}) > 1:
                 raise TierfsError(f"ranks disagree on PeerTier {what}: {[v[k] for v in views]}; give every "
                                   "rank the same value")
+        nodes = group.nodes if self._node_rank is None else tuple(group.all_gather(int(self._node_rank)))
         self.nodes = [int(n) for n in nodes]
         self.targets = replica_targets(nodes, self.replicas, self.strategy)
         self.sources = [[s for s in range(len(nodes)) if r in self.targets[s]] for r in range(len(nodes))]
