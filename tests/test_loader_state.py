@@ -344,3 +344,14 @@ def test_torchtitan_keeps_the_dataloader_out_of_dcp_and_resumes_it(shm_dir, tmp_
         assert loaderstate.read_dcp(store, 8)["index"]["objects"]["dataloader"]
     finally:
         store.close()
+
+
+def test_a_rank_the_saving_job_did_not_have_takes_rank_0s_loader_state_and_says_so(caplog):
+    """A job that grew past the saving job's ranks: a new rank takes rank 0's loader state (there is no
+    other), and the log says so, naming the rank and the step, since its data order then repeats rank 0's."""
+    from tierfs.adapters.loaderstate import _saved_rank
+
+    assert _saved_rank(1, 2, 7) == 1 and not caplog.records
+    assert _saved_rank(3, 2, 7) == 0
+    assert any("rank 3: step 7 was saved by 2 ranks, so this rank takes rank 0's loader state" in r.getMessage()
+               for r in caplog.records)

@@ -25,6 +25,7 @@ torchtitan manager store it the same way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
@@ -33,6 +34,8 @@ from .. import state as st
 from ..errors import ArgumentError, FormatError, StateMismatchError
 from . import _torchstate as ts
 from ._torchstate import encode as encode  # the one encoding of non-tensor values (see decode below)
+
+log = logging.getLogger("tierfs")
 
 #: the reserved top-level key of a saved state that holds the objects' states
 KEY = "__stateful__"
@@ -137,7 +140,7 @@ def read(store: Any, step: int, tiers: Sequence[str] | None = None, rank: int | 
     the shard holds none. Reads without collectives."""
     if rank is None:
         world = store.read_marker(step, tiers=tiers).world_size
-        rank = store.group.rank if store.group.rank < world else 0
+        rank = _saved_rank(store.group.rank, world, step)
     manifest, _ = store.read_manifest(step, rank, tiers=tiers)
     prefix = KEY + st.SEP
     names = [e.name for e in manifest.entries if e.name.startswith(prefix)]
@@ -185,7 +188,7 @@ def read_dcp(store: Any, step: int, tiers: Sequence[str] | None = None) -> dict[
     from .dcp import extra as _extra
 
     world = store.read_marker(step, tiers=tiers).world_size
-    rank = store.group.rank if store.group.rank < world else 0
+    rank = _saved_rank(store.group.rank, world, step)
     manifest, _ = store.read_manifest(step, rank, tiers=tiers)
     names = [e.name for e in manifest.entries if e.name.startswith(DCP_EXTRA_PREFIX)]
     if not names:
@@ -200,3 +203,13 @@ def read_dcp(store: Any, step: int, tiers: Sequence[str] | None = None) -> dict[
 
     store.read_entries(step, rank, names, tiers=tiers, consume=consume)
     return root.get(KEY)
+
+
+def _saved_rank(rank: int, world: int, step: int) -> int:
+    """The rank whose loader state ``rank`` takes: its own, or rank 0's for a rank the saving job of ``world``
+    ranks did not have (said in the log: its data order then repeats rank 0's)."""
+    if rank < world:
+        return rank
+    log.warning("rank %d: step %d was saved by %d ranks, so this rank takes rank 0's loader state: it reads the "
+                "data in rank 0's order until its loader is reshuffled", rank, step, world)
+    return 0
