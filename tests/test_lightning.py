@@ -145,11 +145,14 @@ def test_paths_aliases_and_removal(tmp_path, shm_dir):
 
 def test_a_path_saved_again_in_a_step_no_tier_can_read_is_an_error_not_the_older_save(tmp_path):
     """model.ckpt was saved at steps 10 and 20, and step 20's manifest is damaged on its only tier: loading
-    model.ckpt raises, naming step 20, rather than quietly resuming from step 10; a path no readable step
-    was saved as names the unreadable step too."""
+    model.ckpt raises, naming step 20, rather than quietly resuming from step 10; a path that names its own
+    step (as Lightning names checkpoints) still loads; a path no readable step was saved as names the
+    unreadable step too."""
     from tierfs.errors import RestoreError
 
     io = TieredCheckpointIO([ObjectTier(f"file://{tmp_path}/obj")], blocking=True)
+    io.save_checkpoint({"global_step": 5, "epoch": 0, "state_dict": {"w": torch.full((2,), 5.0)}},
+                       tmp_path / "epoch=0-step=5.ckpt")
     for s in (10, 20):
         ck = {"global_step": s, "epoch": s // 10, "state_dict": {"w": torch.full((2,), float(s))}}
         io.save_checkpoint(ck, tmp_path / "model.ckpt")
@@ -159,7 +162,9 @@ def test_a_path_saved_again_in_a_step_no_tier_can_read_is_an_error_not_the_older
     io2 = TieredCheckpointIO([ObjectTier(f"file://{tmp_path}/obj")])
     with pytest.raises(RestoreError, match=r"'.*model.ckpt': step 20 cannot be read .* step 10 was saved as it"):
         io2.load_checkpoint(tmp_path / "model.ckpt")
-    with pytest.raises(StepNotFoundError, match=r"saved as '.*other.ckpt'; committed steps: \[10, 20\]; step 20 "
+    # a path that names its own step is that step's, whatever newer step cannot be read
+    assert io2.load_checkpoint(tmp_path / "epoch=0-step=5.ckpt")["global_step"] == 5
+    with pytest.raises(StepNotFoundError, match=r"saved as '.*other.ckpt'; committed steps: \[5, 10, 20\]; step 20 "
                                                  r"cannot be read"):
         io2.load_checkpoint(tmp_path / "other.ckpt")
     io2.teardown()

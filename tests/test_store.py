@@ -553,8 +553,9 @@ def test_bad_credentials_are_one_clear_error(s3_storage_options, monkeypatch):
 
 def test_a_target_that_would_silently_miss_saved_values_is_a_mismatch_naming_them(shm_dir):
     """Restoring in place into a fresh optimizer's state (empty until its first step) would load none of
-    its moments, and a tensor where the step holds a plain value would be swapped out of the mapping while
-    the tensor (a module's buffer, say) kept its value: both are StateMismatchErrors naming the key, and the
+    its moments, and a tensor of several elements where the step holds a plain value would be swapped out
+    of the mapping while the tensor (a module's buffer, say) kept its value: both are StateMismatchErrors
+    naming the key. A number goes into a one-element tensor or array in place (the same object), and the
     right target restores bit-exact."""
     torch = pytest.importorskip("torch")
     net = torch.nn.Linear(4, 2)
@@ -568,8 +569,13 @@ def test_a_target_that_would_silently_miss_saved_values_is_a_mismatch_naming_the
                                                      r"\(e.g. 'optim/state/0/"):
             store.restore_into({"optim": fresh.state_dict()})
         with pytest.raises(StateMismatchError, match=r"'seen': step 1 holds a plain value \(int 5\) where the "
-                                                     r"target has a Tensor"):
-            store.restore_into({"seen": torch.zeros(())})
+                                                     r"target has a Tensor of 3 elements"):
+            store.restore_into({"seen": torch.zeros(3)})
+        one, arr = torch.zeros(()), np.zeros((1, 1))
+        for t in (one, arr):
+            into = {"seen": t}
+            store.restore_into(into)
+            assert into["seen"] is t and float(t.reshape(-1)[0]) == 5.0
         fresh_net = torch.nn.Linear(4, 2)
         fresh_opt = torch.optim.Adam(fresh_net.parameters())
         fresh_net(torch.ones(1, 4)).sum().backward()

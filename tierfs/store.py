@@ -205,7 +205,7 @@ class TieredStore(ShardReads, Restores, Upkeep):
         _args.flag(raise_lost, "raise_lost")
         self._ctx.work.restores.join()  # the steps as the last restore left them (its failure: at the next call)
         g = self.group if timeout is None else self.group.with_timeout(timeout)
-        plan = gather_plan(self._ctx, self._ctx.usable(names), group=g)
+        plan = gather_plan(self._ctx, self._ctx.usable(names), group=g, what="common steps", outcome="none listed")
         gettable = [plan.gettable(r) for r in range(len(plan.own))]
         lost = lost_steps(gettable, list(names or self._ctx.names), plan.notes) if raise_lost else None
         if lost is not None:

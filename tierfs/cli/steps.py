@@ -168,10 +168,14 @@ def copy_step(src: Tier, dst: Tier, step: int, *, overwrite: bool = False, threa
     return total
 
 
-def _place(tier: Tier) -> str:
-    """Where a tier keeps its steps: its directory, resolved, or its URL."""
+def _place(tier: Tier) -> tuple[str, ...]:
+    """Where a tier keeps its steps: its directory, resolved, or its store (protocol, endpoint) and root."""
     dirs = tier.local_dirs() if isinstance(tier, LocalFiles) else []
-    return os.path.realpath(dirs[0]) if dirs else str(getattr(tier, "url", tier.name))
+    if dirs:
+        return (os.path.realpath(dirs[0]),)
+    opts = getattr(tier, "storage_options", {}) or {}
+    endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
+    return (str(getattr(tier, "protocol", "")), str(endpoint), str(getattr(tier, "root", tier.name)))
 
 
 def partial_steps(tier: Tier, now: float | None = None) -> list[tuple[int, float | None]]:

@@ -169,9 +169,10 @@ class TieredReader(StorageReader):
         return {e.name for e in manifest.entries}
 
     def _pick_step(self) -> int:
-        if self._collective and self.tiers is None and self.store.replicator is not None:
+        rep, first = self.store.replicator, self.store.tiers[0].name
+        if self._collective and rep is not None and (self.tiers is None or {rep.name, first} <= set(self.tiers)):
             # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
-            self.localized = self.store.localize(self.step, timeout=self.timeout)
+            self.localized = self.store.localize(self.step, tiers=self.tiers, timeout=self.timeout)
             return self.localized.step
         if self.step is not None:
             return self.step

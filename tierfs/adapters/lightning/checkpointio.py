@@ -186,7 +186,8 @@ class TieredCheckpointIO(CheckpointIO):
         """The step saved as ``path``: this process's record, else the newest step whose metadata names it
         (by full path, then by file name), else for a ``last*`` name the newest committed step. A newer step
         no tier can read (it may be the one saved as ``path`` last) is a RestoreError naming it, never a
-        silent resume from an older one."""
+        silent resume from an older one, unless ``path`` names its step (``epoch=1-step=200.ckpt``, as
+        Lightning names checkpoints)."""
         key = norm(path)
         if key in self._paths:
             return self._paths[key]
@@ -204,10 +205,14 @@ class TieredCheckpointIO(CheckpointIO):
                 unreadable = unreadable or (s, e)
                 continue
             if key in paths or (by_name is None and any(os.path.basename(p) == base for p in paths)):
-                if unreadable is not None:
+                if unreadable is not None and f"step={s}" not in base:  # (a name of its step alone: that one)
                     raise RestoreError(f"checkpoint {key!r}: step {unreadable[0]} cannot be read ({unreadable[1]}) "
                                        f"and may be the one saved as it last; step {s} was saved as it before. "
-                                       f"Load step {s} by its own path, or repair step {unreadable[0]}")
+                                       f"Load step {s} by a path only it was saved as (its ...step={s}.ckpt), or "
+                                       f"repair step {unreadable[0]}")
+                if unreadable is not None:
+                    log.warning("checkpoint %s is step %d; step %d, newer, cannot be read (%s)", key, s,
+                                unreadable[0], unreadable[1])
                 if key in paths:
                     return s
                 by_name = s

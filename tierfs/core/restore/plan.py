@@ -137,7 +137,7 @@ def lost_steps(held: Sequence[set[int]], tiers: Sequence[str],
 
 
 def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], None] = lambda: None,
-                group: Group | None = None) -> RestorePlan:
+                group: Group | None = None, what: str = "restore", outcome: str = "nothing restored") -> RestorePlan:
     """Every rank's view (collective): the steps it can read itself, the shards it keeps for others, each
     as an offset from the keeper's rank (so that ranks keeping their neighbours' shards have the same view
     and the ranks agree in a few integers, see the module docstring). ``check()`` runs first (the store
@@ -148,7 +148,7 @@ def gather_plan(ctx: Context, usable: Sequence[AnyTier], check: Callable[[], Non
     local: dict[str, set[int]] = {}
     rep = None
     ctx.refresh(shared=g)  # collective, so before the agreement a rank may leave early: every rank takes part
-    with agreement(g, "restore", outcome="nothing restored", classify=error_kind):
+    with agreement(g, what, outcome=outcome, classify=error_kind):
         with stage("planning"):
             check()
             before, rep, after = ctx.roles(usable)

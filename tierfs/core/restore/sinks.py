@@ -262,6 +262,9 @@ class InPlace(Sink):
             fn()
         self._after.clear()
         for name, v in self.values.items():  # JSON values
+            i = self.index.get(name)
+            if i is not None and _scalar_into(self.targets[i], v):
+                continue  # a number into the target's one element (a module's buffer stays the same tensor)
             parent, key = self.slots[name]
             parent[key] = v
 
@@ -338,11 +341,11 @@ def _check_kinds(manifest: Manifest, index: Mapping[str, int], targets: Sequence
     plain value (replaced in the mapping, the tensor itself, a module's buffer say, would keep its value)."""
     for e in manifest.entries:
         if e.kind == "json" and e.name in index and (st.is_tensor(t := targets[index[e.name]])
-                                                     or isinstance(t, np.ndarray)):
+                                                     or isinstance(t, np.ndarray)) and not _one_number(t, e.value):
             raise StateMismatchError(
                 f"{manifest.key(e.name)}: step {manifest.step} holds a plain value ({type(e.value).__name__} "
-                f"{str(e.value)[:40]}) where the target has a {type(t).__name__}; put a plain value (or none) "
-                "there, or restore() the step into new values")
+                f"{str(e.value)[:40]}) where the target has a {type(t).__name__} of {_count(t)} elements; put a "
+                "plain value (or none) there, or restore() the step into new values")
     for p in empty:
         under = [e.name for e in manifest.entries if e.name.startswith(p + st.SEP)]
         if under:
@@ -351,3 +354,26 @@ def _check_kinds(manifest: Manifest, index: Mapping[str, int], targets: Sequence
                 f"it (e.g. {manifest.key(under[0])}): an optimizer's state is empty until its first step; make it "
                 "first (one optimizer step, or torch.distributed.checkpoint.state_dict.get_state_dict), leave "
                 "it out of the target to restore without it, or restore() the step into new values")
+
+
+def _count(t: Any) -> int:
+    return int(t.numel()) if st.is_tensor(t) else int(t.size)
+
+
+def _one_number(t: Any, value: Any) -> bool:
+    """Whether a plain ``value`` goes into target ``t`` in place: a number (a numpy scalar saved as one, an
+    int step counter) into a tensor or array of one element."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and _count(t) == 1
+
+
+def _scalar_into(t: Any, value: Any) -> bool:
+    """Write ``value`` into ``t`` in place when :func:`_one_number` says it goes there; whether it did."""
+    if not (st.is_tensor(t) or isinstance(t, np.ndarray)) or not _one_number(t, value):
+        return False
+    if st.is_tensor(t):
+        torch = sys.modules["torch"]
+        with torch.no_grad():
+            t.fill_(value)
+    else:
+        t.flat[0] = value
+    return True
