@@ -3,6 +3,7 @@ with a RAM tier (/dev/shm) and an S3 object tier (moto server), through ``main([
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -66,6 +68,23 @@ def restored(path_or_url: str, opts: dict | None = None, step: int | None = None
     with TieredStore([tier], cleanup=False) as store:
         st, info = store.restore(step)
     return st
+
+
+@contextlib.contextmanager
+def mapped_elsewhere(shard: Path) -> Iterator[subprocess.Popen]:
+    """Another process mapping ``shard`` while the block runs (as a running job maps its RAM tier's files)."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys\n"
+        f"f = open({str(shard)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "print('mapped', flush=True); sys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
+        yield child
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=60)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -156,19 +175,10 @@ def test_cp_refuses_a_directory_a_running_process_uses(shm_dir, tmp_path, capsys
     with TieredStore([MemoryTier(str(ram))]) as store:
         store.save(3, state(4))
     shard = ram / step_dirname(3) / "rank_00000.0000.bin"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import mmap, sys\n"
-        f"f = open({str(shard)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
-        "print('mapped', flush=True); sys.stdin.read()\n")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "mapped"
+    with mapped_elsewhere(shard) as child:
         code, _, err = run(capsys, "cp", shm_dir, ram, "--step", 3, "--overwrite")
         assert code == 1 and f"in use by running process(es) [{child.pid}]" in err and err.count("\n") == 1
         assert same(restored(str(ram)), state(4))  # the job's step, untouched
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
 
 
 def test_cp_command_line_errors(shm_dir, tmp_path, capsys):
@@ -274,13 +284,7 @@ def test_gc_refuses_a_ram_tier_a_running_process_uses(shm_dir, capsys):
         for s in (1, 2, 3):
             store.save(s, state(s))
     shard = Path(shm_dir) / step_dirname(1) / "rank_00000.0000.bin"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import mmap, sys\n"
-        f"f = open({str(shard)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
-        "print('mapped', flush=True); sys.stdin.read()\n")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "mapped"
+    with mapped_elsewhere(shard) as child:
         code, _, err = run(capsys, "gc", shm_dir, "--keep", '{"latest": 1}')
         assert code == 1
         assert f"in use by running process(es) [{child.pid}]" in err and err.count("\n") == 1
@@ -288,9 +292,6 @@ def test_gc_refuses_a_ram_tier_a_running_process_uses(shm_dir, capsys):
         code, out, err = run(capsys, "gc", shm_dir, "--keep", '{"latest": 1}', "--force")
         assert code == 0, err
         assert MemoryTier(shm_dir).committed_steps() == [3]
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
 
 
 # -- export --dcp -----------------------------------------------------------------------------------
