@@ -291,9 +291,9 @@ class Pool:
         meanwhile; the pool never holds more than its limit. A buffer is begun only while ``room()`` (the
         bytes the tier may still take; None: no limit) has room for it, and kept only if the tier is still
         within it once the buffer is made: while it is made (``making``), a staging counts the bytes it holds
-        so far as free (:meth:`made`). A staging that starts meanwhile ends the fill (after the file being made, which the
-        pool keeps if it still lacks one of its size). Spare buffers are an optimisation: a file system
-        that refuses one ends it."""
+        so far as free (:meth:`made`). A staging that starts meanwhile ends the fill (after the file being
+        made, which the pool keeps if it still lacks one of its size). Spare buffers are an optimisation: a
+        file system that refuses one ends it."""
         with lock:
             start = self.stagings
         while True:
