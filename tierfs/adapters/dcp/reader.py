@@ -169,14 +169,17 @@ class TieredReader(StorageReader):
         return {e.name for e in manifest.entries}
 
     def _pick_step(self) -> int:
-        rep, first = self.store.replicator, self.store.tiers[0].name
-        if self._collective and rep is not None and (self.tiers is None or {rep.name, first} <= set(self.tiers)):
+        rep = self.store.replicator
+        if self._collective and self.tiers is None and rep is not None:
             # collective: every rank's shard of the step into its RAM tier (a replaced node's from a peer)
-            self.localized = self.store.localize(self.step, tiers=self.tiers, timeout=self.timeout)
+            self.localized = self.store.localize(self.step, timeout=self.timeout)
             return self.localized.step
         if self.step is not None:
             return self.step
-        step = self.store.latest_common_step(self.tiers, timeout=self.timeout)  # every rank loads the same step
+        # every rank loads the same step, one it reads itself: not one a peer's copy would bring (this reads
+        # the tiers of files directly)
+        files = [n for n in (self.tiers or [t.name for t in self.store.tiers]) if rep is None or n != rep.name]
+        step = self.store.latest_common_step(files, timeout=self.timeout)
         if step is None:
             raise StepNotFoundError("nothing to load: no step is committed for every rank")
         return step
