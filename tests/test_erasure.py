@@ -158,6 +158,12 @@ def fresh(saved: Path, tmp_path: Path) -> Path:
     return tmp_path / "shm"
 
 
+def test_node_rank_given_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    outs = job(2, tmp_path / "shm", "-", "half-node-rank", "1:1")
+    assert all("ranks disagree on whether ErasureCodedTier node_rank is given: [1, 0]" in o.get("error", "")
+               for o in outs), outs
+
+
 @pytest.fixture(scope="module")
 def saved_4_1(tmp_path_factory):
     """5 ranks, one group of 4 data + 1 parity, steps 1 and 2 in RAM, parity and a file:// object tier."""

@@ -41,8 +41,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ram = MemoryTier(os.path.join(shm, f"node{os.environ['TIERFS_NODE_RANK']}"), keep=LatestN(2))
-    ec = ErasureCodedTier(data=int(data), parity=int(parity), block=64 << 10)
+    node_rank = int(os.environ["TIERFS_NODE_RANK"]) if mode == "half-node-rank" and rank == 0 else None
+    ec = ErasureCodedTier(data=int(data), parity=int(parity), block=64 << 10, node_rank=node_rank)
     tiers = [ram, ec] + ([ObjectTier(f"file://{obj}")] if obj != "-" else [])
+    if mode == "half-node-rank":  # given on rank 0 alone: every rank hears of it, none hangs
+        try:
+            TieredStore(tiers)
+        except TierfsError as e:
+            finish({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+            return
     store = TieredStore(tiers, file_size=256 << 10, block_size=32 << 10)
     out = {"rank": rank, "group": ec.members()}
     if mode == "save":
