@@ -20,6 +20,7 @@ import numpy as np
 from ... import state as st
 from ...util import nogc as _nogc
 from ...core.layout import ReadViews
+from ...core.restore.sinks import empty_target
 from ...ranks import agree, outcomes, ranks_failed
 from ...errors import ArgumentError, RestoreError, StateMismatchError, TierfsError
 from ...format import DCP_EXTRA_PREFIX, dcp_entry_name
@@ -217,11 +218,7 @@ def restore(store: TieredStore, state: Mapping[str, Any] | None, step: int, tier
             for k, v in ((ts.fqn(p), v) for p, v in split.plain if ts.key(p) not in have):
                 under = [n for n in md.state_dict_metadata if n.startswith(k + ".")]
                 if isinstance(v, Mapping) and not v and under:  # DCP flattens an empty mapping as a value
-                    raise StateMismatchError(
-                        f"target state {k!r} is empty but step {reader.resolved_step} holds {len(under)} entries "
-                        f"under it (e.g. {under[0]!r}): an optimizer's state is empty until its first step; make "
-                        "it first (one optimizer step, or torch.distributed.checkpoint.state_dict.get_state_dict), "
-                        "leave it out of the target to restore without it, or restore the step into new values")
+                    raise empty_target(repr(k), cast(int, reader.resolved_step), len(under), repr(under[0]))
             if missing:
                 raise StateMismatchError(f"target state has entries the checkpoint lacks: "
                                          f"{', '.join(repr(k) for k in missing[:5])}; remove them from the target "

@@ -349,11 +349,17 @@ def _check_kinds(manifest: Manifest, index: Mapping[str, int], targets: Sequence
     for p in empty:
         under = [e.name for e in manifest.entries if e.name.startswith(p + st.SEP)]
         if under:
-            raise StateMismatchError(
-                f"target state {manifest.key(p)} is empty but step {manifest.step} holds {len(under)} entries under "
-                f"it (e.g. {manifest.key(under[0])}): an optimizer's state is empty until its first step; make it "
-                "first (one optimizer step, or torch.distributed.checkpoint.state_dict.get_state_dict), leave "
-                "it out of the target to restore without it, or restore() the step into new values")
+            raise empty_target(manifest.key(p), manifest.step, len(under), manifest.key(under[0]))
+
+
+def empty_target(key: str, step: int, n: int, example: str) -> StateMismatchError:
+    """The error of a target whose ``key`` is an empty mapping where ``step`` holds ``n`` entries (a fresh
+    optimizer's state), as both restore paths (plain and through DCP) say it."""
+    return StateMismatchError(
+        f"target state {key} is empty but step {step} holds {n} entries under it (e.g. {example}): an "
+        "optimizer's state is empty until its first step; make it first (one optimizer step, or "
+        "torch.distributed.checkpoint.state_dict.get_state_dict), leave it out of the target to restore "
+        "without it, or restore the step into new values")
 
 
 def _count(t: Any) -> int:
